@@ -1,0 +1,54 @@
+"""Errors kvblend reports to users.
+
+Every failure a user can cause (bad path, bad flag, wrong archive) raises a
+subclass of :class:`KvblendError`. The CLI turns these into one line on
+stderr and a non-zero exit, so no user ever sees a traceback for bad input.
+Anything else escaping is a bug.
+"""
+
+from __future__ import annotations
+
+
+class KvblendError(Exception):
+    """Base class: a problem the user can act on; its message is one line."""
+
+    exit_code = 1
+
+
+class UsageError(KvblendError):
+    """Bad argument value (ratio out of range, empty prompt, ...)."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(KvblendError):
+    """The checkpoint's architecture has no layer-by-layer runner."""
+
+
+class ModelNotFoundError(KvblendError):
+    """No checkpoint at the given path, or the default model is not installed."""
+
+
+class ArchiveError(KvblendError):
+    """The archive cannot be opened or used as asked."""
+
+
+class ArchiveVersionError(ArchiveError):
+    """The archive was written by a newer format version."""
+
+
+class ArchiveModelMismatchError(ArchiveError):
+    """The archive was built with a different model than the one requested."""
+
+
+class ArchiveBusyError(ArchiveError):
+    """Another process holds the archive's writer lock."""
+
+
+class CorruptBlobError(ArchiveError):
+    """A blob is missing, truncated, or fails its checksum."""
+
+    def __init__(self, message: str, segment_key: str = "", layer: int | None = None):
+        super().__init__(message)
+        self.segment_key = segment_key
+        self.layer = layer

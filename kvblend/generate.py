@@ -1,0 +1,129 @@
+"""Generation from a fused KV: first token from the fusor's logits, then ordinary decoding.
+
+The fused KV goes into a transformers `DynamicCache` and every further token is
+one `model.forward` step over it. Our own loop (rather than `generate`) lets us
+start from logits we already have, stream tokens to a callback, and time the
+first token exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvblend.errors import UsageError
+from kvblend.fusor import FusionResult
+from kvblend.model import ModelRunner
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Greedy by default (temperature 0); temperature/top_p for sampling."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError("max new tokens must be at least 1")
+        if self.temperature < 0:
+            raise UsageError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise UsageError("top_p must be in (0, 1]")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    first_token_s: float  # from the start of decoding to the first token being known
+    decode_s: float
+    stopped_on_eos: bool
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        rest = len(self.token_ids) - 1
+        return rest / self.decode_s if rest > 0 and self.decode_s > 0 else 0.0
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or temperature + nucleus sampling."""
+    if sampling.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < sampling.top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def build_cache(runner: ModelRunner, fused: FusionResult):
+    """Load the fused per-layer KV into a DynamicCache the model can continue from."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=runner.config)
+    for layer, (k, v) in enumerate(fused.kv):
+        cache.update(k.to(runner.dtype), v.to(runner.dtype), layer)
+    return cache
+
+
+@torch.inference_mode()
+def generate(
+    runner: ModelRunner,
+    fused: FusionResult,
+    sampling: SamplingConfig = SamplingConfig(),
+    on_token: Callable[[str], None] | None = None,
+    keep_logits: bool = False,
+    forced_tokens: list[int] | None = None,
+) -> Generation:
+    """Decode from `fused`. `forced_tokens` teacher-forces a given continuation (for answer KL)."""
+    sampling.validate()
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+    stops = runner.stop_token_ids
+    cache = build_cache(runner, fused)
+    position = len(fused.token_ids)
+    logits = fused.last_logits
+    tokens: list[int] = []
+    step_logits: list[torch.Tensor] = []
+    start = time.perf_counter()
+    first_s = 0.0
+    stopped = False
+    emitted = ""
+    limit = len(forced_tokens) if forced_tokens is not None else sampling.max_new_tokens
+    for step in range(limit):
+        if keep_logits:
+            step_logits.append(logits.detach().float().cpu())
+        token = forced_tokens[step] if forced_tokens is not None else next_token(logits.cpu(), sampling, generator)
+        if step == 0:
+            first_s = time.perf_counter() - start
+        if token in stops and forced_tokens is None:
+            stopped = True
+            break
+        tokens.append(token)
+        if on_token is not None:
+            text = runner.tokenizer.decode(tokens, skip_special_tokens=True)
+            on_token(text[len(emitted):])
+            emitted = text
+        if step + 1 == limit:
+            break
+        out = runner.model(
+            input_ids=torch.tensor([[token]], device=runner.device),
+            position_ids=torch.tensor([[position]], device=runner.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, -1].float()
+        position += 1
+    decode_s = time.perf_counter() - start
+    text = runner.tokenizer.decode(tokens, skip_special_tokens=True)
+    return Generation(tokens, text.strip(), first_s, decode_s, stopped, step_logits)
