@@ -143,6 +143,19 @@ class _Plan:
     offsets: list[int] = field(default_factory=list)
 
 
+def effective_cached(segments: Sequence[Segment], mode: str) -> list[bool]:
+    """Which segments' cached KV `mode` uses.
+
+    `full` uses none. `prefix` uses only a cached first segment at its own base
+    position: segments are prefilled alone, so no later one is an exact prefix.
+    """
+    if mode == "full":
+        return [False] * len(segments)
+    if mode == "prefix":
+        return [i == 0 and bool(s.cached) and s.base_position == 0 for i, s in enumerate(segments)]
+    return [bool(s.cached) for s in segments]
+
+
 def plan_prompt(segments: Sequence[Segment], mode: str) -> _Plan:
     """Concatenate segments and decide which positions count as cached for `mode`."""
     if mode not in MODES:
@@ -150,16 +163,9 @@ def plan_prompt(segments: Sequence[Segment], mode: str) -> _Plan:
     token_ids: list[int] = []
     flags: list[bool] = []
     offsets: list[int] = []
-    for index, seg in enumerate(segments):
+    for seg, cached in zip(segments, effective_cached(segments, mode)):
         offsets.append(len(token_ids))
         token_ids.extend(seg.token_ids)
-        cached = bool(seg.cached)
-        if mode == "full":
-            cached = False
-        elif mode == "prefix":
-            # Segments are prefilled alone, so only a first segment at its own base
-            # position is an exact prefix; every later one needs its true context.
-            cached = cached and index == 0 and seg.base_position == 0
         flags.extend([cached] * len(seg.token_ids))
     if not token_ids:
         raise UsageError("empty prompt: nothing to compute")

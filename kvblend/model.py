@@ -169,7 +169,10 @@ def load_model(
 ) -> "ModelRunner":
     """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
+    hf_logging.set_verbosity_error()
     source = resolve_model_source(model)
     fingerprint = source_fingerprint(source)
     directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory

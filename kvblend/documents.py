@@ -1,0 +1,250 @@
+"""Read the documents a user points kvblend at.
+
+:func:`iter_documents` takes files and directories and returns the documents
+found plus the files (or records) it had to skip, each with a short reason.
+
+* Directories are walked recursively in sorted order; hidden entries (names
+  starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
+  directories (no loops).  A hidden file named explicitly is read.
+* Any file that is UTF-8 text is a document (``.txt``, ``.md``, ``.rst`` and
+  every other extension alike).  Skipped: files with NUL bytes (``"binary"``),
+  not valid UTF-8 (``"not UTF-8"``), empty or whitespace-only (``"empty"``),
+  unreadable (``"permission denied"``), larger than :data:`MAX_FILE_BYTES`.
+* ``.jsonl``: one document per line, from the line's ``text`` field (else
+  ``content``, else ``body``; the first of these holding a string).  Shown as
+  ``file.jsonl#L12`` (1-based line).  Blank lines are ignored; bad lines are
+  skipped with a reason.
+* ``.json``: a single object with such a field is one document (shown as the
+  file's path); a list of objects, at least one with such a field, is one
+  document per element (shown as ``file.json#3``, 0-based index; elements
+  without the field are skipped).  Any other JSON, or invalid JSON, is read
+  as plain text.
+* Text keeps its content exactly, except that a UTF-8 byte-order mark is
+  dropped and ``\\r\\n`` / ``\\r`` line endings become ``\\n`` (so a checkout's
+  line-ending style does not change cache keys).
+
+Paths are shown as given plus the part below a directory argument, with
+``/`` separators.  A file reached twice (same resolved path) is read once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvblend.errors import UsageError
+
+__all__ = [
+    "Document",
+    "Skipped",
+    "TEXT_FIELDS",
+    "MAX_FILE_BYTES",
+    "content_hash",
+    "iter_documents",
+]
+
+TEXT_FIELDS = ("text", "content", "body")
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+def content_hash(text: str) -> str:
+    """blake2b (32-byte digest) of the UTF-8 text, as hex."""
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=32).hexdigest()
+
+
+@dataclass(frozen=True)
+class Document:
+    path: str
+    text: str
+    content_hash: str
+
+    @classmethod
+    def of(cls, path: str, text: str) -> "Document":
+        return cls(path=path, text=text, content_hash=content_hash(text))
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
+    """Documents under ``paths`` (files or directories), and what was skipped and why.
+
+    Raises :class:`UsageError` for a path that does not exist, or a directory
+    holding no (non-hidden) files at all.
+    """
+    docs: list[Document] = []
+    skipped: list[Skipped] = []
+    seen: set[str] = set()
+    for given in paths:
+        given = Path(given)
+        shown = given.as_posix()
+        if not os.path.lexists(given) or (given.is_symlink() and not given.exists()):
+            raise UsageError(f"no such file or directory: {shown}")
+        if given.is_dir():
+            files, unreadable = _walk(given)
+            skipped.extend(Skipped(_join(shown, rel), "permission denied") for rel in unreadable)
+            if not files and not unreadable:
+                raise UsageError(f"no documents found under {shown}")
+            targets = [(f, _join(shown, rel)) for f, rel in files]
+        else:
+            targets = [(given, shown)]
+        for file, name in targets:
+            key = os.path.realpath(file)
+            if key in seen:
+                continue
+            seen.add(key)
+            _read_file(file, name, docs, skipped)
+    return docs, skipped
+
+
+# ─────────────────────────────── internals ───────────────────────────────
+
+
+def _join(shown: str, rel: str) -> str:
+    if rel == ".":
+        return shown
+    return rel if shown in ("", ".") else f"{shown.rstrip('/')}/{rel}"
+
+
+def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """Non-hidden files under root, sorted by relative path (deterministic),
+    and the relative paths of directories that could not be listed."""
+    found: list[tuple[Path, str]] = []
+    unreadable: list[str] = []
+
+    def onerror(err: OSError) -> None:
+        if err.filename is not None:
+            rel = Path(os.path.relpath(err.filename, root)).as_posix()
+            unreadable.append(rel)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=False):
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and not os.path.islink(os.path.join(dirpath, d))
+        )
+        rel_dir = Path(os.path.relpath(dirpath, root))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            rel = (rel_dir / name).as_posix()
+            if rel.startswith("./"):
+                rel = rel[2:]
+            found.append((Path(dirpath) / name, rel))
+    found.sort(key=lambda item: item[1].split("/"))
+    return found, sorted(unreadable)
+
+
+def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skipped]) -> None:
+    try:
+        if not file.is_file():  # FIFOs, devices, sockets: never block on them
+            skipped.append(Skipped(name, "not a regular file"))
+            return
+        size = file.stat().st_size
+        if size > MAX_FILE_BYTES:
+            skipped.append(Skipped(name, f"too large ({size // (1024 * 1024)} MiB)"))
+            return
+        data = file.read_bytes()
+    except PermissionError:
+        skipped.append(Skipped(name, "permission denied"))
+        return
+    except IsADirectoryError:
+        skipped.append(Skipped(name, "is a directory"))
+        return
+    except OSError as e:
+        skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
+        return
+    if b"\x00" in data:
+        skipped.append(Skipped(name, "binary"))
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        skipped.append(Skipped(name, "not UTF-8"))
+        return
+    text = _clean(text)
+
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        _read_jsonl(text, name, docs, skipped)
+        return
+    if suffix == ".json" and _read_json(text, name, docs, skipped):
+        return
+    _add_text(name, text, docs, skipped)
+
+
+def _clean(text: str) -> str:
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _add_text(name: str, text: str, docs: list[Document], skipped: list[Skipped]) -> None:
+    if not text.strip():
+        skipped.append(Skipped(name, "empty"))
+    else:
+        docs.append(Document.of(name, text))
+
+
+def _text_field(record: object) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+_NO_FIELD = "no text, content or body field"
+
+
+def _add_record(name: str, record: object, docs, skipped) -> None:
+    if not isinstance(record, dict):
+        skipped.append(Skipped(name, "not a JSON object"))
+        return
+    text = _text_field(record)
+    if text is None:
+        skipped.append(Skipped(name, _NO_FIELD))
+        return
+    _add_text(name, _clean(text), docs, skipped)
+
+
+def _read_jsonl(text: str, name: str, docs, skipped) -> None:
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{name}#L{lineno}"
+        try:
+            record = json.loads(line)
+        except ValueError:
+            skipped.append(Skipped(where, "invalid JSON"))
+            continue
+        _add_record(where, record, docs, skipped)
+
+
+def _read_json(text: str, name: str, docs, skipped) -> bool:
+    """Read a .json file as records if it holds them; False means 'treat as text'."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    if isinstance(value, dict):
+        if _text_field(value) is None:
+            return False
+        _add_record(name, value, docs, skipped)
+        return True
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, dict) for v in value)
+        and any(_text_field(v) is not None for v in value)
+    ):
+        for i, record in enumerate(value):
+            _add_record(f"{name}#{i}", record, docs, skipped)
+        return True
+    return False

@@ -1,0 +1,278 @@
+"""Split a document into segments of at most ``chunk_tokens`` tokens.
+
+Segments are the unit of KV reuse: each one is prefilled on its own and stored
+under a key derived from its text, so the split must be
+
+* **deterministic** — the same text (and tokenizer) always gives the same
+  segments;
+* **local** — editing one paragraph changes only the segments near it, so the
+  rest of the document's cached KV stays valid.
+
+How it cuts
+-----------
+0. A text that fits in ``chunk_tokens`` (checked with one ``count_tokens``
+   call on the whole stripped text) is one segment.
+1. The text is split into *paragraphs* at blank lines.  A paragraph that fits
+   in ``chunk_tokens`` is one unit.  A longer one is split at sentence ends,
+   a sentence still too long at line breaks, then at spaces between words,
+   and a single giant word between characters (those last pieces are cut to
+   fit exactly).
+2. Units are packed greedily, in order, into segments of at most
+   ``chunk_tokens`` tokens (a segment's size is estimated as the sum of its
+   units' counts plus the count of any newline gap between them, then checked
+   with one ``count_tokens`` call on the finished segment; if the estimate was
+   too optimistic, units are moved to the next segment until it fits).
+3. **Anchors.** Some paragraphs are *anchors*: a paragraph is one when a hash
+   of its own text, read as a number in [0, 1), is below
+   ``n_tokens / (ANCHOR_SPAN * chunk_tokens)``.  An anchor paragraph always
+   starts a new segment.  Anchors depend only on the paragraph itself, so they
+   fall at the same places before and after an edit elsewhere; on average one
+   falls every ``ANCHOR_SPAN * chunk_tokens`` tokens.
+
+Edit locality (the property achieved)
+-------------------------------------
+Call the stretch from one anchor paragraph up to (not including) the next a
+*region*; packing restarts at every region.  If an edit changes only paragraph
+P (its text, or by splitting/merging it with blank lines), then
+
+* every segment before the one that holds P's predecessor (the paragraph just
+  before P) is unchanged: packing reads left to right, and only the segment
+  being filled when P is reached can see it (it may absorb P if P shrank, or
+  close earlier if P grew), and
+* every segment from the first anchor paragraph after P onwards is unchanged
+  (packing restarts there from the same state).
+
+Only the segments between P and the next anchor can change — on average
+about ``ANCHOR_SPAN / 2`` segments, whatever the document's length.  (This is
+for texts longer than one chunk before and after the edit: a text that fits
+in ``chunk_tokens`` is always a single segment, anchors or not.)  Plain
+greedy packing has no such bound: in a document of equal-sized paragraphs,
+inserting one paragraph near the start shifts every later boundary.  The
+price is that a region's last segment is usually not full (roughly one
+segment in ``ANCHOR_SPAN`` is partial).
+
+Text is never rewritten: each segment is an exact slice of the source with
+only its leading and trailing whitespace removed.  Between two consecutive
+segments the source has only whitespace, except where a giant word was cut
+between characters (nothing between).  So, with ``re.sub(r"\\s+", "", s)``
+as the normalisation, ``normalise("".join(segments)) == normalise(text)``;
+:func:`split_into_spans` gives the exact source offsets for callers that need
+to rebuild the text byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvblend.errors import UsageError
+
+__all__ = ["ANCHOR_SPAN", "split_into_segments", "split_into_spans"]
+
+# One anchor paragraph every ANCHOR_SPAN * chunk_tokens tokens, on average.
+ANCHOR_SPAN = 4
+
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
+# A sentence ends at . ! ? … (optionally followed by closing quotes/brackets)
+# and whitespace; the cut falls just after the punctuation.
+_SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]]*(?=\s)")
+_LINE_BREAK = re.compile(r"\n")
+_WORD = re.compile(r"\S+")
+
+
+@dataclass
+class _Unit:
+    start: int
+    end: int
+    tokens: int
+    anchor: bool = False
+
+
+def split_into_segments(
+    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512
+) -> list[str]:
+    """Split ``text`` into segments of at most ``chunk_tokens`` tokens.
+
+    ``count_tokens(s)`` must return the number of tokens in ``s`` (e.g.
+    ``len(tokenizer.encode(s, add_special_tokens=False))``).  Empty or
+    whitespace-only text gives ``[]``.  See the module docstring for where
+    cuts fall and what an edit can change.
+    """
+    return [text[a:b] for a, b in split_into_spans(text, count_tokens, chunk_tokens)]
+
+
+def split_into_spans(
+    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512
+) -> list[tuple[int, int]]:
+    """Same split as :func:`split_into_segments`, as ``(start, end)`` offsets into ``text``."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise UsageError(f"chunk size must be a positive number of tokens, got {chunk_tokens!r}")
+    cache: dict[str, int] = {}
+
+    def count(start: int, end: int) -> int:
+        piece = text[start:end]
+        n = cache.get(piece)
+        if n is None:
+            n = int(count_tokens(piece))
+            cache[piece] = n
+        return n
+
+    units: list[_Unit] = []
+    for start, end in _paragraph_spans(text):
+        n = count(start, end)
+        first = len(units)
+        if n <= chunk_tokens:
+            units.append(_Unit(start, end, n))
+        else:
+            units.extend(_split_long(text, start, end, count, chunk_tokens, level=0))
+        units[first].anchor = _is_anchor(text[start:end], n, chunk_tokens)
+    if not units:
+        return []
+    # A text that fits in one chunk is one segment, anchors or not.
+    estimate = sum(u.tokens for u in units) + sum(
+        _gap_cost(text, a, b, count) for a, b in zip(units, units[1:])
+    )
+    if estimate <= chunk_tokens * 1.1 and count(units[0].start, units[-1].end) <= chunk_tokens:
+        return [(units[0].start, units[-1].end)]
+    return _pack(text, units, count, chunk_tokens)
+
+
+# ─────────────────────────────── internals ───────────────────────────────
+
+
+def _paragraph_spans(text: str) -> list[tuple[int, int]]:
+    spans = []
+    pos = 0
+    for m in _PARAGRAPH_BREAK.finditer(text):
+        spans.append((pos, m.start()))
+        pos = m.end()
+    spans.append((pos, len(text)))
+    return [s for s in (_strip(text, a, b) for a, b in spans) if s is not None]
+
+
+def _strip(text: str, start: int, end: int) -> tuple[int, int] | None:
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end) if start < end else None
+
+
+def _is_anchor(paragraph: str, n_tokens: int, chunk_tokens: int) -> bool:
+    """Whether this paragraph always starts a segment (depends on nothing else)."""
+    digest = hashlib.blake2b(paragraph.encode("utf-8"), digest_size=8).digest()
+    u = int.from_bytes(digest, "big") / 2.0**64
+    return u < n_tokens / (ANCHOR_SPAN * chunk_tokens)
+
+
+def _cut_points(text: str, start: int, end: int, level: int) -> list[tuple[int, int]]:
+    """Split text[start:end] into stripped pieces at sentence ends (0) or line breaks (1)."""
+    region = text[start:end]
+    if level == 0:
+        cuts = [m.end() for m in _SENTENCE_END.finditer(region)]
+    else:
+        cuts = [m.start() for m in _LINE_BREAK.finditer(region)]
+    pieces = []
+    pos = 0
+    for c in cuts + [len(region)]:
+        s = _strip(text, start + pos, start + c)
+        if s is not None:
+            pieces.append(s)
+        pos = c
+    return pieces
+
+
+def _split_long(text, start, end, count, chunk_tokens, level) -> list[_Unit]:
+    """Units for a span longer than chunk_tokens: sentences, then lines, then words/chars."""
+    if level >= 2:
+        return _hard_split(text, start, end, count, chunk_tokens)
+    units: list[_Unit] = []
+    pieces = _cut_points(text, start, end, level)
+    if len(pieces) <= 1:
+        return _split_long(text, start, end, count, chunk_tokens, level + 1)
+    for a, b in pieces:
+        n = count(a, b)
+        if n <= chunk_tokens:
+            units.append(_Unit(a, b, n))
+        else:
+            units.extend(_split_long(text, a, b, count, chunk_tokens, level + 1))
+    return units
+
+
+def _longest_fit(bounds: list[int], lo_start: int, count, chunk_tokens: int, cap: int) -> int:
+    """Largest k (1 <= k <= len(bounds)) with count(lo_start, bounds[k-1]) <= chunk_tokens.
+
+    ``bounds`` are increasing candidate end offsets.  Returns 0 if even the
+    first does not fit.  Binary search, so O(log n) count calls.
+    """
+    hi = min(len(bounds), cap)
+    if hi == 0 or count(lo_start, bounds[0]) > chunk_tokens:
+        return 0
+    lo = 1  # bounds[lo-1] fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(lo_start, bounds[mid - 1]) <= chunk_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _hard_split(text, start, end, count, chunk_tokens) -> list[_Unit]:
+    """Cut a span with no usable sentence/line breaks between words, else characters."""
+    words = [(start + m.start(), start + m.end()) for m in _WORD.finditer(text[start:end])]
+    units: list[_Unit] = []
+    i = 0
+    while i < len(words):
+        a = words[i][0]
+        k = _longest_fit([w[1] for w in words[i:]], a, count, chunk_tokens, cap=chunk_tokens)
+        if k == 0:  # a single word longer than chunk_tokens: cut between characters
+            units.extend(_char_split(text, words[i][0], words[i][1], count, chunk_tokens))
+            i += 1
+            continue
+        b = words[i + k - 1][1]
+        units.append(_Unit(a, b, count(a, b)))
+        i += k
+    return units
+
+
+def _char_split(text, start, end, count, chunk_tokens) -> list[_Unit]:
+    units: list[_Unit] = []
+    a = start
+    while a < end:
+        bounds = list(range(a + 1, min(end, a + 16 * chunk_tokens) + 1))
+        k = max(1, _longest_fit(bounds, a, count, chunk_tokens, cap=len(bounds)))
+        b = bounds[k - 1]
+        units.append(_Unit(a, b, count(a, b)))
+        a = b
+    return units
+
+
+def _gap_cost(text: str, prev: _Unit, unit: _Unit, count) -> int:
+    """Tokens the whitespace between two units adds: 0 for spaces, else its own count."""
+    gap = text[prev.end : unit.start]
+    if gap == "" or "\n" not in gap:
+        return 0
+    return count(prev.end, unit.start)
+
+
+def _pack(text: str, units: list[_Unit], count, chunk_tokens: int) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    i = 0
+    while i < len(units):
+        j = i + 1  # units[i:j] go into this segment
+        estimate = units[i].tokens
+        while j < len(units) and not units[j].anchor:
+            add = units[j].tokens + _gap_cost(text, units[j - 1], units[j], count)
+            if estimate + add > chunk_tokens:
+                break
+            estimate += add
+            j += 1
+        # Check the real count; move units to the next segment while it is too long.
+        while j - i > 1 and count(units[i].start, units[j - 1].end) > chunk_tokens:
+            j -= 1
+        spans.append((units[i].start, units[j - 1].end))
+        i = j
+    return spans
