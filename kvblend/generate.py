@@ -1,9 +1,10 @@
 """Generation from a fused KV: first token from the fusor's logits, then ordinary decoding.
 
-The fused KV goes into a transformers `DynamicCache` and every further token is
-one `model.forward` step over it. Our own loop (rather than `generate`) lets us
-start from logits we already have, stream tokens to a callback, and time the
-first token exactly.
+The fused KV goes into preallocated per-layer buffers and every further token
+is one pass of the same layer steps the fusor uses (model.ModelRunner). Our own
+loop (rather than `generate`) starts from logits we already have, streams
+tokens to a callback, times the first token exactly, and avoids DynamicCache's
+per-step concatenation (9 tok/s → see BENCHMARKS.md on a 3k-token prompt).
 """
 
 from __future__ import annotations
@@ -65,14 +66,44 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
-def build_cache(runner: ModelRunner, fused: FusionResult):
-    """Load the fused per-layer KV into a DynamicCache the model can continue from."""
-    from transformers import DynamicCache
+class DecodeState:
+    """The prompt's KV in preallocated per-layer buffers, grown in place as tokens are decoded.
 
-    cache = DynamicCache(config=runner.config)
-    for layer, (k, v) in enumerate(fused.kv):
-        cache.update(k.to(runner.dtype), v.to(runner.dtype), layer)
-    return cache
+    A DynamicCache concatenates on every step (O(prompt) copies per token); writing
+    into a buffer sized prompt + max_new_tokens keeps a decode step O(1) in copies.
+    """
+
+    def __init__(self, runner: ModelRunner, fused: FusionResult, max_new_tokens: int):
+        self.runner = runner
+        self.length = len(fused.token_ids)
+        capacity = self.length + max_new_tokens
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for k, v in fused.kv:
+            kb = torch.empty((*k.shape[:2], capacity, k.shape[3]), dtype=runner.dtype, device=runner.device)
+            vb = torch.empty_like(kb)
+            kb[:, :, : self.length] = k
+            vb[:, :, : self.length] = v
+            self.k.append(kb)
+            self.v.append(vb)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token at the next position; return the next-token logits."""
+        r = self.runner
+        p = self.length
+        pos = torch.tensor([[p]], device=r.device)
+        cos, sin = r.rope(pos)
+        hidden = r.embed(torch.tensor([[token]], device=r.device))
+        for layer in range(r.n_layers):
+            q, k, v = r.project_qkv(layer, hidden, cos, sin)
+            self.k[layer][:, :, p : p + 1] = k
+            self.v[layer][:, :, p : p + 1] = v
+            keys, values = self.k[layer][:, :, : p + 1], self.v[layer][:, :, : p + 1]
+            # One query at the newest position sees every key (inside any sliding window).
+            attn = r.attend(layer, q, keys, values, query_positions=pos[0])
+            hidden = r.finish_layer(layer, hidden, attn)
+        self.length += 1
+        return r.logits(hidden)[0, -1]
 
 
 @torch.inference_mode()
@@ -90,8 +121,8 @@ def generate(
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     stops = runner.stop_token_ids
-    cache = build_cache(runner, fused)
-    position = len(fused.token_ids)
+    limit = len(forced_tokens) if forced_tokens is not None else sampling.max_new_tokens
+    state = DecodeState(runner, fused, limit)
     logits = fused.last_logits
     tokens: list[int] = []
     step_logits: list[torch.Tensor] = []
@@ -99,7 +130,6 @@ def generate(
     first_s = 0.0
     stopped = False
     emitted = ""
-    limit = len(forced_tokens) if forced_tokens is not None else sampling.max_new_tokens
     for step in range(limit):
         if keep_logits:
             step_logits.append(logits.detach().float().cpu())
@@ -116,14 +146,7 @@ def generate(
             emitted = text
         if step + 1 == limit:
             break
-        out = runner.model(
-            input_ids=torch.tensor([[token]], device=runner.device),
-            position_ids=torch.tensor([[position]], device=runner.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[0, -1].float()
-        position += 1
+        logits = state.step(token)
     decode_s = time.perf_counter() - start
     text = runner.tokenizer.decode(tokens, skip_special_tokens=True)
     return Generation(tokens, text.strip(), first_s, decode_s, stopped, step_logits)

@@ -1,0 +1,222 @@
+"""Archive upkeep: `ls`, `show`, `stats`, `rm`, `verify`, `gc`, `path`.
+
+None of these load the model: they work on the index and blobs only, and open
+the archive without a model check (upkeep must work whatever built it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from kvblend.cli.common import ArchiveOpt, JsonOpt, err, human_bytes, out, parse_size, print_json
+from kvblend.errors import ArchiveError, UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ls")(list_documents)
+    app.command()(show)
+    app.command()(stats)
+    app.command("rm")(remove)
+    app.command()(verify)
+    app.command()(gc)
+    app.command()(path)
+
+
+def _open(archive: Optional[Path], create: bool = False):
+    from kvblend.archive_format import Archive, resolve_archive_path
+
+    location = resolve_archive_path(str(archive) if archive else None)
+    if not create and not location.exists():
+        raise ArchiveError(f"no archive at {location} (run `kvblend ingest PATH` first, or pass --archive)")
+    return Archive.open(location, create=create)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    d = time.time() - ts
+    for unit, sec in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= sec:
+            return f"{d / sec:.0f}{unit} ago"
+    return "just now"
+
+
+def list_documents(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+    """List archived documents: path, segments, tokens, size, last used."""
+    with _open(archive) as arc:
+        rows = []
+        for doc in arc.iter_documents():
+            segs = [arc.get_segment(k) for k in doc.segment_keys]
+            present = [s for s in segs if s is not None]
+            rows.append({
+                "path": doc.path,
+                "segments": len(doc.segment_keys),
+                "missing_segments": len(segs) - len(present),
+                "tokens": doc.n_tokens,
+                "bytes": sum(sum(layer.length for layer in s.layers) for s in present),
+                "last_used": max((s.last_access or 0 for s in present), default=0) or None,
+                "ingested": doc.ingested,
+            })
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        err.print("archive is empty")
+        return
+    table = Table()
+    for col in ("document", "segments", "tokens", "size", "last used"):
+        table.add_column(col, justify="left" if col == "document" else "right")
+    for r in rows:
+        segs = f"{r['segments']}" + (f" ({r['missing_segments']} missing)" if r["missing_segments"] else "")
+        table.add_row(r["path"], segs, f"{r['tokens']:,}", human_bytes(r["bytes"]), _ago(r["last_used"]))
+    out.print(table)
+
+
+def show(
+    target: str = typer.Argument(..., help="A segment key (or unique prefix) or a document path."),
+    archive: Optional[Path] = ArchiveOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Show a segment's metadata and per-layer sizes, or a document's segments."""
+    with _open(archive) as arc:
+        doc = arc.get_document(target) or arc.get_document(str(Path(target).expanduser().resolve()))
+        if doc is not None:
+            info = {"document": doc.path, "content_hash": doc.content_hash, "tokens": doc.n_tokens,
+                    "ingested": doc.ingested, "segments": doc.segment_keys}
+            if as_json:
+                print_json(info)
+            else:
+                for k, v in info.items():
+                    out.print(f"[bold]{k}[/]: {v}")
+            return
+        rec = arc.get_segment(target)
+        if rec is None and len(target) >= 4:
+            matches = [r for r in arc.iter_segments() if r.key.startswith(target)]
+            if len(matches) > 1:
+                raise UsageError(f"segment prefix {target} is ambiguous ({len(matches)} matches)")
+            rec = matches[0] if matches else None
+        if rec is None:
+            raise UsageError(f"no segment or document named {target} in the archive")
+        info = {
+            "key": rec.key, "tokens": rec.n_tokens, "dtype": rec.dtype, "codec": rec.codec,
+            "layers": rec.n_layers, "kv_heads": rec.kv_heads, "head_dim": rec.head_dim,
+            "base_position": rec.base_position, "blob": rec.blob, "created": rec.created,
+            "last_access": rec.last_access, "hits": rec.hits,
+            "layer_bytes": [layer.length for layer in rec.layers], "text": rec.text,
+        }
+    if as_json:
+        print_json(info)
+        return
+    for k in ("key", "tokens", "dtype", "codec", "layers", "kv_heads", "head_dim", "base_position", "blob", "hits"):
+        out.print(f"[bold]{k}[/]: {info[k]}")
+    out.print(f"[bold]stored[/]: {human_bytes(sum(info['layer_bytes']))} "
+              f"(per layer min {min(info['layer_bytes'])} / max {max(info['layer_bytes'])} bytes)")
+    out.print(f"[bold]created[/]: {_ago(rec.created)}; [bold]last used[/]: {_ago(rec.last_access)}")
+    preview = rec.text[:300].replace("\n", " ")
+    out.print(f"[bold]text[/]: {preview}{'…' if len(rec.text) > 300 else ''}")
+
+
+def stats(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+    """Totals: segments, tokens, bytes per token raw vs stored, compression ratio, hits."""
+    with _open(archive) as arc:
+        s = arc.stats()
+        s["archive"] = str(arc.path)
+        s["model"] = arc.model_name
+    if as_json:
+        print_json(s)
+        return
+    table = Table(show_header=False, title=f"archive {s['archive']}")
+    for k, v in s.items():
+        if k == "archive":
+            continue
+        if isinstance(v, float):
+            v = f"{v:,.3f}"
+        elif isinstance(v, int) and "bytes" in k:
+            v = f"{human_bytes(v)} ({v:,} B)"
+        table.add_row(k, str(v))
+    out.print(table)
+
+
+def remove(
+    documents: List[str] = typer.Argument(..., help="Document paths to remove (their unshared segments go too)."),
+    archive: Optional[Path] = ArchiveOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Remove documents and the segments no other document uses."""
+    with _open(archive) as arc:
+        resolved = []
+        for d in documents:
+            doc = arc.get_document(d) or arc.get_document(str(Path(d).expanduser().resolve()))
+            if doc is None:
+                raise UsageError(f"no such document in the archive: {d} (see `kvblend ls`)")
+            resolved.append(doc.path)
+        with arc.writer(wait=False):
+            removed = arc.remove_documents(resolved)
+    if as_json:
+        print_json({"removed": removed})
+    else:
+        for r in removed:
+            out.print(f"removed {r}")
+
+
+def verify(
+    repair: bool = typer.Option(False, "--repair", help="Drop corrupt or missing segments from the index."),
+    archive: Optional[Path] = ArchiveOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check every blob's checksums; exit 1 naming each corrupt or missing blob."""
+    with _open(archive) as arc:
+        if repair:
+            with arc.writer(wait=False):
+                report = arc.verify(repair=True)
+        else:
+            report = arc.verify(repair=False)
+    problems = [{"segment": p[0], "layer": p[1], "reason": p[2]} for p in report.problems]
+    if as_json:
+        print_json({"ok": report.ok, "segments_checked": report.segments_checked, "problems": problems,
+                    "repaired": bool(repair and problems)})
+    else:
+        for p in problems:
+            where = f"layer {p['layer']}" if p["layer"] is not None else "blob"
+            err.print(f"[red]corrupt[/] segment {p['segment']} {where}: {p['reason']}")
+        if report.ok:
+            out.print(f"ok: {report.segments_checked} segments verified")
+        elif repair:
+            out.print(f"repaired: dropped {len({p['segment'] for p in problems})} segments from the index")
+    if problems and not repair:
+        raise typer.Exit(1)
+
+
+def gc(
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used segments until the archive fits, e.g. 5GB."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be freed."),
+    archive: Optional[Path] = ArchiveOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Delete orphan blobs; with --max-size, evict least-recently-used segments."""
+    budget = parse_size(max_size) if max_size else None
+    with _open(archive) as arc:
+        if dry_run:
+            report = arc.gc(max_size_bytes=budget, dry_run=True)
+        else:
+            with arc.writer(wait=False):
+                report = arc.gc(max_size_bytes=budget, dry_run=False)
+    data = report.to_dict() if hasattr(report, "to_dict") else vars(report)
+    if as_json:
+        print_json(data)
+        return
+    verb = "would free" if dry_run else "freed"
+    out.print(f"{verb} {human_bytes(data.get('freed_bytes', 0))}: "
+              f"{len(data.get('orphans', []))} orphan files, {len(data.get('evicted', []))} segments evicted")
+
+
+def path(archive: Optional[Path] = ArchiveOpt) -> None:
+    """Print where the archive is."""
+    from kvblend.archive_format import resolve_archive_path
+
+    out.print(str(resolve_archive_path(str(archive) if archive else None)))

@@ -1,0 +1,66 @@
+"""Shared CLI plumbing: options every command takes, consoles, JSON output, size parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from kvblend.errors import UsageError
+
+# Results go to stdout; progress, tables for humans on stderr when stdout is data.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive directory (default: $KVBLEND_ARCHIVE, else ~/.cache/kvblend).", show_default=False)
+ModelOpt = typer.Option(None, "--model", "-m", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).", show_default=False)
+ComputeOpt = typer.Option(None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False)
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def progress_enabled(as_json: bool) -> bool:
+    """Progress bars only for a human at a terminal."""
+    return not as_json and sys.stderr.isatty() and os.environ.get("CI") != "true"
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' → 5e9 bytes, '512MiB' → 512·2^20."""
+    m = _SIZE.match(text or "")
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise UsageError(f"not a size: {text!r} (try 500MB, 5GB, 1GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def parse_check_layers(text: Optional[str]) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--check-layers takes comma-separated layer numbers, not {text!r}") from None
+    if not layers:
+        raise UsageError("--check-layers needs at least one layer")
+    return layers

@@ -1,0 +1,77 @@
+"""Prompt assembly: chat template around segments, cut into token segments.
+
+The chat template is rendered once with a marker where the passages go, then
+split there: the part before is the instruction prefix, the part after holds
+the question. Prefix and question are always computed; each passage keeps the
+token ids it was archived with, so its KV can be reused as is. The prompt is
+*defined* as the concatenation of these token lists, and every mode (full
+included) runs on exactly the same ids, so comparisons are fair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvblend.errors import UsageError
+from kvblend.fusor import Segment
+from kvblend.model import ModelRunner
+
+CONTEXT_MARKER = "\u2063KVBLEND_PASSAGES\u2063"
+SEGMENT_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Where passages and question go. `{question}` is filled into `after_passages`."""
+
+    system: str = "You are a helpful assistant. Answer using only the passages you are given."
+    before_passages: str = "Read the passages, then answer the question.\nPassages:\n"
+    after_passages: str = "\nQuestion: {question}\nAnswer in a few words."
+
+
+# The paper's MuSiQue layout (design §5, shared/data/README.md), inside the chat template.
+MUSIQUE_TEMPLATE = PromptTemplate(
+    system="You are a helpful assistant.",
+    before_passages=(
+        "You will be asked a question after reading several passages. Please directly answer the "
+        "question based on the given passages. Do NOT repeat the question. The answer should be "
+        "within 5 words.\nPassages:\n"
+    ),
+    after_passages=(
+        "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. "
+        "The answer should be within 5 words. \nQuestion: {question}\nAnswer:"
+    ),
+)
+
+
+def segment_text_for_kv(text: str) -> str:
+    """The exact text whose tokens a passage segment is archived with (separator included)."""
+    return text.strip() + SEGMENT_SEPARATOR
+
+
+def split_template(runner: ModelRunner, template: PromptTemplate, question: str) -> tuple[str, str]:
+    """Render the chat template with a marker for the passages; return (before, after) text."""
+    if not question or not question.strip():
+        raise UsageError("empty question")
+    user = template.before_passages + CONTEXT_MARKER + template.after_passages.format(question=question.strip())
+    messages = [{"role": "user", "content": user}]
+    if template.system:
+        messages.insert(0, {"role": "system", "content": template.system})
+    tok = runner.tokenizer
+    if getattr(tok, "chat_template", None):
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:  # base models: plain text
+        rendered = (template.system + "\n\n" if template.system else "") + user + "\n"
+    before, _, after = rendered.partition(CONTEXT_MARKER)
+    return before, after
+
+
+def assemble_prompt(
+    runner: ModelRunner,
+    template: PromptTemplate,
+    question: str,
+    passages: list[Segment],
+) -> list[Segment]:
+    """[instruction prefix] + passages (cached or not) + [question], as token segments."""
+    before, after = split_template(runner, template, question)
+    return [Segment(runner.tokenize(before), key="prefix"), *passages, Segment(runner.tokenize(after), key="question")]

@@ -1,0 +1,71 @@
+"""Shared helpers for the `make bench` scripts: machine description, timing, markdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+OUT_DIR = ROOT / "bench-out"
+
+
+def machine() -> str:
+    """One line: CPU model, cores, memory, torch build, GPU if any."""
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
+    return f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores{mem}{gpu}, torch {torch.__version__}"
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def evict_page_cache(path: Path) -> None:
+    """Drop a file's pages from the page cache (cold reads) without root: fsync + POSIX_FADV_DONTNEED."""
+    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def write_result(name: str, data: dict) -> Path:
+    OUT_DIR.mkdir(exist_ok=True)
+    path = OUT_DIR / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
