@@ -15,7 +15,7 @@ from kvblend.errors import UsageError
 
 # Results go to stdout; progress, tables for humans on stderr when stdout is data.
 out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive directory (default: $KVBLEND_ARCHIVE, else ~/.cache/kvblend).", show_default=False)
 ModelOpt = typer.Option(None, "--model", "-m", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).", show_default=False)

@@ -86,8 +86,11 @@ def _print_profile(p: dict) -> None:
     t.add_row("storage", f"{st['label']}  ({where}{', ' + fs['fs_type'] if fs.get('fs_type') else ''}){guessed}")
     resident = st.get("cold_resident_fraction")
     cold_note = "" if resident is None else f"  ({resident:.0%} still cached after eviction)"
-    t.add_row("read cold", _mbps(p["read_cold_MBps"]) + cold_note)
-    t.add_row("read warm", _mbps(p["read_warm_MBps"]))
+    if st.get("path") is None:
+        t.add_row("read (memcpy)", _mbps(p["read_warm_MBps"]))
+    else:
+        t.add_row("read cold", _mbps(p["read_cold_MBps"]) + cold_note)
+        t.add_row("read warm", _mbps(p["read_warm_MBps"]))
     t.add_row("decompress", f"{_mbps(p['decompress_MBps'])} compressed in, {_mbps(p['decompress_raw_MBps'])} raw out "
                             f"({p['codec']}, {p['compression_ratio']:.2f}x)")
     t.add_row("KV per token-layer", f"{p['kv_bytes_per_token_layer']:.0f} B stored, {p['kv_raw_bytes_per_token_layer']} B raw fp16")
@@ -113,6 +116,9 @@ def _print_profile(p: dict) -> None:
         lt.add_row(str(r["L"]), _ms(measured.get(r["L"])), _ms(r["t_full_layer_s"]), _ms(r["t_load_s"]),
                    f"{r['r_hide']:.3f}")
     out.print(lt)
+    warning = ctl.busy_warning(p)
+    if warning:
+        out.print(f"[yellow]note: {warning}[/]")
     out.print(f"stored as profile [bold]{p['name']}[/]; run `kvblend tune` to pick the ratio")
 
 
@@ -216,6 +222,10 @@ def tune(
 
         quality: dict[str, Any] | None = None
         notes: list[str] = []
+        if ctl.busy_warning(here):
+            notes.append("profile: " + ctl.busy_warning(here))
+        if here.get("quick"):
+            notes.append("the profile is a --quick one (short contexts): run `kvblend profile` for a better cost fit")
         if r_quality is not None:
             rq, rq_source = r_quality, "given"
         else:

@@ -46,7 +46,9 @@ except ImportError:  # pragma: no cover
 def main() -> None:
     """Console-script entry point."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns typer.Exit's code instead of raising here
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except KvblendError as exc:
         print(f"kvblend: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -1,0 +1,153 @@
+"""`kvblend bench`: every mode on a QA file, KV streamed from an on-disk archive; quality vs TTFT."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvblend.cli.common import ComputeOpt, JsonOpt, ModelOpt, err, out, print_json, progress_enabled
+from kvblend.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(bench)
+
+
+def _check_writable_target(path: Optional[Path], flag: str, suffix: str) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a {suffix} file name")
+    parent = path.expanduser().resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+
+
+def bench(
+    dataset: Path = typer.Argument(..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False),
+    limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Benchmark the first N records (default: all).", show_default=False),
+    chunks: int = typer.Option(6, "--chunks", help="Passages per record (the first N, in order) archived as segments."),
+    modes: str = typer.Option("full,prefix,reuse,blend", "--modes", help="Comma-separated modes; full always runs (it is the reference)."),
+    ratios: str = typer.Option("0.05,0.15,0.3", "--ratios", help="Blend recompute ratios, each in (0, 1]."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
+    variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
+    variant_ratio: float = typer.Option(0.15, "--variant-ratio", help="Blend ratio for --variants."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib).", show_default=False),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
+    archive: Optional[Path] = typer.Option(None, "--archive", "-a", help="Archive directory for the passages (default: a scratch temp dir, removed after).", show_default=False),
+    model: Optional[str] = ModelOpt,
+    compute: Optional[str] = ComputeOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
+    from kvblend import bench as B
+
+    # Everything a user can get wrong fails here, before the model loads.
+    mode_list = B.parse_modes(modes)
+    ratio_list = B.parse_ratios(ratios) if "blend" in mode_list else ()
+    B.check_ratio(variant_ratio, "--variant-ratio")
+    if chunks < 1:
+        raise UsageError(f"--chunks must be at least 1, not {chunks}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
+    _check_writable_target(plot, "--plot", ".png")
+    _check_writable_target(out_file, "--out", ".json")
+    if plot is not None:
+        B.check_plot_available()
+    records = B.load_records(dataset, limit)
+    if "full" not in mode_list and not as_json:
+        err.print("[dim]note: full also runs: it is the reference for agreement and KL[/]")
+    command = "kvblend " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    from kvblend.engine import Engine
+
+    scratch = None
+    target = archive
+    if target is None:
+        scratch = tempfile.mkdtemp(prefix="kvblend-bench-")
+        target = Path(scratch)
+    try:
+        with Engine(target, model, compute) as engine:
+            kwargs = dict(chunks=chunks, max_new_tokens=max_tokens, variants=variants,
+                          variant_ratio=variant_ratio, command=command)
+            if progress_enabled(as_json):
+                with Progress(
+                    TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
+                    console=err, transient=True,
+                ) as bar:
+                    task = bar.add_task("loading model", total=None)
+
+                    def on_progress(done: int, total: int, label: str) -> None:
+                        bar.update(task, completed=done, total=total, description=label)
+
+                    report = B.run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
+            else:
+                report = B.run_bench(engine, records, mode_list, ratio_list, **kwargs)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    data = report.to_dict()
+    if scratch:
+        data["settings"]["archive"] = "scratch (temporary)"
+    if out_file is not None:
+        out_file.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    if plot is not None:
+        B.plot_report(data, plot)
+    if as_json:
+        print_json(data)
+    else:
+        _print_human(data)
+    if not as_json:
+        for path, what in ((out_file, "report"), (plot, "plot")):
+            if path is not None:
+                err.print(f"wrote {what} to {path}")
+
+
+def _f(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _print_human(data: dict) -> None:
+    s = data["settings"]
+    out.print(f"[bold]{data['model']}[/] on {data['machine']}")
+    out.print(
+        f"{data['records']} records × {s['chunks']} passages (~{s['mean_prompt_tokens']:.0f} prompt tokens), "
+        f"greedy ≤{s['max_new_tokens']} tokens; answer KL over full's first ≤{s['answer_kl_tokens']} tokens; {data['date']}"
+    )
+    out.print(f"[dim]{data['command']}[/]")
+    if data["results"]:
+        table = Table(title="modes vs full (same prompt, same decoding)")
+        for col in ("mode", "ratio", "F1", "EM vs full", "ROUGE-L vs full", "KL 1st tok", "answer KL",
+                    "TTFT p50", "TTFT p90", "recompute"):
+            table.add_column(col, justify="left" if col == "mode" else "right")
+        for r in data["results"]:
+            table.add_row(
+                r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
+                _f(r["rouge_l_vs_full"]), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
+                f"{r['ttft_median_s'] * 1000:.0f} ms", f"{r['ttft_p90_s'] * 1000:.0f} ms", f"{r['recompute_share']:.1%}",
+            )
+        out.print(table)
+    if data.get("variants"):
+        table = Table(title=f"fusor variants @ ratio {s['variant_ratio']:g} (sink rows: KV in memory, TTFT comparable among themselves)")
+        for col in ("group", "variant", "mode", "F1", "EM vs full", "KL 1st tok", "answer KL", "TTFT p50", "recompute"):
+            table.add_column(col, justify="left" if col in ("group", "variant", "mode") else "right")
+        last = None
+        for r in data["variants"]:
+            table.add_row(
+                r["group"] if r["group"] != last else "", r["name"], r["mode"], _f(r["f1"]), _f(r["em_vs_full"]),
+                _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4), f"{r['ttft_median_s'] * 1000:.0f} ms",
+                f"{r['recompute_share']:.1%}",
+            )
+            last = r["group"]
+        out.print(table)

@@ -1,0 +1,161 @@
+"""The command line: one-line errors, non-zero exits, archive left unharmed; ingest incremental."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+
+KVBLEND = [sys.executable, "-m", "kvblend.cli.main"]
+
+
+def run(*args: str, env_archive: Path | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*KVBLEND, *map(str, args)], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr)
+    return proc
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines[0].startswith("kvblend: error:") or lines[0].startswith("Usage") or "Error" in lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory) -> Path:
+    """A real archive of three fixture documents, built by the real CLI (segments of ~128 tokens)."""
+    root = tmp_path_factory.mktemp("cli")
+    docs = root / "docs"
+    docs.mkdir()
+    for name in ("plants.md", "sonar-products.md", "suppliers.md"):
+        shutil.copy(FIXTURES / "docs" / name, docs / name)
+    (docs / "image.bin").write_bytes(bytes(range(256)) * 4)
+    proc = run("ingest", docs, "--archive", root / "arc", "--chunk-tokens", "128", "--json", check=True)
+    report = json.loads(proc.stdout)
+    assert report["documents"] == 3
+    assert report["segments_new"] >= 9
+    assert any(s["path"].endswith("image.bin") for s in report["skipped"])
+    assert "image.bin" in proc.stderr  # the skip is announced
+    return root
+
+
+pytestmark = pytest.mark.e2e
+
+
+def test_reingest_unchanged_computes_nothing_and_edit_recomputes_only_its_segments(archive, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    again = json.loads(run("ingest", archive / "docs", "--archive", arc, "--chunk-tokens", "128", "--json", check=True).stdout)
+    assert again["segments_new"] == 0
+    assert again["documents_unchanged"] == 3
+    assert again["prefill_seconds"] == 0
+    docs = tmp_path / "docs"
+    shutil.copytree(archive / "docs", docs)
+    plants = docs / "plants.md"
+    paragraphs = plants.read_text().split("\n\n")
+    middle = len(paragraphs) // 2
+    paragraphs[middle] = paragraphs[middle].replace(".", ", as the records show.", 1)
+    plants.write_text("\n\n".join(paragraphs))
+    edited = json.loads(run("ingest", docs, "--archive", arc, "--chunk-tokens", "128", "--json", check=True).stdout)
+    total_segments = edited["segments_new"] + edited["segments_reused"]
+    assert 1 <= edited["segments_new"] <= 2
+    assert edited["segments_reused"] >= total_segments - 2
+    assert run("verify", "--archive", arc).returncode == 0
+
+
+def test_ls_stats_show_json(archive):
+    arc = archive / "arc"
+    docs = json.loads(run("ls", "--archive", arc, "--json", check=True).stdout)
+    assert len(docs) == 3 and all(d["segments"] >= 2 and d["bytes"] > 0 for d in docs)
+    stats = json.loads(run("stats", "--archive", arc, "--json", check=True).stdout)
+    assert stats["segments"] >= 9
+    key = json.loads(run("show", docs[0]["path"], "--archive", arc, "--json", check=True).stdout)["segments"][0]
+    seg = json.loads(run("show", key[:10], "--archive", arc, "--json", check=True).stdout)
+    assert seg["key"] == key and len(seg["layer_bytes"]) == 30
+    assert run("path", "--archive", arc, check=True).stdout.strip() == str(arc)
+
+
+def test_verify_names_corrupt_blob_and_repair_fixes_it(archive, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    docs = json.loads(run("ls", "--archive", arc, "--json").stdout)
+    key = json.loads(run("show", docs[0]["path"], "--archive", arc, "--json").stdout)["segments"][0]
+    seg = json.loads(run("show", key, "--archive", arc, "--json").stdout)
+    blob = arc / seg["blob"]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    bad = run("verify", "--archive", arc)
+    assert bad.returncode == 1 and key in bad.stderr
+    assert run("verify", "--repair", "--archive", arc).returncode == 0
+    assert run("verify", "--archive", arc).returncode == 0
+
+
+def test_bad_input_is_one_line_and_leaves_archive_unharmed(archive, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    snapshot = {p: p.read_bytes() for p in sorted(arc.rglob("*")) if p.is_file() and "lock" not in p.name}
+    assert "no such file" in one_line_error(run("ingest", tmp_path / "missing", "--archive", arc))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no documents" in one_line_error(run("ingest", empty, "--archive", arc))
+    assert "chunk-tokens" in one_line_error(run("ingest", archive / "docs", "--archive", arc, "--chunk-tokens", "0"))
+    assert "no such document" in one_line_error(run("query", "q?", "--doc", "nope.md", "--archive", arc))
+    assert "top-k" in one_line_error(run("query", "q?", "--top-k", "0", "--archive", arc))
+    assert "ratio" in one_line_error(run("query", "q?", "--ratio", "0", "--archive", arc))
+    assert "mode" in one_line_error(run("query", "q?", "--mode", "fast", "--archive", arc))
+    assert "no archive" in one_line_error(run("query", "q?", "--archive", tmp_path / "nowhere"))
+    assert "not a size" in one_line_error(run("gc", "--max-size", "lots", "--archive", arc))
+    assert "no such document" in one_line_error(run("rm", "nope.md", "--archive", arc))
+    after = {p: p.read_bytes() for p in sorted(arc.rglob("*")) if p.is_file() and "lock" not in p.name}
+    assert [p for p in snapshot if p.suffix != ".mdb"] == [p for p in after if p.suffix != ".mdb"]
+    assert all(snapshot[p] == after[p] for p in snapshot if p.suffix != ".mdb")
+    assert run("verify", "--archive", arc).returncode == 0
+
+
+def test_archive_of_another_model_is_refused_with_both_names(archive, tmp_path):
+    import torch
+    import transformers as tf
+
+    other = tmp_path / "tiny-llama"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=49152, architectures=["LlamaForCausalLM"])
+    tf.LlamaForCausalLM(cfg).save_pretrained(other)
+    msg = one_line_error(run("query", "q?", "--model", other, "--archive", archive / "arc"))
+    assert "SmolLM2-135M-Instruct" in msg and "tiny-llama" in msg
+
+
+def test_newer_format_version_is_refused(archive, tmp_path):
+    import lmdb
+
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    env = lmdb.open(str(arc / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:  # as a future kvblend would have written it
+        txn.put(b"format_version", b"99", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    assert "newer" in one_line_error(run("ls", "--archive", arc))
+
+
+def test_gc_dry_run_then_max_size_evicts(archive, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    dry = json.loads(run("gc", "--max-size", "1MB", "--dry-run", "--archive", arc, "--json", check=True).stdout)
+    assert dry["freed_bytes"] > 0 and dry["evicted"]
+    assert json.loads(run("stats", "--archive", arc, "--json").stdout)["segments"] >= 9  # dry run kept all
+    real = json.loads(run("gc", "--max-size", "1MB", "--archive", arc, "--json", check=True).stdout)
+    assert real["evicted"] == dry["evicted"]
+    stats = json.loads(run("stats", "--archive", arc, "--json").stdout)
+    assert stats["stored_bytes"] <= 1_000_000
+    assert run("verify", "--archive", arc).returncode == 0
