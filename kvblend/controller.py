@@ -561,7 +561,7 @@ def measure_ram_read(segments: Sequence[Sequence[bytes]], runs: int = 3) -> Read
             a.copy()
         rates.append(total / (time.perf_counter() - t0) / MB)
     rate = statistics.median(rates)
-    return ReadMeasurement(rate, rate, total, len(arrays), 1.0, rates, rates)
+    return ReadMeasurement(rate, rate, total, len(arrays), None, rates, rates)
 
 
 # ───────────────────────────────── measurement: codec ─────────────────────────────────
@@ -817,6 +817,7 @@ def build_profile(
 
     log = log or (lambda _msg: None)
     started = time.perf_counter()
+    load_before = _loadavg()
     codec = codec or DEFAULT_CODEC
     level = DEFAULT_LEVEL if level is None else level
 
@@ -924,11 +925,31 @@ def build_profile(
         "layer_cost_ref_tokens": ref_L,
         "layer_cost_s_per_token": model.cost(ref_L) / ref_L,
         "quick": settings == ProfileSettings.quick(),
+        # other processes competing for the cores make compute timings pessimistic; recorded so it shows
+        "load_avg": {"before": load_before, "after": _loadavg(), "cores": os.cpu_count()},
         "seconds": 0.0,
     }
     profile["name"] = profile_name(machine["hostname"], runner.name, runner.device.type, store_label, where)
     profile["seconds"] = time.perf_counter() - started
     return profile
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def busy_warning(profile: Mapping[str, Any]) -> str | None:
+    """A line when the machine was busy while profiling (1-minute load, ours included, above the core count)."""
+    la = profile.get("load_avg") or {}
+    cores = la.get("cores") or 1
+    worst = max([x for x in (la.get("before"), la.get("after")) if x is not None], default=None)
+    if worst is not None and worst > cores and profile.get("compute") == "cpu":
+        return (f"the machine was busy (1-min load {worst:.1f} on {cores} cores): prefill timings are likely "
+                "pessimistic; re-run `kvblend profile` when it is idle")
+    return None
 
 
 def profile_flags(profile: Mapping[str, Any], machine: Mapping[str, Any], fingerprint: str | None) -> list[str]:

@@ -69,8 +69,9 @@ def list_documents(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt
         err.print("archive is empty")
         return
     table = Table()
-    for col in ("document", "segments", "tokens", "size", "last used"):
-        table.add_column(col, justify="left" if col == "document" else "right")
+    table.add_column("document", overflow="fold")
+    for col in ("segments", "tokens", "size", "last used"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         segs = f"{r['segments']}" + (f" ({r['missing_segments']} missing)" if r["missing_segments"] else "")
         table.add_row(r["path"], segs, f"{r['tokens']:,}", human_bytes(r["bytes"]), _ago(r["last_used"]))

@@ -59,6 +59,8 @@ def profile(
 
     if label is not None and not label.strip():
         raise UsageError("--label must not be empty")
+    if device is not None and device not in ctl.DEVICE_LABELS and not Path(device).expanduser().is_dir():
+        raise UsageError(f"--device must be nvme, ssd, hdd, ram or an existing directory, not {device!r}")
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]profile: {msg}[/]"))
     runner = load_model(model, compute)
     settings = ctl.ProfileSettings.quick() if quick else ctl.ProfileSettings()
@@ -238,8 +240,12 @@ def tune(
             floor = ctl.quality_floor(quality["by_ratio"], tolerance, kl_bound)
             if floor is None:
                 rq, rq_source = 1.0, "fallback"
-                notes.append(f"no tested ratio stays within F1 drop ≤ {tolerance:g} and KL ≤ {kl_bound:g}: "
-                             "r_quality = 1.0 (test larger --ratios or loosen the bounds)")
+                top = max(ratio_list)
+                v = quality["by_ratio"][top]
+                notes.append(f"even r = {top:g} misses the bounds (F1 drop {v['f1_drop']:+.3f} vs ≤ {tolerance:g}, "
+                             f"KL {v['kl']:.3f} vs ≤ {kl_bound:g}), so r_quality = 1.0: queries will recompute "
+                             "every token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen "
+                             "--kl-bound/--tolerance, or pass --r-quality")
             else:
                 rq, rq_source = floor, "calibration"
         decision = ctl.decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)

@@ -1,0 +1,124 @@
+"""`make bench`: run every benchmark and refresh BENCHMARKS.md.
+
+Sections: engine (issue 2), archive (issue 3), query (issue 4), quality/latency
+bench and fusor variants on MuSiQue (issue 5), controller profile (issue 6).
+Each writes bench-out/<name>.json; this script renders them into BENCHMARKS.md
+with the command, machine and date. `--only a,b` reruns some sections and keeps
+the others' last results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_archive  # noqa: E402
+import bench_engine  # noqa: E402
+import bench_query  # noqa: E402
+from benchlib import OUT_DIR, ROOT, SHARED_DATA, machine, write_result  # noqa: E402
+
+SECTIONS = ["engine", "archive", "query", "bench", "variants"]
+KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
+
+
+def run_cli_json(name: str, args: list[str]) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(KVBLEND + args, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr}")
+    data = json.loads(proc.stdout)
+    data["command"] = "kvblend " + " ".join(args)
+    write_result(name, data)
+    return data
+
+
+def run_section(name: str) -> None:
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    if name == "engine":
+        r = bench_engine.main()
+    elif name == "archive":
+        r = bench_archive.main()
+    elif name == "query":
+        r = bench_query.main()
+    elif name == "bench":
+        data = str(SHARED_DATA / "musique_dev.json")
+        r = run_cli_json("bench", ["bench", data, "--limit", "20", "--json", "--plot", str(ROOT / "docs" / "bench-musique.png")])
+    elif name == "variants":
+        data = str(SHARED_DATA / "musique_dev.json")
+        r = run_cli_json("variants", ["bench", data, "--limit", "20", "--variants", "--json"])
+    else:
+        raise SystemExit(f"unknown section {name}")
+    r["date"] = started
+    write_result(name, r)
+
+
+def load(name: str) -> dict | None:
+    p = OUT_DIR / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def render() -> str:
+    from kvblend.bench import markdown_results, markdown_variants  # the harness renders its own tables
+
+    parts = [
+        "# Benchmarks",
+        "",
+        "Regenerate with `make bench` (all sections) or `.venv/bin/python scripts/bench_all.py --only engine,query`.",
+        "Ratios are measured side by side in one process (modes interleaved); absolute times on these shared",
+        "machines are noisy. Each section names its machine and date. Raw JSON: `bench-out/`.",
+        "",
+    ]
+    notes = (ROOT / "docs" / "benchmark-notes.md")
+    sections = [
+        ("engine", "Engine: TTFT with the KV already in memory (issue 2)",
+         "`python scripts/bench_engine.py` — 6 MuSiQue passages (~600 tokens each) + question, default model; target blend ≥ 4× (ideal ≈ 4.5× at this compute share).",
+         lambda r: bench_engine.markdown(r)),
+        ("archive", "Archive: ingest overhead, compression, layer reads (issue 3)",
+         "`python scripts/bench_archive.py` — 24 MuSiQue passages as files; target overhead ≤ 10%.",
+         lambda r: bench_archive.markdown(r)),
+        ("query", "Query: TTFT from the on-disk archive, warm and cold (issue 4)",
+         "`python scripts/bench_query.py` — 6 archived passages per question; targets ≥ 4× warm, ≥ 3× cold, load wait ≤ 10% of TTFT.",
+         lambda r: bench_query.markdown(r)),
+        ("bench", "Quality vs latency on MuSiQue (issue 5)", None, lambda r: markdown_results(r)),
+        ("variants", "Fusor variants on MuSiQue (issue 5)", None, lambda r: markdown_variants(r)),
+    ]
+    for name, title, how, fmt in sections:
+        r = load(name)
+        parts += [f"## {title}", ""]
+        if r is None:
+            parts += ["(not run yet)", ""]
+            continue
+        parts.append(f"Command: {how or '`' + r.get('command', '') + '`'}  ")
+        parts.append(f"Machine: {r.get('machine', '?')}  ")
+        parts.append(f"Date: {r.get('date', '?')}")
+        parts += ["", fmt(r), ""]
+        if name == "bench" and (ROOT / "docs" / "bench-musique.png").exists():
+            parts += ["![quality vs TTFT](docs/bench-musique.png)", ""]
+    if notes.exists():
+        parts += [notes.read_text()]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument("--render-only", action="store_true")
+    args = ap.parse_args()
+    if not SHARED_DATA.exists():
+        raise SystemExit(f"benchmark data not found at {SHARED_DATA} (make bench needs ../shared/data)")
+    if not args.render_only:
+        for name in args.only.split(","):
+            print(f"== {name}", file=sys.stderr, flush=True)
+            run_section(name.strip())
+    (ROOT / "BENCHMARKS.md").write_text(render())
+    print(f"wrote {ROOT / 'BENCHMARKS.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
