@@ -11,7 +11,8 @@ because they differ only in which tokens' hidden states flow through each layer
     reuse    uncached tokens + the last token                 cached, as loaded
     blend    all up to the check layer; there the top-r       cached, patched with the
              cached tokens by KV deviation (HKVD) stay        active tokens' fresh KV
-             active, with uncached + last always on top
+             active, with uncached + last always on top       (at a check layer: every
+                                                              scored token's fresh KV)
 
 Active tokens attend over the whole (patched) KV with a causal mask on absolute
 positions, so compute is proportional to the active count. Several check layers
@@ -289,25 +290,26 @@ def fuse(
         else:
             cos, sin = cos_all[:, active], sin_all[:, active]
         q, k, v = runner.project_qkv(layer, hidden, cos, sin)
-        needs_cache = active is not None or layer in checks
+        computed = active  # positions whose fresh K/V this layer has (None: all)
         cached_k = cached_v = None
-        if needs_cache:
+        if active is not None or layer in checks:
             cached_k, cached_v = feed.layer(layer)
         if layer in checks:
             active, keep_rows = _select_hkvd(
                 active, T, k, v, cached_k, cached_v, always, checks[layer], n_cached, blend.deviation
             )
-            q, k, v, hidden = q[:, :, keep_rows], k[:, :, keep_rows], v[:, :, keep_rows], hidden[:, keep_rows]
+            # Only the survivors' queries go on; but every token scored here keeps its fresh
+            # K/V in this layer (already paid for, and closer to full than the cached KV).
+            q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
             if active.numel() == T:  # ratio 1.0: exactly the full computation from here on
                 active = None
-        if active is None:
+        if computed is None:
             layer_k, layer_v = k, v
-            attn = runner.attend(layer, q, layer_k, layer_v)
         else:
             layer_k, layer_v = cached_k, cached_v  # the feed hands over fresh tensors: patch in place
-            layer_k[:, :, active] = k.to(layer_k.dtype)
-            layer_v[:, :, active] = v.to(layer_v.dtype)
-            attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
+            layer_k[:, :, computed] = k.to(layer_k.dtype)
+            layer_v[:, :, computed] = v.to(layer_v.dtype)
+        attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
         kv_out.append((layer_k, layer_v))
         hidden = runner.finish_layer(layer, hidden, attn)
     last_logits = runner.logits(hidden[:, -1:])[0, -1]

@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from kvblend.cli.common import ComputeOpt, JsonOpt, ModelOpt, err, out, print_json, progress_enabled
@@ -41,6 +43,7 @@ def bench(
     max_tokens: int = typer.Option(32, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
     variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
     variant_ratio: float = typer.Option(0.15, "--variant-ratio", help="Blend ratio for --variants."),
+    answers: bool = typer.Option(False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib).", show_default=False),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
     archive: Optional[Path] = typer.Option(None, "--archive", "-a", help="Archive directory for the passages (default: a scratch temp dir, removed after).", show_default=False),
@@ -97,13 +100,15 @@ def bench(
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    data = report.to_dict()
+    data = report.to_dict(answers=answers)
     if scratch:
         data["settings"]["archive"] = "scratch (temporary)"
     if out_file is not None:
         out_file.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     if plot is not None:
         B.plot_report(data, plot)
+    for w in data.get("warnings", []):
+        err.print(f"[yellow]warning:[/] {escape(w)}")
     if as_json:
         print_json(data)
     else:
@@ -119,35 +124,57 @@ def _f(x, digits: int = 3) -> str:
 
 
 def _print_human(data: dict) -> None:
+    from rich.console import Console
+
+    # Piped output: a fixed wide console, so the tables are not squeezed to 80 columns.
+    con = out if out.is_terminal else Console(highlight=False, soft_wrap=True, width=150)
     s = data["settings"]
-    out.print(f"[bold]{data['model']}[/] on {data['machine']}")
-    out.print(
+    con.print(f"[bold]{escape(data['model'])}[/] on {escape(data['machine'])}")
+    con.print(
         f"{data['records']} records × {s['chunks']} passages (~{s['mean_prompt_tokens']:.0f} prompt tokens), "
         f"greedy ≤{s['max_new_tokens']} tokens; answer KL over full's first ≤{s['answer_kl_tokens']} tokens; {data['date']}"
     )
-    out.print(f"[dim]{data['command']}[/]")
+    con.print(f"[dim]{escape(data['command'])}[/]")
     if data["results"]:
-        table = Table(title="modes vs full (same prompt, same decoding)")
-        for col in ("mode", "ratio", "F1", "EM vs full", "ROUGE-L vs full", "KL 1st tok", "answer KL",
-                    "TTFT p50", "TTFT p90", "recompute"):
-            table.add_column(col, justify="left" if col == "mode" else "right")
-        for r in data["results"]:
-            table.add_row(
-                r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
-                _f(r["rouge_l_vs_full"]), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
-                f"{r['ttft_median_s'] * 1000:.0f} ms", f"{r['ttft_p90_s'] * 1000:.0f} ms", f"{r['recompute_share']:.1%}",
-            )
-        out.print(table)
+        rows = [[
+            r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
+            _f(r["rouge_l_vs_full"]), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
+            f"{r['ttft_median_s']:.3f}", f"{r['ttft_p90_s']:.3f}", f"{r['recompute_share']:.1%}",
+        ] for r in data["results"]]
+        con.print(_table(
+            "modes vs full (same prompt token ids, same greedy decoding)",
+            ["mode", "ratio", "F1", "EM", "ROUGE-L", "KL 1st", "KL ans", "TTFT p50", "TTFT p90", "recomp."], rows,
+            caption="EM, ROUGE-L: agreement with full's answer. KL from full in nats: first token, and answer "
+                    "(teacher-forced on full's answer). TTFT in s. recomp.: share of full's compute.",
+        ))
+    for rec in data.get("per_record", []):
+        con.print(f"[bold]#{rec['record']}[/] {escape(rec['question'])}  [dim]gold: {escape(' | '.join(rec['gold']))}[/]")
+        for run in rec["runs"]:
+            con.print(f"   {run['run']:<40} {run['answer']!r}", markup=False)
     if data.get("variants"):
-        table = Table(title=f"fusor variants @ ratio {s['variant_ratio']:g} (sink rows: KV in memory, TTFT comparable among themselves)")
-        for col in ("group", "variant", "mode", "F1", "EM vs full", "KL 1st tok", "answer KL", "TTFT p50", "recompute"):
-            table.add_column(col, justify="left" if col in ("group", "variant", "mode") else "right")
-        last = None
+        rows, last = [], None
         for r in data["variants"]:
-            table.add_row(
+            rows.append([
                 r["group"] if r["group"] != last else "", r["name"], r["mode"], _f(r["f1"]), _f(r["em_vs_full"]),
-                _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4), f"{r['ttft_median_s'] * 1000:.0f} ms",
+                _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4), f"{r['ttft_median_s']:.3f}",
                 f"{r['recompute_share']:.1%}",
-            )
+            ])
             last = r["group"]
-        out.print(table)
+        con.print(_table(
+            f"fusor variants, blend at ratio {s['variant_ratio']:g}",
+            ["group", "variant", "mode", "F1", "EM", "KL 1st", "KL ans", "TTFT p50", "recomp."], rows, text_cols=3,
+            caption="sink rows run with the KV in memory: their TTFTs compare with each other, not with the rows above.",
+        ))
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]], caption: str = "", text_cols: int = 1) -> Table:
+    """Numbers never truncated (headers wrap instead), so the table reads at 80 columns too."""
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, caption_justify="left")
+    for c, header in enumerate(headers):
+        if c < text_cols:
+            table.add_column(header, justify="left")
+        else:
+            table.add_column(header, justify="right", min_width=max(len(row[c]) for row in rows))
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import typer
 
-from kvblend.cli import archive_cmds, query_cmds
+from kvblend.cli import archive_cmds, bench_cmds, controller_cmds, query_cmds
 from kvblend.errors import KvblendError
 
 app = typer.Typer(
@@ -29,18 +29,8 @@ app = typer.Typer(
 archive_cmds.register(app)
 query_cmds.register(app)
 
-try:  # commands contributed by optional modules (bench, profile, tune)
-    from kvblend.cli import bench_cmds
-
-    bench_cmds.register(app)
-except ImportError:  # pragma: no cover - during development only
-    pass
-try:
-    from kvblend.cli import controller_cmds
-
-    controller_cmds.register(app)
-except ImportError:  # pragma: no cover
-    pass
+bench_cmds.register(app)
+controller_cmds.register(app)
 
 
 def main() -> None:
