@@ -1036,7 +1036,7 @@ def measure_quality(
     max_new_tokens: int = 16,
     check_layer: int = 1,
     tolerance: float | None = None,
-    kl_bound: float | None = None,
+    kl_bound_vs_reuse: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Quality of `blend` at each ratio against `full` on calibration records.
@@ -1047,7 +1047,12 @@ def measure_quality(
     ``full``, mean F1 vs the gold answers (greedy, ``max_new_tokens``), its drop
     from ``full``'s F1, and how often the answer equals ``full``'s.
 
-    With ``tolerance`` and ``kl_bound`` the sweep saves work without changing
+    ``reuse`` (no recompute) is measured too: its mean KL is the yardstick for
+    the KL bound, because an absolute KL means little across models and
+    prompt lengths while "blend removes most of reuse's deviation" does. The
+    returned ``kl_bound`` is ``kl_bound_vs_reuse × reuse_kl``.
+
+    With ``tolerance`` and ``kl_bound_vs_reuse`` the sweep saves work without changing
     :func:`quality_floor`'s answer: ratios run from the largest down and stop
     after the first that fails (no smaller ratio can be the floor then).
     Ratios never run are listed in ``skipped``.
@@ -1059,7 +1064,7 @@ def measure_quality(
     from kvblend.prompt import MUSIQUE_TEMPLATE, assemble_prompt, segment_text_for_kv
 
     log = log or (lambda _msg: None)
-    early_stop = tolerance is not None and kl_bound is not None
+    early_stop = tolerance is not None and kl_bound_vs_reuse is not None
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     started = time.perf_counter()
 
@@ -1088,6 +1093,9 @@ def measure_quality(
         raise UsageError("no calibration record fits the model's context")
     mean = statistics.fmean
     f1_full = mean(c[4] for c in cases)
+    reuse_kl = mean(kl_divergence(c[2], fuse(runner, c[0], "reuse").last_logits) for c in cases)
+    kl_bound = None if kl_bound_vs_reuse is None else kl_bound_vs_reuse * reuse_kl
+    log(f"reuse: KL {reuse_kl:.4f}" + ("" if kl_bound is None else f" → KL bound {kl_bound:.4f}"))
 
     results: dict[float, dict[str, Any]] = {}
     order = sorted(ratios, reverse=True) if early_stop else list(ratios)
@@ -1108,7 +1116,8 @@ def measure_quality(
         if early_stop and not _passes(res, tolerance, kl_bound):
             break
     skipped = [r for r in ratios if r not in results]
-    return {"records": len(cases), "full_f1": f1_full, "by_ratio": dict(sorted(results.items())),
+    return {"records": len(cases), "full_f1": f1_full, "reuse_kl": reuse_kl, "kl_bound": kl_bound,
+            "by_ratio": dict(sorted(results.items())),
             "skipped": skipped, "seconds": time.perf_counter() - started}
 
 

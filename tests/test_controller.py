@@ -418,3 +418,7 @@ def test_measure_quality_plumbing_on_default_model(default_runner):
     assert full_equivalent["kl"] == pytest.approx(0.0, abs=1e-4)
     assert full_equivalent["f1_drop"] == pytest.approx(0.0) and full_equivalent["same_as_full"] == 1.0
     assert q["by_ratio"][0.3]["kl"] >= 0
+    assert q["reuse_kl"] > 0 and q["kl_bound"] is None  # reuse skips the cross-attention, so it deviates
+    bounded = ctl.measure_quality(default_runner, [record], [0.3, 1.0], max_new_tokens=3,
+                                  tolerance=1.0, kl_bound_vs_reuse=0.5)
+    assert bounded["kl_bound"] == pytest.approx(0.5 * bounded["reuse_kl"])

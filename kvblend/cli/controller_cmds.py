@@ -172,7 +172,7 @@ def tune(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="MuSiQue-schema JSON (default: fixtures/calibration.json).", show_default=False),
     limit: int = typer.Option(4, "--limit", help="Calibration records to run."),
     tolerance: float = typer.Option(0.02, "--tolerance", help="Largest F1 drop vs full accepted."),
-    kl_bound: float = typer.Option(0.1, "--kl-bound", help="Largest mean first-token KL from full accepted (nats)."),
+    kl_bound: float = typer.Option(0.5, "--kl-bound", help="Largest mean first-token KL from full accepted, as a fraction of reuse's KL on the same records (reuse = no recompute)."),
     ratios: str = typer.Option("0.05,0.1,0.15,0.2,0.3", "--ratios", help="Ratios to test for the quality floor."),
     r_quality: Optional[float] = typer.Option(None, "--r-quality", help="Skip calibration and use this quality floor.", show_default=False),
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help="Prompt length to tune for (default: top-6 × the archive's mean segment, else 3072).", show_default=False),
@@ -236,14 +236,15 @@ def tune(
             records = ctl.load_calibration(calibration or ctl.default_calibration_path(), limit)
             log(f"calibration: {len(records)} records × ratios {', '.join(f'{r:g}' for r in ratio_list)} vs full")
             runner = load_model(model, compute)
-            quality = ctl.measure_quality(runner, records, ratio_list, tolerance=tolerance, kl_bound=kl_bound, log=log)
-            floor = ctl.quality_floor(quality["by_ratio"], tolerance, kl_bound)
+            quality = ctl.measure_quality(runner, records, ratio_list, tolerance=tolerance,
+                                          kl_bound_vs_reuse=kl_bound, log=log)
+            floor = ctl.quality_floor(quality["by_ratio"], tolerance, quality["kl_bound"])
             if floor is None:
                 rq, rq_source = 1.0, "fallback"
                 top = max(ratio_list)
                 v = quality["by_ratio"][top]
                 notes.append(f"even r = {top:g} misses the bounds (F1 drop {v['f1_drop']:+.3f} vs ≤ {tolerance:g}, "
-                             f"KL {v['kl']:.3f} vs ≤ {kl_bound:g}), so r_quality = 1.0: queries will recompute "
+                             f"KL {v['kl']:.3f} vs ≤ {quality['kl_bound']:.3f} = {kl_bound:g}× reuse's), so r_quality = 1.0: queries will recompute "
                              "every token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen "
                              "--kl-bound/--tolerance, or pass --r-quality")
             else:
@@ -291,12 +292,14 @@ def _quality_json(quality: dict | None) -> dict | None:
 
 def _print_tune(entry, decision, storage, costs, quality, tolerance, kl_bound, key) -> None:
     if quality is not None:
-        qt = Table(title=f"quality vs full ({quality['records']} calibration records, full F1 {quality['full_f1']:.3f})",
+        abs_bound = quality["kl_bound"]
+        qt = Table(title=f"quality vs full ({quality['records']} calibration records, full F1 {quality['full_f1']:.3f}, "
+                         f"reuse KL {quality['reuse_kl']:.4f})",
                    title_justify="left")
         for col in ("ratio", "F1", "F1 drop", "first-token KL", "same answer", "within bounds"):
             qt.add_column(col, justify="right")
         for r, v in sorted(quality["by_ratio"].items()):
-            ok = v["f1_drop"] <= tolerance + 1e-12 and v["kl"] <= kl_bound
+            ok = v["f1_drop"] <= tolerance + 1e-12 and v["kl"] <= abs_bound
             qt.add_row(f"{r:g}", f"{v['f1']:.3f}", f"{v['f1_drop']:+.3f}", f"{v['kl']:.4f}",
                        f"{v['same_as_full']:.0%}", "[green]yes[/]" if ok else "[red]no[/]")
         for r in quality.get("skipped", []):
@@ -310,7 +313,7 @@ def _print_tune(entry, decision, storage, costs, quality, tolerance, kl_bound, k
         lt.add_row(f"{row['L']}{mark}", _ms(row["t_load_s"]), _ms(row["t_full_layer_s"]), _ms(row["t_recompute_s"]),
                    f"{row['r_hide']:.3f}", "yes" if row["hidden"] else "no")
     out.print(lt)
-    src = {"calibration": f"F1 drop ≤ {tolerance:g} and KL ≤ {kl_bound:g} on calibration",
+    src = {"calibration": f"F1 drop ≤ {tolerance:g} and KL ≤ {kl_bound:g}× reuse's on calibration",
            "given": "--r-quality", "fallback": "no tested ratio met the bounds"}[decision.r_quality_source]
     out.print(f"context L = {decision.L} tokens ({decision.L_source})")
     out.print(f"r_quality = {decision.r_quality:g} ({src}); r_hide = {decision.r_hide:.3f} "
