@@ -230,6 +230,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        # the last sparse-attention block plan: the fusor reuses one query set for many layers
+        self._block_plan: tuple[torch.Tensor, int, int | None, list] | None = None
 
     # ── identity ──
     @property
@@ -333,9 +335,34 @@ class ModelRunner:
         position (and from its first position's window start): this recovers the
         triangle that a dense causal kernel skips, so cost tracks the kept fraction.
         """
-        key_positions = torch.arange(k.shape[2], device=q.device)
         outs = []
-        for start in range(0, q.shape[2], self.QUERY_BLOCK):
+        for start, lo, hi, allowed in self._query_blocks(query_positions, k.shape[2], window):
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start : start + self.QUERY_BLOCK],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
+                    attn_mask=allowed,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+    def _query_blocks(
+        self, query_positions: torch.Tensor, n_keys: int, window: int | None
+    ) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(start, key lo, key hi, mask) per query block; memoised for the same query tensor.
+
+        After the check layer the fusor keeps one set of query positions for all
+        remaining layers, so the masks are built once per fusion, not once per layer.
+        """
+        plan = self._block_plan
+        if plan is not None and plan[0] is query_positions and plan[1] == n_keys and plan[2] == window:
+            return plan[3]
+        key_positions = torch.arange(n_keys, device=query_positions.device)
+        blocks = []
+        for start in range(0, query_positions.numel(), self.QUERY_BLOCK):
             pos = query_positions[start : start + self.QUERY_BLOCK]
             hi = int(pos[-1]) + 1
             lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
@@ -343,17 +370,9 @@ class ModelRunner:
             allowed = delta >= 0
             if window is not None:
                 allowed &= delta < window
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start : start + self.QUERY_BLOCK],
-                    k[:, :, lo:hi],
-                    v[:, :, lo:hi],
-                    attn_mask=allowed[None, None],
-                    scale=scale,
-                    enable_gqa=True,
-                )
-            )
-        return torch.cat(outs, dim=2)
+            blocks.append((start, lo, hi, allowed[None, None]))
+        self._block_plan = (query_positions, n_keys, window, blocks)
+        return blocks
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual."""

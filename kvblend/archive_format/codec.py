@@ -119,9 +119,14 @@ def _unshuffle(planes: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> to
     if planes.numel() % size:
         raise CorruptBlobError("shuffled payload length is not a multiple of the element size")
     src = planes.numpy().reshape(size, -1)
-    raw = np.empty((src.shape[1], size), dtype=np.uint8)
-    for i in range(size):
-        raw[:, i] = src[i]
+    if size == 2:  # fp16/bf16: high << 8 | low in one uint16 pass, ~2x the strided byte copies
+        merged = np.left_shift(src[1], 8, dtype=np.uint16)
+        np.bitwise_or(merged, src[0], out=merged)
+        raw = merged.view(np.uint8)
+    else:
+        raw = np.empty((src.shape[1], size), dtype=np.uint8)
+        for i in range(size):
+            raw[:, i] = src[i]
     out = torch.from_numpy(raw.reshape(-1)).view(dtype)
     try:
         return out.reshape(shape)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -35,8 +36,14 @@ _LMDB_KEY_LIMIT = 480  # LMDB's default max key size is 511 bytes; keep a margin
 
 
 def checksum(data: bytes) -> str:
-    """Checksum of one stored payload: blake2b-128 hex (fast, in hashlib, collision-safe)."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """Checksum of one stored payload: CRC-32 (zlib), 8 hex digits.
+
+    It guards against torn writes and bit rot, not against an adversary, and it
+    runs on every layer of every query: zlib's CRC-32 checks ~3 GB/s per core
+    where BLAKE2b managed ~0.6 GB/s, which on a 2-core host was ~3% of a
+    blended query's time stolen from the fusor.
+    """
+    return f"{zlib.crc32(data):08x}"
 
 
 def _from_dict(cls: type[T], d: dict[str, Any]) -> T:
@@ -51,7 +58,7 @@ class LayerEntry:
 
     offset: int
     length: int
-    checksum: str  # blake2b-128 hex of the compressed payload bytes
+    checksum: str  # CRC-32 (8 hex digits) of the compressed payload bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
