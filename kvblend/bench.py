@@ -66,6 +66,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
 from kvblend.fusor import DEVIATIONS, MODES, Segment, fuse
 from kvblend.generate import SamplingConfig, generate
@@ -107,12 +108,7 @@ def load_records(path: str | os.PathLike[str], limit: int | None = None) -> list
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1, not {limit}")
     p = Path(path)
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"no such dataset file: {p}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read dataset {p} ({type(exc).__name__})") from None
+    raw = read_user_text(p, "dataset file")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:

@@ -248,3 +248,13 @@ def _read_json(text: str, name: str, docs, skipped) -> bool:
             _add_record(f"{name}#{i}", record, docs, skipped)
         return True
     return False
+
+
+def read_user_text(path: Path, what: str) -> str:
+    """A file the user named on the command line, as UTF-8; any failure is one UsageError line naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"no such {what}: {path}") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} {path} as UTF-8 text ({type(exc).__name__})") from None

@@ -49,6 +49,7 @@ def run_section(name: str) -> None:
     elif name == "bench":
         # one pass for the main table and the variants: full is the shared reference, runs are shared
         data = str(SHARED_DATA / "musique_dev.json")
+        (ROOT / "docs").mkdir(exist_ok=True)
         r = run_cli_json("bench", ["bench", data, "--limit", "20", "--variants", "--json",
                                    "--plot", str(ROOT / "docs" / "bench-musique.png")])
         r["date"] = started

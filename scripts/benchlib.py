@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,25 +16,13 @@ OUT_DIR = ROOT / "bench-out"
 
 
 def machine() -> str:
-    """One line: CPU model, cores, memory, torch build, GPU if any."""
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
+    """One line: host, CPU, cores, memory, torch, load (the bench harness's own description), GPU if any."""
     import torch
 
+    from kvblend.bench import describe_machine
+
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
-    return f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores{mem}{gpu}, torch {torch.__version__}"
+    return describe_machine() + gpu
 
 
 def median(xs: list[float]) -> float:

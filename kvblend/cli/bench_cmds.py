@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +14,16 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from kvblend.cli.common import ComputeOpt, JsonOpt, ModelOpt, err, out, print_json, progress_enabled
+from kvblend.cli.common import (
+    ComputeOpt,
+    JsonOpt,
+    ModelOpt,
+    archive_dir_or_scratch,
+    err,
+    out,
+    print_json,
+    progress_enabled,
+)
 from kvblend.errors import UsageError
 
 
@@ -73,12 +80,7 @@ def bench(
 
     from kvblend.engine import Engine
 
-    scratch = None
-    target = archive
-    if target is None:
-        scratch = tempfile.mkdtemp(prefix="kvblend-bench-")
-        target = Path(scratch)
-    try:
+    with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
         with Engine(target, model, compute) as engine:
             kwargs = dict(chunks=chunks, max_new_tokens=max_tokens, variants=variants,
                           variant_ratio=variant_ratio, command=command)
@@ -96,9 +98,6 @@ def bench(
                     report = B.run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
             else:
                 report = B.run_bench(engine, records, mode_list, ratio_list, **kwargs)
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     data = report.to_dict(answers=answers)
     if scratch:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -64,3 +69,16 @@ def parse_check_layers(text: Optional[str]) -> tuple[int, ...] | None:
     if not layers:
         raise UsageError("--check-layers needs at least one layer")
     return layers
+
+
+@contextmanager
+def archive_dir_or_scratch(given: Optional[Path], prefix: str) -> Iterator[tuple[Path, bool]]:
+    """(directory, is_scratch): the archive the user named, else a temporary one removed afterwards."""
+    if given is not None:
+        yield given, False
+        return
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield scratch, True
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -15,6 +13,7 @@ from rich.table import Table
 
 from kvblend.cli.common import (
     ArchiveOpt,
+    archive_dir_or_scratch,
     ComputeOpt,
     JsonOpt,
     ModelOpt,
@@ -25,6 +24,7 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
+from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
 from kvblend.generate import SamplingConfig
 
@@ -94,12 +94,7 @@ def ingest(
 def _read_context_files(files: List[Path]) -> list[str]:
     texts = []
     for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UsageError(f"no such file: {f}") from None
-        except (UnicodeDecodeError, IsADirectoryError, PermissionError) as exc:
-            raise UsageError(f"cannot read {f} as UTF-8 text ({type(exc).__name__})") from None
+        text = read_user_text(f, "context file")
         if not text.strip():
             raise UsageError(f"context file is empty: {f}")
         texts.append(text)
@@ -185,13 +180,5 @@ def demo(
     """Ingest the bundled fixture documents and answer a two-document question with blend and full."""
     from kvblend.demo import run_demo
 
-    tmp = None
-    target = keep
-    if target is None:
-        tmp = tempfile.mkdtemp(prefix="kvblend-demo-")
-        target = Path(tmp)
-    try:
+    with archive_dir_or_scratch(keep, "kvblend-demo-") as (target, _scratch):
         run_demo(target, compute=compute, as_json=as_json, console=out, err_console=err)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
