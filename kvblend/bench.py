@@ -68,7 +68,7 @@ import torch
 
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
-from kvblend.fusor import DEVIATIONS, MODES, Segment, fuse
+from kvblend.fusor import DEFAULT_DEVIATION, DEVIATIONS, MODES, Segment, fuse
 from kvblend.generate import SamplingConfig, generate
 from kvblend.metrics import exact_match, f1_score, kl_divergence, mean_token_kl, percentile, rouge_l
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate, assemble_prompt, segment_text_for_kv
@@ -80,7 +80,7 @@ DEFAULT_MAX_NEW_TOKENS = 32
 ANSWER_KL_TOKENS = 16
 DEFAULT_VARIANT_RATIO = 0.15
 SINK_POLICIES = ("alone", "shared-prefix")
-BENCH_DEVIATION = "k"  # the engine's defaults, spelled out so variants name them
+BENCH_DEVIATION = DEFAULT_DEVIATION  # the engine's defaults, spelled out so variants name them
 BENCH_CHECK_LAYERS = (1,)
 
 
@@ -761,7 +761,7 @@ def markdown_variants(data: dict) -> str:
     for r in rows_in:
         rows.append([
             r["group"] if r["group"] != last else "", r["name"], r["mode"], _md_num(r["f1"]), _md_num(r["em_vs_full"]),
-            _md_num(r["kl_vs_full"], 4), _md_num(r["answer_kl_vs_full"], 4), _md_num(r["ttft_median_s"]),
+            _md_num(r["rouge_l_vs_full"]), _md_num(r["kl_vs_full"], 4), _md_num(r["answer_kl_vs_full"], 4), _md_num(r["ttft_median_s"]),
             f"{r['recompute_share']:.1%}", r.get("kv_source", ""),
         ])
         last = r["group"]
@@ -769,11 +769,11 @@ def markdown_variants(data: dict) -> str:
     return "\n".join([
         _md_settings(data) + (f" Blend at ratio {ratio:g}." if ratio is not None else ""),
         "",
-        _md_table(["group", "variant", "mode", "F1 (gold)", "EM vs full", "KL 1st token", "answer KL",
+        _md_table(["group", "variant", "mode", "F1 (gold)", "EM vs full", "ROUGE-L vs full", "KL 1st token", "answer KL",
                    "TTFT p50 (s)", "recompute share", "KV from"], rows, 3),
         "",
         "deviation: HKVD scored on K, V, or both (each normalised by its mean). check_layers: where tokens are "
         "selected (1,2,3 = gradual filtering, ratios shrinking to the target). sink: chunks prefilled alone (what the "
         "archive stores) vs after the prompt's shared instruction prefix (its KV dropped); these rows hold the KV in "
-        "memory, so their TTFTs compare with each other only.",
+        "memory, so their TTFTs compare with each other only." + (f" Note: {data['note']}." if data.get("note") else ""),
     ])

@@ -952,14 +952,18 @@ def busy_warning(profile: Mapping[str, Any]) -> str | None:
     return None
 
 
-def profile_flags(profile: Mapping[str, Any], machine: Mapping[str, Any], fingerprint: str | None) -> list[str]:
-    """Why a stored profile may not apply here: another machine, another model."""
+def profile_flags(profile: Mapping[str, Any], machine: Mapping[str, Any], fingerprint: str | None,
+                  model_changed_at: float | None = None) -> list[str]:
+    """Why a stored profile may not apply here: another machine, another model, or a model
+    file replaced after the profile was measured (its costs may no longer hold)."""
     flags = []
     if not same_machine(profile.get("machine", {}), machine):
         flags.append("other machine")
     fp = profile.get("model", {}).get("fingerprint")
     if fingerprint and fp and fp != fingerprint:
         flags.append("other model")
+    elif model_changed_at and profile.get("created", 0) < model_changed_at:
+        flags.append("older than the model")
     return flags
 
 

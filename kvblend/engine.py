@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -27,7 +28,7 @@ from kvblend.archive_format import (
 )
 from kvblend.documents import iter_documents
 from kvblend.errors import UsageError
-from kvblend.fusor import MODES, BlendConfig, FusionResult, Segment, fuse, plan_prompt
+from kvblend.fusor import DEFAULT_DEVIATION, MODES, BlendConfig, FusionResult, Segment, fuse, plan_prompt
 from kvblend.generate import Generation, SamplingConfig, generate
 from kvblend.model import (
     DEFAULT_MODEL_NAME,
@@ -44,7 +45,6 @@ from kvblend.streaming import ArchiveFeed, SegmentUnavailable, layers_needed
 
 DEFAULT_RATIO = 0.15
 DEFAULT_CHECK_LAYERS = (1,)
-DEFAULT_DEVIATION = "k"
 SINK_POLICIES = ("alone",)  # segments are prefilled alone (see BENCHMARKS.md, variants)
 
 
@@ -153,6 +153,46 @@ class QueryOptions:
 # ───────────────────────────────── engine ─────────────────────────────────
 
 
+class StoreBehind:
+    """Stores one prefilled batch on a background thread while the model prefills the next.
+
+    Encoding (zstd releases the GIL), blob writes, their fsyncs and the index
+    commit would otherwise stall the model between batches. One worker keeps
+    the order (a document commits only after its segments), and at most one
+    batch is in flight, so memory holds two batches of KV at most. Leaving the
+    block waits for the batch in flight: an interrupted ingest still commits
+    everything that was handed over, and a failure in the worker is raised here.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store")
+        self._inflight: Future | None = None
+        self.keys: frozenset[str] = frozenset()  # segments being stored: not yet visible in the index
+
+    def submit(self, job: Callable[[], None], keys: Iterable[str]) -> None:
+        self.drain()
+        self.keys = frozenset(keys)
+        self._inflight = self._pool.submit(job)
+
+    def drain(self) -> None:
+        """Wait for the batch in flight; re-raise its error."""
+        future, self._inflight = self._inflight, None
+        try:
+            if future is not None:
+                future.result()
+        finally:
+            self.keys = frozenset()
+
+    def __enter__(self) -> "StoreBehind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 class Engine:
     """One archive + one model. Cheap to create: the model loads on first use."""
 
@@ -227,14 +267,17 @@ class Engine:
             raise UsageError("--chunk-tokens must be at least 16")
         started = time.perf_counter()
         docs, skipped = iter_documents([Path(p) for p in paths])
+        if not docs:
+            shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
+            raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
         report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
         archive = self.archive(create=True)
-        runner = self.runner
-        settings = self.kv_settings()
+        total_docs = len(docs)
         pending: list[tuple[str, str, list[int]]] = []  # (key, text, ids) awaiting prefill
         pending_keys: set[str] = set()
         waiting_docs: list[DocumentRecord] = []
-        with archive.writer(wait=wait_for_writer):
+        behind = StoreBehind()
+        with archive.writer(wait=wait_for_writer), behind:
             for doc in docs:
                 report.documents += 1
                 previous = archive.get_document(doc.path)
@@ -244,15 +287,19 @@ class Engine:
                     report.documents_unchanged += 1
                     report.segments_reused += len(previous.segment_keys)
                     report.tokens_total += previous.n_tokens
-                    self._progress(on_progress, report, doc.path)
+                    self._progress(on_progress, report, doc.path, total_docs)
                     continue
+                # The model loads only here: re-ingesting an unchanged tree never pays for it.
+                runner, settings = self.runner, self.kv_settings()
                 keys, n_tokens = [], 0
                 for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
                     ids = runner.tokenize(segment_text_for_kv(text))
                     key = segment_key(self.fingerprint, ids, settings)
                     keys.append(key)
                     n_tokens += len(ids)
-                    if archive.has_segment(key) or key in pending_keys:
+                    if key in pending_keys or key in behind.keys or (
+                        archive.has_segment(key) and archive.has_embedding(key)
+                    ):
                         report.segments_reused += 1
                     else:
                         pending.append((key, text, ids))
@@ -268,37 +315,53 @@ class Engine:
                         size=len(doc.text.encode()),
                     )
                 )
-                if sum(len(p[2]) for p in pending) >= 4 * batch_tokens:
-                    self._flush(archive, pending, waiting_docs, settings, codec, level, batch_tokens, report, on_progress)
+                if sum(len(p[2]) for p in pending) >= batch_tokens:
+                    self._flush(archive, pending, waiting_docs, codec, level, batch_tokens, report, behind)
                     pending_keys.clear()
-                self._progress(on_progress, report, doc.path)
-            self._flush(archive, pending, waiting_docs, settings, codec, level, batch_tokens, report, on_progress)
+                self._progress(on_progress, report, doc.path, total_docs)
+            self._flush(archive, pending, waiting_docs, codec, level, batch_tokens, report, behind)
         report.seconds = time.perf_counter() - started
         return report
 
-    def _progress(self, on_progress, report: IngestReport, current: str) -> None:
+    def _progress(self, on_progress, report: IngestReport, current: str, total: int | None = None) -> None:
         if on_progress is not None:
-            on_progress({"documents": report.documents, "tokens": report.tokens_new, "current": current})
+            on_progress({"documents": report.documents, "total": total, "tokens": report.tokens_new,
+                         "current": current})
 
-    def _flush(self, archive, pending, waiting_docs, settings, codec, level, batch_tokens, report, on_progress):
-        """Prefill pending segments, commit them, then commit the documents that needed them."""
+    def _flush(self, archive, pending, waiting_docs, codec, level, batch_tokens, report,
+               behind: "StoreBehind | None" = None) -> None:
+        """Prefill pending segments and embed them here; store them (and then the documents
+        that needed them) on `behind`'s thread while the next batch prefills, else inline."""
+        items, embeddings = [], None
+        if not pending and not waiting_docs:
+            return
         if pending:
+            settings = self.kv_settings()
             t0 = time.perf_counter()
             kvs = precompute_kv(self.runner, [ids for _, _, ids in pending], batch_tokens=batch_tokens)
             report.prefill_seconds += time.perf_counter() - t0
-            records = [self._new_record(key, text, ids, settings) for key, text, ids in pending]
-            stored = archive.put_segments(list(zip(records, kvs)), codec=codec, level=level)
+            items = [(self._new_record(key, text, ids, settings), kv) for (key, text, ids), kv in zip(pending, kvs)]
             embeddings = get_embedder().embed([text for _, text, _ in pending])
-            archive.put_embeddings([r.key for r in stored], embeddings)
-            for rec in stored:
-                report.segments_new += 1
-                report.tokens_new += rec.n_tokens
-                report.bytes_written += sum(layer.length for layer in rec.layers)
-                report.raw_bytes += raw_kv_bytes(rec)
-            pending.clear()
-        for doc in waiting_docs:
-            archive.replace_document(doc)
+        docs = list(waiting_docs)
+        pending.clear()
         waiting_docs.clear()
+
+        def store() -> None:
+            if items:
+                vectors = {rec.key: vec for (rec, _), vec in zip(items, embeddings)}
+                stored = archive.put_segments(items, codec=codec, level=level, embeddings=vectors)
+                for rec in stored:
+                    report.segments_new += 1
+                    report.tokens_new += rec.n_tokens
+                    report.bytes_written += sum(layer.length for layer in rec.layers)
+                    report.raw_bytes += raw_kv_bytes(rec)
+            for doc in docs:  # only after their segments committed: a document never points at nothing
+                archive.replace_document(doc)
+
+        if behind is None:
+            store()
+        else:
+            behind.submit(store, [rec.key for rec, _ in items])
 
     def _new_record(self, key: str, text: str, ids: list[int], settings: dict) -> SegmentRecord:
         r = self.runner
@@ -328,7 +391,7 @@ class Engine:
         if todo:
             report = IngestReport()
             with archive.writer(wait=30.0):
-                self._flush(archive, todo, [], settings, codec, level, DEFAULT_BATCH_TOKENS, report, None)
+                self._flush(archive, todo, [], codec, level, DEFAULT_BATCH_TOKENS, report)
         return [archive.get_segment(k) for k, _, _ in items]
 
     # ── query ──
@@ -346,26 +409,26 @@ class Engine:
         """The ratio `kvblend tune` stored for this model, compute device and archive location."""
         from kvblend.controller import tuned_key
 
+        if self._archive is None and not (self.archive_path / "index").is_dir():
+            return None  # no archive yet: nothing was tuned, and asking must not create one
         entry = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.archive_path))
         return float(entry["ratio"]) if entry else None
 
     def select_records(self, question: str, opts: QueryOptions) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
-        """Pinned documents, pinned segments, or top-k retrieval; in prompt order."""
+        """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order."""
         archive = self.archive(create=False)
         records: list[SegmentRecord] = []
         infos: list[SegmentInfo] = []
-        if opts.docs:
-            for path in opts.docs:
-                doc = self._find_document(path)
-                for key in doc.segment_keys:
-                    records.append(self._segment_or_error(key))
-                    infos.append(SegmentInfo(key, doc.path, records[-1].n_tokens, True))
-            return records, infos
-        if opts.segment_keys:
-            for key in opts.segment_keys:
-                rec = self._segment_or_error(key)
-                records.append(rec)
-                infos.append(SegmentInfo(rec.key, self._document_of(rec.key), rec.n_tokens, True))
+        for path in opts.docs:
+            doc = self._find_document(path)
+            for key in doc.segment_keys:
+                records.append(self._segment_or_error(key))
+                infos.append(SegmentInfo(key, doc.path, records[-1].n_tokens, True))
+        for key in opts.segment_keys:
+            rec = self._segment_or_error(key)
+            records.append(rec)
+            infos.append(SegmentInfo(rec.key, self._document_of(rec.key), rec.n_tokens, True))
+        if records:
             return records, infos
         if opts.context_texts and opts.top_k == 0:
             return records, infos

@@ -80,11 +80,15 @@ def resolve_model_source(model: str | None) -> ModelSource:
 
 
 def model_cache_dir() -> Path:
-    """Where converted GGUF checkpoints are kept (KVBLEND_MODEL_CACHE, else XDG cache)."""
+    """Where converted GGUF checkpoints are kept (KVBLEND_MODEL_CACHE, else XDG cache).
+
+    A sibling of the default archive (`$XDG_CACHE_HOME/kvblend`), never inside it:
+    the archive directory holds only the archive, so `kvblend path`/`stats` tell the truth.
+    """
     if os.environ.get("KVBLEND_MODEL_CACHE"):
         return Path(os.environ["KVBLEND_MODEL_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvblend" / "models"
+    return Path(base) / "kvblend-models"
 
 
 def _file_identity(path: Path) -> str:
@@ -232,6 +236,7 @@ class ModelRunner:
         self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
         # the last sparse-attention block plan: the fusor reuses one query set for many layers
         self._block_plan: tuple[torch.Tensor, int, int | None, list] | None = None
+        self._rotations: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ── identity ──
     @property
@@ -370,7 +375,10 @@ class ModelRunner:
             allowed = delta >= 0
             if window is not None:
                 allowed &= delta < window
-            blocks.append((start, lo, hi, allowed[None, None]))
+            # Additive float mask, built once: SDPA would convert a bool mask on every call (every layer).
+            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+            blocks.append((start, lo, hi, bias[None, None]))
         self._block_plan = (query_positions, n_keys, window, blocks)
         return blocks
 
@@ -385,20 +393,46 @@ class ModelRunner:
         return self.model.lm_head(self.decoder.norm(hidden)).float()
 
     # ── RoPE re-positioning of cached K ──
-    def reposition(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Rotate post-RoPE K by `delta` positions: R(p+Δ) = R(Δ)·R(p).
+    def _rotation(self, delta: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [head_dim] that move post-RoPE K by `delta` positions; memoised.
 
         The rotary embedding's attention_scaling (YaRN/longrope mscale) is divided
         out: K already carries it once and must not get it twice.
         """
+        key = (delta, str(device))
+        cached = self._rotations.get(key)
+        if cached is None:
+            cos, sin = self.rope(torch.tensor([[delta]], device=device))
+            scaling = float(getattr(self.decoder.rotary_emb, "attention_scaling", 1.0) or 1.0)
+            cached = ((cos.float() / scaling).reshape(-1), (sin.float() / scaling).reshape(-1))
+            if len(self._rotations) > 4096:  # offsets repeat across queries; keep the memo bounded
+                self._rotations.clear()
+            self._rotations[key] = cached
+        return cached
+
+    def reposition(self, k: torch.Tensor, delta: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate post-RoPE K by `delta` positions: R(p+Δ) = R(Δ)·R(p). Computed in fp32.
+
+        With `out` (same shape, any float dtype) the result is written there, so the
+        loader can lay segments straight into the prompt-wide layer without a cat.
+        In fp32 this is four fused passes over the halves of the HF `rotate_half`
+        convention — x·cos + rotate_half(x)·sin, expanded — with no temporaries.
+        """
         if delta == 0:
-            return k
-        cos, sin = self.rope(torch.tensor([[delta]], device=k.device))
-        scaling = float(getattr(self.decoder.rotary_emb, "attention_scaling", 1.0) or 1.0)
-        cos = (cos.float() / scaling).view(1, 1, 1, -1) if k.dim() == 4 else (cos.float() / scaling).view(1, 1, -1)
-        sin = (sin.float() / scaling).view_as(cos)
-        k32 = k.float()
-        return (k32 * cos + rotate_half(k32) * sin).to(k.dtype)
+            return k if out is None else out.copy_(k)
+        cos, sin = self._rotation(delta, k.device)
+        if out is None or out.dtype != torch.float32:
+            k32 = k.float()
+            rotated = k32 * cos + rotate_half(k32) * sin
+            return rotated.to(k.dtype) if out is None else out.copy_(rotated)
+        half = k.shape[-1] // 2
+        x1, x2 = k[..., :half], k[..., half:]
+        o1, o2 = out[..., :half], out[..., half:]
+        torch.mul(x1, cos[:half], out=o1)
+        o1.addcmul_(x2, sin[:half], value=-1)
+        torch.mul(x2, cos[half:], out=o2)
+        o2.addcmul_(x1, sin[half:])
+        return out
 
     # ── plain prefill, batched (used for segment precompute and as the `full` reference) ──
     @torch.inference_mode()

@@ -73,6 +73,18 @@ def test_reingest_unchanged_computes_nothing_and_edit_recomputes_only_its_segmen
     assert run("verify", "--archive", arc).returncode == 0
 
 
+def test_reingest_unchanged_never_loads_the_model(archive, tmp_path):
+    """Unchanged documents are recognised by content hash alone: no model, no tokenizer."""
+    from kvblend.engine import Engine
+
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    with Engine(arc) as engine:
+        report = engine.ingest([archive / "docs"], chunk_tokens=128)
+        assert engine._runner is None
+    assert report.documents_unchanged == 3 and report.segments_new == 0
+
+
 def test_ls_stats_show_json(archive):
     arc = archive / "arc"
     docs = json.loads(run("ls", "--archive", arc, "--json", check=True).stdout)
@@ -109,6 +121,11 @@ def test_bad_input_is_one_line_and_leaves_archive_unharmed(archive, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "no documents" in one_line_error(run("ingest", empty, "--archive", arc))
+    binaries = tmp_path / "binaries"
+    binaries.mkdir()
+    (binaries / "blob.bin").write_bytes(bytes(range(256)))
+    assert "no readable text documents" in one_line_error(run("ingest", binaries, "--archive", arc))
+    assert "batch-tokens" in one_line_error(run("ingest", archive / "docs", "--archive", arc, "--batch-tokens", "0"))
     assert "chunk-tokens" in one_line_error(run("ingest", archive / "docs", "--archive", arc, "--chunk-tokens", "0"))
     assert "no such document" in one_line_error(run("query", "q?", "--doc", "nope.md", "--archive", arc))
     assert "top-k" in one_line_error(run("query", "q?", "--top-k", "0", "--archive", arc))
@@ -158,4 +175,55 @@ def test_gc_dry_run_then_max_size_evicts(archive, tmp_path):
     assert real["evicted"] == dry["evicted"]
     stats = json.loads(run("stats", "--archive", arc, "--json").stdout)
     assert stats["stored_bytes"] <= 1_000_000
+    assert run("verify", "--archive", arc).returncode == 0
+
+
+def test_kill_9_during_real_ingest_loses_nothing_committed(tmp_path):
+    """`kvblend ingest` (each batch stored on a background thread while the next prefills)
+    killed with SIGKILL mid-run, at and between commits: each time the archive opens, `verify`
+    passes, every document lists only complete, retrievable segments, and a final run completes
+    what was left without redoing what was committed."""
+    import signal
+    import time
+
+    from kvblend.archive_format import Archive
+    from kvblend.errors import ArchiveError
+
+    docs = tmp_path / "docs"
+    shutil.copytree(FIXTURES / "docs", docs)
+    arc = tmp_path / "arc"
+    args = [*KVBLEND, "ingest", str(docs), "--archive", str(arc), "--chunk-tokens", "96",
+            "--batch-tokens", "384", "--json"]
+
+    def committed() -> set[str]:
+        try:
+            with Archive.open(arc, create=False, readonly=True) as ar:
+                return {s.key for s in ar.iter_segments()}
+        except ArchiveError:  # not created yet by the ingest under test
+            return set()
+
+    seen: set[str] = set()
+    for extra_delay in (0.0, 0.4, 1.1):  # right after a commit, then somewhere inside the next batch
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240
+        while len(committed()) <= len(seen) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(extra_delay)
+        assert proc.poll() is None, "ingest finished before the kill: nothing was tested"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        check = run("verify", "--archive", arc, "--json")
+        assert check.returncode == 0, check.stdout + check.stderr
+        with Archive.open(arc, create=False, readonly=True) as ar:
+            keys = {s.key for s in ar.iter_segments()}
+            for doc in ar.iter_documents():
+                assert set(doc.segment_keys) <= keys, doc.path
+            embedded, _ = ar.get_embeddings(keys)
+            assert set(embedded) == keys  # committed with its segment: retrieval sees every one
+        assert seen <= keys  # a restart never loses what an earlier run committed
+        seen = keys
+    final = run("ingest", docs, "--archive", arc, "--chunk-tokens", "96", "--json", check=True)
+    report = json.loads(final.stdout)
+    assert report["documents"] == len(list(docs.iterdir()))
+    assert report["segments_reused"] >= len(seen)  # committed work was not redone
     assert run("verify", "--archive", arc).returncode == 0

@@ -422,3 +422,14 @@ def test_measure_quality_plumbing_on_default_model(default_runner):
     bounded = ctl.measure_quality(default_runner, [record], [0.3, 1.0], max_new_tokens=3,
                                   tolerance=1.0, kl_bound_vs_reuse=0.5)
     assert bounded["kl_bound"] == pytest.approx(0.5 * bounded["reuse_kl"])
+
+
+def test_profile_flags_name_machine_model_and_age():
+    """`profile --show` flags: another machine, another model, or a model file newer than the profile."""
+    machine = ctl.machine_info()
+    mine = {"machine": dict(machine), "model": {"fingerprint": "abc"}, "created": 1000.0}
+    assert ctl.profile_flags(mine, machine, "abc", model_changed_at=900.0) == []
+    assert ctl.profile_flags(mine, machine, "abc", model_changed_at=1100.0) == ["older than the model"]
+    assert ctl.profile_flags(mine, machine, "xyz", model_changed_at=1100.0) == ["other model"]
+    elsewhere = dict(mine, machine={**machine, "hostname": machine["hostname"] + "-other", "cpu": "another cpu"})
+    assert "other machine" in ctl.profile_flags(elsewhere, machine, "abc")

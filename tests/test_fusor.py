@@ -33,6 +33,10 @@ def prompt_ids(segs) -> torch.Tensor:
     return torch.tensor([[t for s in segs for t in s.token_ids]])
 
 
+def mean_kv_diff(a, b) -> float:
+    return sum((ka - kb).abs().mean().item() + (va - vb).abs().mean().item() for (ka, va), (kb, vb) in zip(a, b))
+
+
 def max_kv_diff(a, b) -> float:
     return max(max((ka - kb).abs().max().item(), (va - vb).abs().max().item()) for (ka, va), (kb, vb) in zip(a, b))
 
@@ -115,9 +119,14 @@ def test_blend_is_closer_to_full_than_reuse_and_counts_compute(runner):
     full = fuse(runner, segs, "full")
     reuse = fuse(runner, segs, "reuse")
     blend = fuse(runner, segs, "blend", BlendConfig.single(0.5))
-    err_reuse = (reuse.last_logits - full.last_logits).abs().mean()
-    err_blend = (blend.last_logits - full.last_logits).abs().mean()
-    assert err_blend < err_reuse
+    # The fused KV is what blend repairs: over all layers it must sit closer to full's.
+    assert mean_kv_diff(blend.kv, full.kv) < 0.8 * mean_kv_diff(reuse.kv, full.kv)
+    if runner._windows[-1] is None:
+        # With the tiny Mistral's 24-token window the last token never sees the repaired
+        # chunk starts, so its logits are the same for blend and reuse: compare them elsewhere.
+        err_reuse = (reuse.last_logits - full.last_logits).abs().mean()
+        err_blend = (blend.last_logits - full.last_logits).abs().mean()
+        assert err_blend < 0.9 * err_reuse
     n_cached = blend.cached_tokens
     T = len(blend.token_ids)
     expected_active = T - n_cached + math.ceil(0.5 * n_cached)

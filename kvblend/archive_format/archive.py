@@ -91,6 +91,12 @@ def resolve_archive_path(cli_value: str | os.PathLike[str] | None) -> Path:
     return base / "kvblend"
 
 
+def _embedding_rows(pairs: Iterable[tuple[str, np.ndarray]]) -> list[tuple[bytes, bytes]]:
+    """(db key, float32 little-endian bytes) per (segment key, vector)."""
+    return [(name_db_key(k, "embedding"), np.ascontiguousarray(np.asarray(v, dtype="<f4").reshape(-1)).tobytes())
+            for k, v in pairs]
+
+
 # ---------------------------------------------------------------- reports
 
 
@@ -428,12 +434,15 @@ class Archive:
         items: Iterable[tuple[SegmentRecord, Sequence[tuple[torch.Tensor, torch.Tensor]]]],
         codec: str = DEFAULT_CODEC,
         level: int = DEFAULT_LEVEL,
+        embeddings: dict[str, np.ndarray] | None = None,
     ) -> list[SegmentRecord]:
         """Batch :meth:`put_segment`: write and fsync every blob, then commit ONE index transaction.
 
         One commit (two LMDB fsyncs) for the batch instead of per segment is
         what makes ingesting many small chunks fast. Repeated keys in a batch
-        are stored once (first wins).
+        are stored once (first wins). ``embeddings`` (key -> vector) commit in
+        the same transaction, so no crash can leave a segment that retrieval
+        cannot see.
         """
         check_codec(codec)
         with self._ensure_writer():
@@ -461,7 +470,8 @@ class Archive:
                 raise
             # If the commit fails the blobs are orphans for gc; deleting them here could
             # race a commit that did land (e.g. interrupted after LMDB returned).
-            old_blobs = self._write(lambda txn: self._commit_segments(txn, records))
+            rows = _embedding_rows((embeddings or {}).items())
+            old_blobs = self._write(lambda txn: self._commit_segments(txn, records, rows))
             self._delete_blobs(old_blobs)
             return records
 
@@ -496,8 +506,11 @@ class Archive:
             return blob_relpath(key, secrets.token_hex(4))
         return plain
 
-    def _commit_segments(self, txn: lmdb.Transaction, records: list[SegmentRecord]) -> list[str]:
-        """Index half of a put: write the records; return blobs of replaced records to delete after commit."""
+    def _commit_segments(self, txn: lmdb.Transaction, records: list[SegmentRecord],
+                         embedding_rows: Sequence[tuple[bytes, bytes]] = ()) -> list[str]:
+        """Index half of a put: write the records (and their embeddings); return blobs of
+        replaced records to delete after commit."""
+        self._put_embedding_rows(txn, embedding_rows)
         db = self._index.dbs["segments"]
         old_blobs = []
         for rec in records:
@@ -747,9 +760,7 @@ class Archive:
 
         It is deleted with the segment of the same key.
         """
-        kb = name_db_key(key, "embedding")
-        data = np.ascontiguousarray(np.asarray(vector, dtype="<f4").reshape(-1)).tobytes()
-        self._write(lambda txn: txn.put(kb, data, db=self._index.dbs["embeddings"]))
+        self.put_embeddings([(key, vector)])
 
     def put_embeddings(self, keys: Iterable[str] | Iterable[tuple[str, np.ndarray]],
                        vectors: np.ndarray | Sequence[np.ndarray] | None = None) -> None:
@@ -759,15 +770,18 @@ class Archive:
         ``put_embeddings([(key, vector), ...])``.
         """
         pairs = list(keys) if vectors is None else list(zip(list(keys), vectors, strict=True))
-        rows = [(name_db_key(k, "embedding"), np.ascontiguousarray(np.asarray(v, dtype="<f4").reshape(-1)).tobytes())
-                for k, v in pairs]
+        rows = _embedding_rows(pairs)
+        self._write(lambda txn: self._put_embedding_rows(txn, rows))
+
+    def _put_embedding_rows(self, txn: lmdb.Transaction, rows: Sequence[tuple[bytes, bytes]]) -> None:
         db = self._index.dbs["embeddings"]
+        for kb, data in rows:
+            txn.put(kb, data, db=db)
 
-        def put_all(txn: lmdb.Transaction) -> None:
-            for kb, data in rows:
-                txn.put(kb, data, db=db)
-
-        self._write(put_all)
+    def has_embedding(self, key: str) -> bool:
+        kb = name_db_key(key, "embedding")
+        db = self._index.dbs["embeddings"]
+        return self._index.read(lambda txn: txn.get(kb, db=db) is not None)
 
     def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
         """(keys, matrix [n, dim] float32) for the given keys that have one, or for all when None."""

@@ -300,6 +300,9 @@ class Index:
                 self._grow()
             except lmdb.MapResizedError:
                 self._adopt_resize()
+            except lmdb.Error as e:  # e.g. ENOSPC while data.mdb grows: the transaction was aborted
+                raise ArchiveError(f"index write failed, nothing was committed ({e}); "
+                                   f"free space or check {self.path}") from None
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot); results must be copied out."""

@@ -131,18 +131,23 @@ def _show_profiles(path: Path, model: Optional[str], as_json: bool) -> None:
 
     if not path.exists():
         raise UsageError(f"no archive at {path}: run `kvblend profile` or `kvblend ingest` first")
-    fingerprint = None
+    fingerprint, changed_at = None, None
     try:
-        fingerprint = source_fingerprint(resolve_model_source(model))
+        source = resolve_model_source(model)
+        fingerprint = source_fingerprint(source)
+        weights = source.directory / source.gguf_file if source.gguf_file else source.directory / "config.json"
+        changed_at = weights.stat().st_mtime
     except Exception:
         if model is not None:
             raise
     machine = ctl.machine_info()
     with Archive.open(path, create=False) as ar:
         profiles = [dict(p, name=p.get("name", name)) for name, p in ar.iter_profiles()]
+        if model is None:  # judge against the model the archive was built with, not the default
+            fingerprint = ar.model_fingerprint or fingerprint
     profiles.sort(key=lambda p: p.get("created", 0))
     for p in profiles:
-        p["flags"] = ctl.profile_flags(p, machine, fingerprint)
+        p["flags"] = ctl.profile_flags(p, machine, fingerprint, changed_at)
     if as_json:
         print_json({"archive": str(path), "machine": machine, "model_fingerprint": fingerprint, "profiles": profiles})
         return

@@ -40,6 +40,7 @@ def ingest(
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(3, "--level", help="zstd compression level (1-22)."),
     codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: zstd-shuffle (default) or zstd."),
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
@@ -55,6 +56,8 @@ def ingest(
         raise UsageError(f"--codec must be one of {', '.join(CODECS)}")
     if not 1 <= level <= 22:
         raise UsageError("--level must be between 1 and 22")
+    if batch_tokens < 1:
+        raise UsageError("--batch-tokens must be at least 1")
     for p in paths:
         if not p.exists():
             raise UsageError(f"no such file or directory: {p}")
@@ -72,9 +75,10 @@ def ingest(
                     rate = p["tokens"] / max(1e-9, time.perf_counter() - started)
                     bar.update(task, completed=p["documents"], total=p.get("total"), rate=f"{rate:,.0f} tok/s")
 
-                report = engine.ingest(paths, chunk_tokens, codec, level, wait_for_writer=wait, on_progress=on_progress)
+                report = engine.ingest(paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer=wait,
+                                       on_progress=on_progress)
         else:
-            report = engine.ingest(paths, chunk_tokens, codec, level, wait_for_writer=wait)
+            report = engine.ingest(paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
     for s in report.skipped:
         err.print(f"[yellow]skipped[/] {s['path']}: {s['reason']}")
@@ -106,7 +110,7 @@ def query(
     mode: str = typer.Option("blend", "--mode", help="blend | full | reuse | prefix"),
     ratio: Optional[float] = typer.Option(None, "--ratio", help="Share of cached tokens recomputed (default: tuned, else 0.15)."),
     check_layers: Optional[str] = typer.Option(None, "--check-layers", help="e.g. 1 or 1,2,3 (gradual filtering)."),
-    deviation: str = typer.Option("k", "--deviation", help="HKVD measure: k, v or kv."),
+    deviation: Optional[str] = typer.Option(None, "--deviation", help="HKVD measure: v, k or kv (default: v, chosen by `kvblend bench --variants`).", show_default=False),
     top_k: int = typer.Option(6, "--top-k", help="Segments to retrieve."),
     doc: List[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
     segment: List[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
@@ -125,11 +129,12 @@ def query(
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
     from kvblend.engine import Engine, QueryOptions
+    from kvblend.fusor import DEFAULT_DEVIATION
     from kvblend.prompt import PromptTemplate
 
     template = PromptTemplate() if system is None else PromptTemplate(system=system)
     opts = QueryOptions(
-        mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation,
+        mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
         top_k=top_k, docs=list(doc), segment_keys=list(segment), context_texts=_read_context_files(context_file),
         store_context=store, template=template,
         sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
