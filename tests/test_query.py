@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -144,3 +145,22 @@ def test_bad_queries_are_clear_errors(engine, tmp_path, default_runner):
         empty.archive(create=True)
         with pytest.raises(UsageError, match="empty"):
             empty.query(QUESTION, QueryOptions())
+
+
+def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
+    """What `kvblend tune` stored for this model/device/archive is what `query` recomputes at."""
+    from kvblend.controller import tuned_key
+
+    runner = engine.runner
+    engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.archive_path), {"ratio": 0.4})
+    opts = pinned(engine, 2)
+    opts.sampling = SamplingConfig(max_new_tokens=1)
+    tuned = engine.query(QUESTION, opts)
+    cached = tuned.fusion.cached_tokens
+    uncached = len(tuned.fusion.token_ids) - cached
+    assert tuned.ratio == 0.4
+    assert tuned.fusion.active_per_layer[-1] == uncached + math.ceil(0.4 * cached)
+    opts.ratio = 0.1
+    override = engine.query(QUESTION, opts)
+    assert override.ratio == 0.1
+    assert override.fusion.active_per_layer[-1] == uncached + math.ceil(0.1 * cached)
