@@ -409,7 +409,7 @@ class Engine:
         """The ratio `kvblend tune` stored for this model, compute device and archive location."""
         from kvblend.controller import tuned_key
 
-        if self._archive is None and not (self.archive_path / "index").is_dir():
+        if self._archive is None and not Archive.exists(self.archive_path):
             return None  # no archive yet: nothing was tuned, and asking must not create one
         entry = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.archive_path))
         return float(entry["ratio"]) if entry else None

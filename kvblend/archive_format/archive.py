@@ -242,6 +242,11 @@ class Archive:
 
     # ------------------------------------------------------------ open / close
 
+    @staticmethod
+    def exists(path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` holds an archive (its index directory), without opening or creating it."""
+        return (Path(path) / INDEX_DIR).is_dir()
+
     @classmethod
     def open(
         cls,
@@ -1029,7 +1034,7 @@ def _prepare_dir(root: Path, *, create: bool, readonly: bool) -> None:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ArchiveError(f"cannot create archive directory {root}: {e.strerror or e}") from None
-    if not (root / INDEX_DIR).is_dir() and not create:
+    if not Archive.exists(root) and not create:
         raise ArchiveError(f"{root} is not a kvblend archive (it has no {INDEX_DIR}/ directory)")
     if readonly:
         return
