@@ -27,8 +27,8 @@ from kvblend.archive_format import (
     resolve_archive_path,
 )
 from kvblend.documents import iter_documents
-from kvblend.errors import UsageError
-from kvblend.fusor import DEFAULT_DEVIATION, MODES, BlendConfig, FusionResult, Segment, fuse, plan_prompt
+from kvblend.errors import ArchiveBusyError, UsageError
+from kvblend.fusor import DEFAULT_DEVIATION, MODES, BlendConfig, FusionResult, Segment, feed_schedule, fuse, plan_prompt
 from kvblend.generate import Generation, SamplingConfig, generate
 from kvblend.model import (
     DEFAULT_MODEL_NAME,
@@ -41,7 +41,7 @@ from kvblend.precompute import DEFAULT_BATCH_TOKENS, precompute_kv, storage_dtyp
 from kvblend.prompt import PromptTemplate, assemble_prompt, segment_text_for_kv
 from kvblend.retrieval import get_embedder, top_k
 from kvblend.segmenter import split_into_segments
-from kvblend.streaming import ArchiveFeed, SegmentUnavailable, layers_needed
+from kvblend.streaming import ArchiveFeed, SegmentUnavailable
 
 DEFAULT_RATIO = 0.15
 DEFAULT_CHECK_LAYERS = (1,)
@@ -112,6 +112,7 @@ class QueryResult:
     tokens_per_s: float
     timings: dict[str, float]
     warnings: list[str]
+    prefix_cached: bool = False
     fusion: FusionResult | None = None
     generation: Generation | None = None
 
@@ -127,6 +128,7 @@ class QueryResult:
             "recompute_share": round(self.recompute_share, 4),
             "segments": [asdict(s) for s in self.segments],
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "prefix_cached": self.prefix_cached,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "warnings": self.warnings,
         }
@@ -146,6 +148,8 @@ class QueryOptions:
     template: PromptTemplate = field(default_factory=PromptTemplate)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefetch_depth: int = 2
+    loader_overlap: bool | None = None  # build layers on loader threads; None: where cores are spare
+    cache_prefix: bool = True  # reuse (and after first use, archive) the instruction prefix's exact KV
     keep_step_logits: bool = False
     forced_tokens: list[int] | None = None
 
@@ -514,6 +518,8 @@ class Engine:
             raise UsageError("no passages: the question needs at least one segment or --context-file")
         t_retrieved = time.perf_counter()
         prompt = assemble_prompt(runner, opts.template, question, passages)
+        if opts.cache_prefix:
+            self._use_archived_prefix(prompt[0], record_by_key)
         total = sum(len(s.token_ids) for s in prompt)
         if runner.max_positions and total + opts.sampling.max_new_tokens > runner.max_positions:
             raise UsageError(
@@ -532,7 +538,10 @@ class Engine:
         cached_flags = {s.key: bool(s.cached) for s in prompt}
         for info in infos:
             info.cached = cached_flags.get(info.key, info.cached)
+        prefix_cached = bool(opts.cache_prefix and prompt[0].cached and fused.mode != "full")
         try:
+            if opts.cache_prefix and not prompt[0].cached:
+                self._archive_prefix(prompt[0], fused)
             self.archive().touch([s.key for s in prompt if s.cached])
         except Exception as exc:  # bookkeeping must never fail an answered query
             warn(f"could not record segment use: {exc}")
@@ -559,9 +568,52 @@ class Engine:
             tokens_per_s=gen.tokens_per_s,
             timings=timings,
             warnings=warnings,
+            prefix_cached=prefix_cached,
             fusion=fused,
             generation=gen,
         )
+
+    # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──
+    def prefix_key(self, token_ids: Sequence[int]) -> str:
+        """The archive key of an instruction prefix's KV: the same scheme as any segment's."""
+        return segment_key(self.fingerprint, token_ids, self.kv_settings())
+
+    def _use_archived_prefix(self, prefix: Segment, record_by_key: dict[str, SegmentRecord]) -> None:
+        """Mark the prompt's instruction prefix cached when the archive holds its KV.
+
+        It sits at position 0 and was prefilled there, so its archived KV is exactly
+        what this prompt would compute: no mode but `full` recomputes it (fusor docstring).
+        """
+        prefix.key = self.prefix_key(prefix.token_ids)
+        rec = self.archive().get_segment(prefix.key)
+        if rec is not None and list(rec.token_ids) == list(prefix.token_ids):
+            prefix.cached, prefix.base_position = True, 0
+            record_by_key[prefix.key] = rec
+
+    def _archive_prefix(self, prefix: Segment, fused: FusionResult) -> bool:
+        """Store the prefix's KV from this fusion (computed fresh at positions 0..n-1 in every
+        mode when it was not cached), so later queries with the same template reuse it.
+
+        Opportunistic: skipped, without a warning, while another process holds the writer
+        lock; it costs no recompute, only an encode and a commit after the answer.
+        """
+        n = len(prefix.token_ids)
+        if not n or n >= len(fused.token_ids) or prefix.key is None:
+            return False
+        dtype = storage_dtype(self.runner)
+        layers = [(k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous())
+                  for k, v in fused.kv]
+        record = self._new_record(prefix.key, self.runner.tokenizer.decode(prefix.token_ids), prefix.token_ids,
+                                  self.kv_settings())
+        record.extra["role"] = "prefix"
+        archive = self.archive()
+        try:
+            with archive.writer(wait=False):
+                if not archive.has_segment(prefix.key):
+                    archive.put_segments([(record, layers)])
+        except ArchiveBusyError:
+            return False
+        return True
 
     def _context_segment(self, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
         """A --context-file text: cached if already archived, stored with --store, else computed."""
@@ -578,9 +630,9 @@ class Engine:
         """Fuse with the archive feed; a blob that fails mid-stream is recomputed instead."""
         while True:
             plan = plan_prompt(prompt, opts.mode)
-            layers = layers_needed(opts.mode, blend_cfg.check_layers[0], self.runner.n_layers)
-            feed = ArchiveFeed(self.runner, self.archive(), prompt, record_by_key, plan.offsets, layers,
-                               mode=opts.mode, depth=opts.prefetch_depth)
+            schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, self.runner.n_layers)
+            feed = ArchiveFeed(self.runner, self.archive(), prompt, record_by_key, plan.offsets, schedule,
+                               depth=opts.prefetch_depth, overlap=opts.loader_overlap)
             try:
                 with feed:
                     fused = fuse(self.runner, prompt, opts.mode, blend_cfg, feed=feed)

@@ -122,7 +122,7 @@ def generate(
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     stops = runner.stop_token_ids
     limit = len(forced_tokens) if forced_tokens is not None else sampling.max_new_tokens
-    state = DecodeState(runner, fused, limit)
+    state: DecodeState | None = None  # built after the first token is out: it is not on the TTFT path
     logits = fused.last_logits
     tokens: list[int] = []
     step_logits: list[torch.Tensor] = []
@@ -146,6 +146,8 @@ def generate(
             emitted = text
         if step + 1 == limit:
             break
+        if state is None:
+            state = DecodeState(runner, fused, limit)
         logits = state.step(token)
     decode_s = time.perf_counter() - start
     text = runner.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,15 +1,25 @@
 """Layer streaming: load layer i+1's cached KV from the archive while the fusor computes layer i.
 
-A producer thread walks the layers the fusor will ask for, in order. For each
-layer it reads and decompresses every cached segment's blob slice (a small
-thread pool: file reads and zstd release the GIL), re-positions K to the
-segment's offset in this prompt, lays the layer out for the whole prompt and
-hands it over. A semaphore of `depth` slots bounds how many assembled layers
-exist at once, so memory is a few layers, never the whole prompt's KV; the
-high-water mark is recorded so tests can hold us to it.
+Loading a layer has two stages: *fetch* (pread + checksum of every needed
+segment's compressed slice: I/O, little CPU) and *build* (decompress, widen,
+re-position K to the segment's offset in this prompt, lay the layer out for
+the whole prompt: CPU). A producer thread fetches ahead, in layer order; a
+semaphore of `depth` slots bounds how many fetched layers exist at once, so
+memory is a few layers, never the whole prompt's KV, and the high-water mark
+is recorded so tests can hold us to it.
 
-On CUDA the decoded tensors are pinned and copied with non_blocking=True on a
-side stream; the fusor waits on an event, not on the whole device.
+Where the build stage runs depends on whether it can overlap compute for free:
+
+- **overlap** (CUDA, or a CPU host with cores the fusor does not use): the
+  producer also builds, so layer i+1 is ready when layer i finishes. On CUDA
+  the decoded tensors are pinned and copied with non_blocking=True on a side
+  stream; the fusor waits on an event, not on the whole device.
+- **on demand** (CPU compute on every core, e.g. this project's 2-core hosts):
+  building on a third thread would preempt one of torch's threads, and every
+  parallel op then waits for the preempted one, which measured slower than
+  not overlapping at all (BENCHMARKS.md, notes). So only I/O runs ahead, and
+  the layer is built when the fusor asks for it, across all cores, while
+  torch's threads are idle anyway. That time counts as load wait.
 
 A blob that is missing, truncated or fails its checksum raises
 SegmentUnavailable in the fusor's thread, naming the segment: the engine then
@@ -18,6 +28,7 @@ recomputes that segment instead of trusting bad data.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -29,7 +40,7 @@ import torch
 
 from kvblend.archive_format import Archive
 from kvblend.errors import CorruptBlobError, KvblendError
-from kvblend.fusor import Segment, assemble_layer, effective_cached
+from kvblend.fusor import Segment, assemble_layer
 from kvblend.model import LayerKV, ModelRunner
 
 DEFAULT_PREFETCH_DEPTH = 2
@@ -54,16 +65,19 @@ class StreamStats:
     bytes_read: int = 0
     layers_loaded: int = 0
     high_water: int = 0
+    build: str = "overlap"  # where decompress + re-position ran: "overlap" or "on-demand"
     per_layer_wait_s: list[float] = field(default_factory=list)
 
 
-def layers_needed(mode: str, first_check_layer: int, n_layers: int) -> list[int]:
-    """The layers whose cached KV the fusor will ask for, in order."""
-    if mode == "full":
-        return []
-    if mode == "blend":
-        return list(range(first_check_layer, n_layers))
-    return list(range(n_layers))
+def spare_cores_for_loading(device: torch.device) -> bool:
+    """Can building layers overlap compute without taking cores from the fusor?"""
+    if device.type == "cuda":
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
 
 
 class ArchiveFeed:
@@ -76,21 +90,22 @@ class ArchiveFeed:
         segments: Sequence[Segment],
         records: dict[str, object],
         offsets: Sequence[int],
-        layers: Sequence[int],
-        mode: str = "blend",
+        schedule: dict[int, list[bool]],
         depth: int = DEFAULT_PREFETCH_DEPTH,
         workers: int = 2,
+        overlap: bool | None = None,
     ):
         self.runner = runner
         self.archive = archive
         self.segments = list(segments)
-        self.use = effective_cached(self.segments, mode)  # prefix mode loads only the first segment
+        self.schedule = schedule  # layer -> which segments' KV it needs (fusor.feed_schedule)
         self.records = records
         self.offsets = list(offsets)
         self.total = sum(len(s.token_ids) for s in segments)
-        self.layers = list(layers)
+        self.layers = list(schedule)
         self.depth = max(1, depth)
-        self.stats = StreamStats()
+        self.overlap = spare_cores_for_loading(runner.device) if overlap is None else overlap
+        self.stats = StreamStats(build="overlap" if self.overlap else "on-demand")
         self._slots = threading.Semaphore(self.depth)
         self._held = 0
         self._held_lock = threading.Lock()
@@ -117,9 +132,6 @@ class ArchiveFeed:
         self.start()
         t0 = time.perf_counter()
         got_index, payload, event = self._queue.get()
-        waited = time.perf_counter() - t0
-        self.stats.wait_s += waited
-        self.stats.per_layer_wait_s.append(waited)
         with self._held_lock:
             self._held -= 1
         self._slots.release()
@@ -129,6 +141,15 @@ class ArchiveFeed:
         if got_index != index:
             self.close()
             raise RuntimeError(f"layer stream out of order: wanted {index}, got {got_index}")
+        if not self.overlap:
+            try:
+                payload = self._build(index, payload)
+            except BaseException:
+                self.close()
+                raise
+        waited = time.perf_counter() - t0
+        self.stats.wait_s += waited
+        self.stats.per_layer_wait_s.append(waited)
         if event is not None:
             torch.cuda.current_stream(self.runner.device).wait_event(event)
             for t in payload:
@@ -164,41 +185,59 @@ class ArchiveFeed:
                 return
             self._queue.put((index, payload, event))
 
-    def _fetch(self, seg: Segment, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        record = self.records[seg.key]
+    def _load_layer(self, index: int):
+        """The producer's share of a layer: fetch it, and build it too when building overlaps."""
+        raw = self._fetch_layer(index)
+        self.stats.layers_loaded += 1
+        if not self.overlap:
+            return raw, None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                kv = self._build(index, raw)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return kv, event
+        return self._build(index, raw), None
+
+    def _fetch_layer(self, index: int) -> dict[int, bytes]:
+        """Checksummed compressed payloads of the segments this layer needs (I/O: one pread each)."""
+        needed = self.schedule[index]
+        raw: dict[int, bytes] = {}
+        for i, seg in enumerate(self.segments):
+            if not needed[i]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                raw[i] = self.archive.read_layer_raw(self.records[seg.key], index)
+            except CorruptBlobError as exc:
+                raise SegmentUnavailable(seg.key, str(exc)) from exc
+            except OSError as exc:
+                raise SegmentUnavailable(seg.key, f"unreadable blob ({exc.strerror or exc})") from exc
+            self.stats.read_s += time.perf_counter() - t0
+            self.stats.bytes_read += len(raw[i])
+        return raw
+
+    def _decode(self, seg: Segment, index: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         try:
-            raw = self.archive.read_layer_raw(record, index)
+            k, v = self.archive.decode(self.records[seg.key], index, raw)
         except CorruptBlobError as exc:
             raise SegmentUnavailable(seg.key, str(exc)) from exc
-        except OSError as exc:
-            raise SegmentUnavailable(seg.key, f"unreadable blob ({exc.strerror or exc})") from exc
-        t1 = time.perf_counter()
-        try:
-            k, v = self.archive.decode(record, index, raw)
-        except CorruptBlobError as exc:
-            raise SegmentUnavailable(seg.key, str(exc)) from exc
-        t2 = time.perf_counter()
-        self.stats.read_s += t1 - t0
-        self.stats.decompress_s += t2 - t1
-        self.stats.bytes_read += len(raw)
+        self.stats.decompress_s += time.perf_counter() - t0
         if self._cuda:
             k, v = k.pin_memory(), v.pin_memory()
         return k, v
 
-    def _load_layer(self, index: int):
-        cached = [(i, seg) for i, seg in enumerate(self.segments) if self.use[i]]
-        futures = {i: self._pool.submit(self._fetch, seg, index) for i, seg in cached}
-        fetched = {i: f.result() for i, f in futures.items()}
-        self.stats.layers_loaded += 1
+    def _build(self, index: int, raw: dict[int, bytes]) -> LayerKV:
+        """Decompress, widen and re-position every fetched segment into the prompt-wide layer.
 
-        def layer_of(i: int, seg: Segment, _layer: int):
-            return fetched.get(i)
-
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                kv = assemble_layer(self.runner, self.segments, self.offsets, self.total, index, layer_of)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return kv, event
-        return assemble_layer(self.runner, self.segments, self.offsets, self.total, index, layer_of), None
+        Ahead of the fusor, segments decode in parallel on the loader pool (zstd releases
+        the GIL). On demand, all in this thread: the fusor's torch threads are idle then,
+        and a pool measured slower (its threads' torch ops start OpenMP teams of their own).
+        """
+        if self.overlap:
+            decoded = dict(zip(raw, self._pool.map(lambda i: self._decode(self.segments[i], index, raw[i]), raw)))
+        else:
+            decoded = {i: self._decode(self.segments[i], index, data) for i, data in raw.items()}
+        return assemble_layer(self.runner, self.segments, self.offsets, self.total, index,
+                              lambda i, _seg, _layer: decoded.get(i))

@@ -93,6 +93,42 @@ def test_prefix_equals_full(runner):
     assert prefix.recomputed_token_layers == (total - 45) * runner.n_layers
 
 
+def test_blend_never_recomputes_an_exact_prefix(runner):
+    """A cached first segment prefilled at position 0 is exact: blend leaves it alone from layer 0,
+    counts only the later cached tokens toward its ratio, and still fuses the same prompt."""
+    segs = rag_prompt(runner, n_chunks=3)
+    prefix_len = len(segs[0].token_ids)
+    cached_prefix = [Segment(segs[0].token_ids, kv=runner.prefill_batch([segs[0].token_ids])[0]), *segs[1:]]
+    cfg = BlendConfig.single(0.3)
+    computed = fuse(runner, segs, "blend", cfg)
+    reused = fuse(runner, cached_prefix, "blend", cfg)
+    assert reused.exact_prefix_tokens == prefix_len and computed.exact_prefix_tokens == 0
+    assert computed.recomputed_token_layers - reused.recomputed_token_layers == prefix_len * runner.n_layers
+    chosen = computed.selected[computed.selected >= prefix_len]
+    assert torch.equal(chosen, reused.selected)  # same budget, same choice; the prefix simply drops out
+    assert max_kv_diff(computed.kv, reused.kv) < ATOL
+    assert torch.allclose(computed.last_logits, reused.last_logits, atol=ATOL)
+    # Ratio 1.0 still means every token recomputed: bit-for-bit full.
+    full = fuse(runner, cached_prefix, "full")
+    everything = fuse(runner, cached_prefix, "blend", BlendConfig.single(1.0))
+    assert everything.exact_prefix_tokens == 0
+    assert torch.allclose(full.last_logits, everything.last_logits, atol=1e-6)
+
+
+def test_feed_schedule_loads_only_what_the_fusor_reads(runner):
+    from kvblend.fusor import feed_schedule, plan_prompt
+
+    segs = rag_prompt(runner, n_chunks=2)
+    cached_prefix = [Segment(segs[0].token_ids, kv=runner.prefill_batch([segs[0].token_ids])[0]), *segs[1:]]
+    cfg, L = BlendConfig.single(0.15, check_layer=1), runner.n_layers
+    plain = feed_schedule(segs, plan_prompt(segs, "blend"), "blend", cfg, L)
+    assert list(plain) == list(range(1, L)) and plain[1] == [False, True, True, False]
+    exact = feed_schedule(cached_prefix, plan_prompt(cached_prefix, "blend"), "blend", cfg, L)
+    assert list(exact) == list(range(L)) and exact[0] == [True, False, False, False] and exact[1] == [True] * 3 + [False]
+    assert feed_schedule(segs, plan_prompt(segs, "full"), "full", cfg, L) == {}
+    assert feed_schedule(cached_prefix, plan_prompt(cached_prefix, "prefix"), "prefix", cfg, L)[L - 1] == [True, False, False, False]
+
+
 def test_reposition_equals_k_computed_at_that_position(runner):
     tokens = random_tokens(30, 8)
     at_zero = runner.prefill_batch([tokens])[0]

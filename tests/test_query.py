@@ -67,31 +67,50 @@ def test_blend_at_ratio_one_answers_as_full(engine):
     assert torch.allclose(blend.fusion.last_logits, full.fusion.last_logits, atol=1e-5)
 
 
+def archived_prompt(engine, result, recompute: str | None = None) -> list[Segment]:
+    """The prompt `result` ran on, rebuilt in memory from the archive: its passages' KV and,
+    when the query used it, the instruction prefix's (segment `recompute` left uncached)."""
+    archive, runner = engine.archive(), engine.runner
+
+    def stored(key: str) -> list:
+        return [archive.read_layer(archive.get_segment(key), i) for i in range(runner.n_layers)]
+
+    segs = [Segment(list(archive.get_segment(info.key).token_ids), kv=None if info.key == recompute else stored(info.key))
+            for info in result.segments]
+    prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
+    if result.prefix_cached:
+        key = engine.prefix_key(prompt[0].token_ids)
+        prompt[0] = Segment(prompt[0].token_ids, kv=stored(key), key=key)
+    return prompt
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_streaming_holds_at_most_the_prefetch_depth(engine, depth):
     opts = pinned(engine)
     opts.prefetch_depth = depth
+    first = engine.query(QUESTION, opts)
+    assert not first.prefix_cached
+    assert first.fusion.stream.layers_loaded == engine.runner.n_layers - 1  # blend loads layers 1..L-1
     result = engine.query(QUESTION, opts)
+    assert result.prefix_cached
     stream = result.fusion.stream
-    assert stream.layers_loaded == engine.runner.n_layers - 1  # blend loads layers 1..L-1
+    assert stream.layers_loaded == engine.runner.n_layers  # + layer 0, for the cached prefix alone
     assert 1 <= stream.high_water <= depth
-    assert stream.bytes_read > 0
+    assert stream.bytes_read > first.fusion.stream.bytes_read
 
 
-def test_streamed_blend_equals_in_memory_blend(engine):
+@pytest.mark.parametrize("overlap", [True, False], ids=["built-ahead", "built-on-demand"])
+def test_streamed_blend_equals_in_memory_blend(engine, overlap):
     """Streaming is transport only: the fused result must equal fusing the same KV in memory."""
     opts = pinned(engine, 3)
-    streamed = engine.query(QUESTION, opts)
-    archive = engine.archive()
-    runner = engine.runner
-    segs = []
-    for info in streamed.segments:
-        rec = archive.get_segment(info.key)
-        segs.append(Segment(list(rec.token_ids), kv=[archive.read_layer(rec, i) for i in range(runner.n_layers)]))
-    prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
-    local = fuse(runner, prompt, "blend", BlendConfig.single(0.15))
-    assert local.token_ids == streamed.fusion.token_ids
-    assert torch.equal(local.last_logits, streamed.fusion.last_logits)
+    opts.loader_overlap = overlap
+    for expect_prefix_cached in (False, True):  # the first query archives the prefix, the second reuses it
+        streamed = engine.query(QUESTION, opts)
+        assert streamed.prefix_cached == expect_prefix_cached
+        assert streamed.fusion.stream.build == ("overlap" if overlap else "on-demand")
+        local = fuse(engine.runner, archived_prompt(engine, streamed), "blend", BlendConfig.single(0.15))
+        assert local.token_ids == streamed.fusion.token_ids
+        assert torch.equal(local.last_logits, streamed.fusion.last_logits)
 
 
 def _flip_byte(archive, key: str, layer: int) -> None:
@@ -103,9 +122,10 @@ def _flip_byte(archive, key: str, layer: int) -> None:
     blob.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["bitflip", "missing"])
-def test_corrupt_blob_falls_back_to_recompute(engine, damage):
+@pytest.mark.parametrize("damage,overlap", [("bitflip", True), ("bitflip", False), ("missing", None)])
+def test_corrupt_blob_falls_back_to_recompute(engine, damage, overlap):
     opts = pinned(engine, 3)
+    opts.loader_overlap = overlap
     clean = engine.query(QUESTION, opts)
     victim = clean.segments[1].key
     archive = engine.archive()
@@ -118,16 +138,46 @@ def test_corrupt_blob_falls_back_to_recompute(engine, damage):
     assert any(victim[:12] in w for w in warnings), warnings
     assert [s.cached for s in damaged.segments] == [True, False, True]
     # Identical to a run where that segment is simply recomputed.
-    runner = engine.runner
-    segs = []
-    for info in clean.segments:
-        rec = archive.get_segment(info.key)
-        kv = None if info.key == victim else [archive.read_layer(rec, i) for i in range(runner.n_layers)]
-        segs.append(Segment(list(rec.token_ids), kv=kv))
-    prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
-    expected = fuse(runner, prompt, "blend", BlendConfig.single(0.15))
+    assert damaged.prefix_cached
+    expected = fuse(engine.runner, archived_prompt(engine, damaged, recompute=victim), "blend", BlendConfig.single(0.15))
     assert torch.equal(expected.last_logits, damaged.fusion.last_logits)
-    assert generate(runner, expected, SHORT).token_ids == damaged.generation.token_ids
+    assert generate(engine.runner, expected, SHORT).token_ids == damaged.generation.token_ids
+
+
+def test_instruction_prefix_is_archived_once_then_reused(engine):
+    """The prefix's KV is exact at position 0: reusing it saves prefix × layers of compute and
+    changes the answer only by its 16-bit storage rounding."""
+    opts = pinned(engine, 3)
+    segments_before = engine.archive().count_segments()
+    first = engine.query(QUESTION, opts)
+    assert not first.prefix_cached
+    assert engine.archive().count_segments() == segments_before + 1
+    prefix_ids = first.fusion.token_ids[: len(engine.runner.tokenize(_prefix_text(engine)))]
+    key = engine.prefix_key(prefix_ids)
+    rec = engine.archive().get_segment(key)
+    assert rec is not None and rec.extra["role"] == "prefix" and rec.token_ids == prefix_ids
+    assert not engine.archive().has_embedding(key)  # never retrieved as a passage
+    second = engine.query(QUESTION, opts)
+    assert second.prefix_cached and second.fusion.exact_prefix_tokens == len(prefix_ids)
+    assert engine.archive().count_segments() == segments_before + 1
+    saved = first.fusion.recomputed_token_layers - second.fusion.recomputed_token_layers
+    assert saved == len(prefix_ids) * engine.runner.n_layers
+    assert second.answer == first.answer
+    first_p = torch.log_softmax(first.fusion.last_logits, -1)
+    second_p = torch.log_softmax(second.fusion.last_logits, -1)
+    assert float((first_p.exp() * (first_p - second_p)).sum()) < 1e-4
+    # Opting out neither reads nor writes it; `full` never uses it.
+    off = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "cache_prefix": False}))
+    assert not off.prefix_cached and off.fusion.exact_prefix_tokens == 0
+    assert off.fusion.recomputed_token_layers == first.fusion.recomputed_token_layers
+    full = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "full"}))
+    assert not full.prefix_cached and full.recompute_share == 1.0
+
+
+def _prefix_text(engine) -> str:
+    from kvblend.prompt import split_template
+
+    return split_template(engine.runner, PromptTemplate(), QUESTION)[0]
 
 
 def test_bad_queries_are_clear_errors(engine, tmp_path, default_runner):
@@ -161,6 +211,7 @@ def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
     assert tuned.ratio == 0.4
     assert tuned.fusion.active_per_layer[-1] == uncached + math.ceil(0.4 * cached)
     opts.ratio = 0.1
-    override = engine.query(QUESTION, opts)
-    assert override.ratio == 0.1
-    assert override.fusion.active_per_layer[-1] == uncached + math.ceil(0.1 * cached)
+    override = engine.query(QUESTION, opts)  # the instruction prefix is archived now: never recomputed
+    exact = override.fusion.exact_prefix_tokens
+    assert override.ratio == 0.1 and exact > 0
+    assert override.fusion.active_per_layer[-1] == uncached - exact + math.ceil(0.1 * cached)

@@ -117,6 +117,7 @@ def query(
     context_file: List[Path] = typer.Option([], "--context-file", help="Extra passage from a file (computed unless archived)."),
     store: bool = typer.Option(False, "--store", help="Archive --context-file passages for next time."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the instruction prefix's exact KV from the archive (stored on first use)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Maximum tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -136,7 +137,7 @@ def query(
     opts = QueryOptions(
         mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
         top_k=top_k, docs=list(doc), segment_keys=list(segment), context_texts=_read_context_files(context_file),
-        store_context=store, template=template,
+        store_context=store, template=template, cache_prefix=prefix_cache,
         sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
     )
     opts.sampling.validate()
@@ -171,6 +172,7 @@ def timing_table(result) -> Table:
         ("decode", f"{result.tokens_per_s:.1f} tok/s"),
         ("tokens recomputed / prompt", f"{result.recomputed_tokens} / {result.prompt_tokens} ({result.recompute_share:.1%} of full compute)"),
         ("segments", ", ".join(f"{s.key[:8]}{'' if s.cached else '*'}" for s in result.segments) + "  (* = computed)"),
+        ("instruction prefix", "cached (exact, never recomputed)" if result.prefix_cached else "computed"),
     ]
     for k, v in rows:
         table.add_row(k, v)
