@@ -314,13 +314,36 @@ class ModelRunner:
         """
         scale = getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
         window = self._windows[layer]
-        if query_positions is None and (window is None or window >= k.shape[2]):
+        n_keys = k.shape[2]
+        dense = window is None or window >= n_keys
+        if query_positions is None and dense:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        elif dense and self._short_skip_of_suffix(query_positions, n_keys):
+            # Every position after a short exact prefix (prefix mode; blend before its check
+            # layer): the dense causal kernel over zero-padded queries beats the masked blocks.
+            skip = n_keys - query_positions.numel()
+            padded = q.new_zeros((*q.shape[:2], n_keys, q.shape[3]))
+            padded[:, :, skip:] = q
+            out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out = out[:, :, skip:]
         else:
             if query_positions is None:
                 query_positions = torch.arange(k.shape[2], device=q.device)
             out = self._attend_sparse_queries(q, k, v, query_positions, scale, window)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    @staticmethod
+    def _short_skip_of_suffix(query_positions: torch.Tensor, n_keys: int) -> bool:
+        """Are the queries exactly positions p..n_keys-1 with p at most a quarter of the keys?
+
+        Then padding the p skipped rows costs less than the masked blocked kernel's ~20%
+        overhead on the rest (measured: 121 ms dense vs 148 ms blocked for 3,650 of 3,710).
+        """
+        n = query_positions.numel()
+        skip = n_keys - n
+        if n == 0 or skip > n_keys // 4:
+            return False
+        return int(query_positions[0]) == skip and int(query_positions[-1]) == n_keys - 1
 
     # Query blocks of 64 measured fastest on CPU (26 ms vs 40 ms unblocked for 555 of 3,700 tokens).
     QUERY_BLOCK = 64
