@@ -85,6 +85,29 @@ def test_reingest_unchanged_never_loads_the_model(archive, tmp_path):
     assert report.documents_unchanged == 3 and report.segments_new == 0
 
 
+def test_query_json_and_the_prefix_cache(archive, tmp_path):
+    """`query --json` carries every documented field; the instruction prefix is archived by the
+    first query and reused by the next, unless `--no-prefix-cache`; `-v` adds the timing table."""
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    question = "Who manages the plant where the Tern-4 sonar is built?"
+    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json")
+    first = json.loads(run(*base, check=True).stdout)
+    for field in ("answer", "mode", "ratio", "ttft_s", "load_wait_s", "prompt_tokens", "recomputed_tokens",
+                  "segments", "tokens_per_s", "prefix_cached"):
+        assert field in first, field
+    assert first["mode"] == "blend" and first["ratio"] == 0.15 and not first["prefix_cached"]
+    assert len(first["segments"]) == 3 and all(s["cached"] for s in first["segments"])
+    assert {"key", "document", "tokens", "cached"} <= set(first["segments"][0])
+    second = run(*base, "-v", check=True)
+    again = json.loads(second.stdout)
+    assert again["prefix_cached"] and again["answer"] == first["answer"]
+    assert again["recomputed_tokens"] < first["recomputed_tokens"]
+    assert "TTFT" in second.stderr and "instruction prefix" in second.stderr
+    off = json.loads(run(*base, "--no-prefix-cache", check=True).stdout)
+    assert not off["prefix_cached"] and off["recomputed_tokens"] == first["recomputed_tokens"]
+
+
 def test_ls_stats_show_json(archive):
     arc = archive / "arc"
     docs = json.loads(run("ls", "--archive", arc, "--json", check=True).stdout)
