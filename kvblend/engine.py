@@ -255,6 +255,11 @@ class Engine:
         """Everything besides model and tokens that changes the stored KV."""
         return {"sink": "alone", "dtype": str(storage_dtype(self.runner)).replace("torch.", "")}
 
+    def key_of(self, token_ids: Sequence[int]) -> str:
+        """The archive key of these tokens' KV under this model and settings: one scheme for
+        ingested segments, stored context files and the instruction prefix alike."""
+        return segment_key(self.fingerprint, token_ids, self.kv_settings())
+
     # ── ingest ──
     def ingest(
         self,
@@ -294,11 +299,11 @@ class Engine:
                     self._progress(on_progress, report, doc.path, total_docs)
                     continue
                 # The model loads only here: re-ingesting an unchanged tree never pays for it.
-                runner, settings = self.runner, self.kv_settings()
+                runner = self.runner
                 keys, n_tokens = [], 0
                 for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
                     ids = runner.tokenize(segment_text_for_kv(text))
-                    key = segment_key(self.fingerprint, ids, settings)
+                    key = self.key_of(ids)
                     keys.append(key)
                     n_tokens += len(ids)
                     if key in pending_keys or key in behind.keys or (
@@ -386,11 +391,10 @@ class Engine:
     def store_texts(self, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = 3) -> list[SegmentRecord]:
         """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
         archive = self.archive(create=True)
-        settings = self.kv_settings()
         items = []
         for text in texts:
             ids = self.runner.tokenize(segment_text_for_kv(text))
-            items.append((segment_key(self.fingerprint, ids, settings), text, ids))
+            items.append((self.key_of(ids), text, ids))
         todo = [it for it in dict((k, (k, t, i)) for k, t, i in items).values() if not archive.has_segment(it[0])]
         if todo:
             report = IngestReport()
@@ -538,7 +542,7 @@ class Engine:
         cached_flags = {s.key: bool(s.cached) for s in prompt}
         for info in infos:
             info.cached = cached_flags.get(info.key, info.cached)
-        prefix_cached = bool(opts.cache_prefix and prompt[0].cached and fused.mode != "full")
+        prefix_cached = bool(prompt[0].cached) and fused.mode != "full"  # cached only when opts.cache_prefix
         try:
             if opts.cache_prefix and not prompt[0].cached:
                 self._archive_prefix(prompt[0], fused)
@@ -574,23 +578,19 @@ class Engine:
         )
 
     # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──
-    def prefix_key(self, token_ids: Sequence[int]) -> str:
-        """The archive key of an instruction prefix's KV: the same scheme as any segment's."""
-        return segment_key(self.fingerprint, token_ids, self.kv_settings())
-
     def _use_archived_prefix(self, prefix: Segment, record_by_key: dict[str, SegmentRecord]) -> None:
         """Mark the prompt's instruction prefix cached when the archive holds its KV.
 
         It sits at position 0 and was prefilled there, so its archived KV is exactly
         what this prompt would compute: no mode but `full` recomputes it (fusor docstring).
         """
-        prefix.key = self.prefix_key(prefix.token_ids)
+        prefix.key = self.key_of(prefix.token_ids)
         rec = self.archive().get_segment(prefix.key)
         if rec is not None and list(rec.token_ids) == list(prefix.token_ids):
             prefix.cached, prefix.base_position = True, 0
             record_by_key[prefix.key] = rec
 
-    def _archive_prefix(self, prefix: Segment, fused: FusionResult) -> bool:
+    def _archive_prefix(self, prefix: Segment, fused: FusionResult) -> None:
         """Store the prefix's KV from this fusion (computed fresh at positions 0..n-1 in every
         mode when it was not cached), so later queries with the same template reuse it.
 
@@ -599,7 +599,7 @@ class Engine:
         """
         n = len(prefix.token_ids)
         if not n or n >= len(fused.token_ids) or prefix.key is None:
-            return False
+            return
         dtype = storage_dtype(self.runner)
         layers = [(k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous())
                   for k, v in fused.kv]
@@ -612,13 +612,12 @@ class Engine:
                 if not archive.has_segment(prefix.key):
                     archive.put_segments([(record, layers)])
         except ArchiveBusyError:
-            return False
-        return True
+            pass  # another writer is busy: the next query stores it
 
     def _context_segment(self, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
         """A --context-file text: cached if already archived, stored with --store, else computed."""
         ids = self.runner.tokenize(segment_text_for_kv(text))
-        key = segment_key(self.fingerprint, ids, self.kv_settings())
+        key = self.key_of(ids)
         rec = self.archive().get_segment(key)
         if rec is None and store:
             rec = self.store_texts([text])[0]

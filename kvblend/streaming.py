@@ -18,8 +18,8 @@ Where the build stage runs depends on whether it can overlap compute for free:
   building on a third thread would preempt one of torch's threads, and every
   parallel op then waits for the preempted one, which measured slower than
   not overlapping at all (BENCHMARKS.md, notes). So only I/O runs ahead, and
-  the layer is built when the fusor asks for it, across all cores, while
-  torch's threads are idle anyway. That time counts as load wait.
+  the layer is built in the fusor's thread when it asks for it, while torch's
+  threads are idle anyway. That time counts as load wait.
 
 A blob that is missing, truncated or fails its checksum raises
 SegmentUnavailable in the fusor's thread, naming the segment: the engine then

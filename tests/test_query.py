@@ -79,7 +79,7 @@ def archived_prompt(engine, result, recompute: str | None = None) -> list[Segmen
             for info in result.segments]
     prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
     if result.prefix_cached:
-        key = engine.prefix_key(prompt[0].token_ids)
+        key = engine.key_of(prompt[0].token_ids)
         prompt[0] = Segment(prompt[0].token_ids, kv=stored(key), key=key)
     return prompt
 
@@ -153,7 +153,7 @@ def test_instruction_prefix_is_archived_once_then_reused(engine):
     assert not first.prefix_cached
     assert engine.archive().count_segments() == segments_before + 1
     prefix_ids = first.fusion.token_ids[: len(engine.runner.tokenize(_prefix_text(engine)))]
-    key = engine.prefix_key(prefix_ids)
+    key = engine.key_of(prefix_ids)
     rec = engine.archive().get_segment(key)
     assert rec is not None and rec.extra["role"] == "prefix" and rec.token_ids == prefix_ids
     assert not engine.archive().has_embedding(key)  # never retrieved as a passage
