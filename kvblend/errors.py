@@ -52,3 +52,7 @@ class CorruptBlobError(ArchiveError):
         super().__init__(message)
         self.segment_key = segment_key
         self.layer = layer
+
+
+class ArchiveDamagedError(ArchiveError):
+    """The archive's index is missing, truncated or corrupted: its message names the repair command."""

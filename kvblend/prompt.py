@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvblend.errors import UsageError
-from kvblend.fusor import Segment
-from kvblend.model import ModelRunner
+from kvblend.model.runner import ModelRunner
+from kvblend.types import Segment
 
 CONTEXT_MARKER = "\u2063KVBLEND_PASSAGES\u2063"
 SEGMENT_SEPARATOR = "\n\n"

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_archive  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_query  # noqa: E402
-from benchlib import OUT_DIR, ROOT, SHARED_DATA, machine, write_result  # noqa: E402
+from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 
 SECTIONS = ["engine", "archive", "query", "bench"]  # bench also writes the variants section
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
@@ -75,7 +75,7 @@ def load(name: str) -> dict | None:
 
 
 def render() -> str:
-    from kvblend.bench import markdown_results, markdown_variants  # the harness renders its own tables
+    from kvblend.evaluation.report import markdown_results, markdown_variants  # the harness renders its own tables
 
     parts = [
         "# Benchmarks",

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib import SHARED_DATA, evict_page_cache, machine, median, write_result  # noqa: E402
 
-from kvblend.engine import Engine  # noqa: E402
-from kvblend.precompute import precompute_kv  # noqa: E402
+from kvblend.model.prefill import precompute_kv  # noqa: E402
+from kvblend.pipeline import Engine  # noqa: E402
 
 
 def passages(n: int) -> list[str]:

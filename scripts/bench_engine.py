@@ -17,8 +17,11 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib import SHARED_DATA, machine, median, write_result  # noqa: E402
 
-from kvblend import BlendConfig, MUSIQUE_TEMPLATE, Segment, assemble_prompt, fuse, load_model, precompute_kv  # noqa: E402
-from kvblend.prompt import segment_text_for_kv  # noqa: E402
+from kvblend.fusion import BlendConfig, fuse  # noqa: E402
+from kvblend.model import load_model  # noqa: E402
+from kvblend.model.prefill import precompute_kv  # noqa: E402
+from kvblend.prompt import MUSIQUE_TEMPLATE, assemble_prompt, segment_text_for_kv  # noqa: E402
+from kvblend.types import Segment  # noqa: E402
 
 # (label, fusor mode, ratio, instruction prefix cached)
 MODES = [("full", "full", None, True), ("prefix", "prefix", None, True), ("reuse", "reuse", None, True),

@@ -18,8 +18,9 @@ from pathlib import Path
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib import SHARED_DATA, evict_page_cache, machine, median, write_result  # noqa: E402
 
-from kvblend import MUSIQUE_TEMPLATE, SamplingConfig  # noqa: E402
-from kvblend.engine import Engine, QueryOptions  # noqa: E402
+from kvblend.generation import SamplingConfig  # noqa: E402
+from kvblend.pipeline import Engine, QueryOptions  # noqa: E402
+from kvblend.prompt import MUSIQUE_TEMPLATE  # noqa: E402
 
 
 # (page cache, mode, instruction prefix cached), interleaved in this order every repetition

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvblend.tuning.machine import describe_machine, gpu_name
+from kvblend.tuning.probes import evict_page_cache as evict_fd
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -16,13 +18,9 @@ OUT_DIR = ROOT / "bench-out"
 
 
 def machine() -> str:
-    """One line: host, CPU, cores, memory, torch, load (the bench harness's own description), GPU if any."""
-    import torch
-
-    from kvblend.bench import describe_machine
-
-    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
-    return describe_machine() + gpu
+    """One line: the harness's own machine description (kvblend.tuning.machine), plus the GPU if any."""
+    gpu = gpu_name()
+    return describe_machine() + (f", GPU {gpu}" if gpu else ", no GPU")
 
 
 def median(xs: list[float]) -> float:
@@ -40,8 +38,7 @@ def evict_page_cache(path: Path) -> None:
     for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
         fd = os.open(p, os.O_RDONLY)
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            evict_fd(fd)
         finally:
             os.close(fd)
 

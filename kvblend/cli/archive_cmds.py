@@ -1,19 +1,25 @@
 """Archive upkeep: `ls`, `show`, `stats`, `rm`, `verify`, `gc`, `path`.
 
 None of these load the model: they work on the index and blobs only, and open
-the archive without a model check (upkeep must work whatever built it).
+the archive without a model check (upkeep must work whatever built it). The
+commands that only read (`ls`, `show`, `stats`, `verify`, `gc --dry-run`)
+open it read-only: they create and change nothing, take no writer lock (so
+they run beside an ingest) and work on an archive the user cannot write.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from kvblend.cli.common import ArchiveOpt, JsonOpt, err, human_bytes, out, parse_size, print_json
+from kvblend.archive import Archive, RebuildReport, VerifyReport, rebuild_index, resolve_archive_path
+from kvblend.cli.common import ArchiveOpt, JsonOpt, WaitOpt, err, human_bytes, out, parse_size, print_json
 from kvblend.errors import ArchiveError, UsageError
 
 
@@ -27,13 +33,16 @@ def register(app: typer.Typer) -> None:
     app.command()(path)
 
 
-def _open(archive: Optional[Path], create: bool = False):
-    from kvblend.archive_format import Archive, resolve_archive_path
-
-    location = resolve_archive_path(str(archive) if archive else None)
-    if not create and not location.exists():
+def _open(archive: Optional[Path], write: bool = False) -> Archive:
+    """Open an existing archive: read-only unless the command changes it (never creates one)."""
+    location = _location(archive)
+    if not location.exists():
         raise ArchiveError(f"no archive at {location} (run `kvblend ingest PATH` first, or pass --archive)")
-    return Archive.open(location, create=create)
+    return Archive.open(location, create=False, readonly=not write)
+
+
+def _location(archive: Optional[Path]) -> Path:
+    return resolve_archive_path(str(archive) if archive else None)
 
 
 def _ago(ts: float | None) -> str:
@@ -145,18 +154,19 @@ def stats(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None
 
 def remove(
     documents: List[str] = typer.Argument(..., help="Document paths to remove (their unshared segments go too)."),
+    wait: bool = WaitOpt,
     archive: Optional[Path] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Remove documents and the segments no other document uses."""
-    with _open(archive) as arc:
+    with _open(archive, write=True) as arc:
         resolved = []
         for d in documents:
             doc = arc.get_document(d) or arc.get_document(str(Path(d).expanduser().resolve()))
             if doc is None:
                 raise UsageError(f"no such document in the archive: {d} (see `kvblend ls`)")
             resolved.append(doc.path)
-        with arc.writer(wait=False):
+        with arc.writer(wait=wait):
             removed = arc.remove_documents(resolved)
     if as_json:
         print_json({"removed": removed})
@@ -167,57 +177,117 @@ def remove(
 
 def verify(
     repair: bool = typer.Option(False, "--repair", help="Drop corrupt or missing segments from the index."),
+    rebuild: bool = typer.Option(False, "--rebuild-index", help="Rebuild a lost or damaged index from the blobs (keeps the old one)."),
+    deep: bool = typer.Option(False, "--deep", help="Also decode every layer (slower; loads torch)."),
+    wait: bool = WaitOpt,
     archive: Optional[Path] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Check every blob's checksums; exit 1 naming each corrupt or missing blob."""
-    with _open(archive) as arc:
+    """Check every blob's checksums; exit 1 naming each corrupt or missing segment."""
+    if repair and rebuild:
+        raise UsageError("--repair and --rebuild-index are alternatives; pick one")
+    if rebuild:
+        _print_rebuild(rebuild_index(_location(archive), wait=wait), as_json)
+        return
+    with _open(archive, write=repair) as arc:
         if repair:
-            with arc.writer(wait=False):
-                report = arc.verify(repair=True)
+            with arc.writer(wait=wait):
+                report = arc.verify(repair=True, deep=deep)
         else:
-            report = arc.verify(repair=False)
-    problems = [{"segment": p[0], "layer": p[1], "reason": p[2]} for p in report.problems]
+            report = arc.verify(repair=False, deep=deep)
+    bad = _problems_by_segment(report)
     if as_json:
+        problems = [{"segment": p.key, "layer": p.layer, "reason": p.reason} for p in report.problems]
         print_json({"ok": report.ok, "segments_checked": report.segments_checked, "problems": problems,
                     "repaired": bool(repair and problems)})
     else:
-        for p in problems:
-            where = f"layer {p['layer']}" if p["layer"] is not None else "blob"
-            err.print(f"[red]corrupt[/] segment {p['segment']} {where}: {p['reason']}")
+        for key, line in bad.items():
+            err.print(f"[red]corrupt[/] segment {escape(key)}: {escape(line)}")
         if report.ok:
             out.print(f"ok: {report.segments_checked} segments verified")
         elif repair:
-            out.print(f"repaired: dropped {len({p['segment'] for p in problems})} segments from the index")
-    if problems and not repair:
+            out.print(f"repaired: dropped {len(bad)} segments from the index")
+    if bad and not repair:
         raise typer.Exit(1)
+
+
+def _problems_by_segment(report: VerifyReport) -> dict[str, str]:
+    """One line per bad segment (not per layer): each reason once, with the layers it hit."""
+    grouped: dict[str, dict[str, list[int]]] = {}
+    for p in report.problems:
+        reason = re.sub(r" \(layer needs bytes [^)]*\)$", "", p.reason)
+        grouped.setdefault(p.key, {}).setdefault(reason, [])
+        if p.layer is not None:
+            grouped[p.key][reason].append(p.layer)
+    return {key: "; ".join(f"{reason}{_layers(layers)}" for reason, layers in reasons.items())
+            for key, reasons in grouped.items()}
+
+
+def _layers(layers: list[int]) -> str:
+    """' (layers 1-22, 25)' for a sorted list of layer numbers; '' when the whole segment is affected."""
+    if not layers:
+        return ""
+    spans: list[str] = []
+    start = prev = layers[0]
+    for n in layers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return f" (layer{'s' if len(layers) > 1 else ''} {', '.join(spans)})"
+
+
+def _print_rebuild(report: RebuildReport, as_json: bool) -> None:
+    if as_json:
+        print_json(report.to_dict())
+        return
+    out.print(f"rebuilt the index from the blobs: {report.segments_restored} segments "
+              f"({report.segments_from_old_index} as the old index had them), {report.documents_restored} documents")
+    for path in report.incomplete_documents:
+        err.print(f"warning: document {path} lost segments; ingest it again to recompute them")
+    if report.unlinked_segments:
+        err.print(f"warning: {report.unlinked_segments} segments belong to no known document; ingesting their "
+                  "documents again relinks them without recomputing")
+    for entry in report.lost_blobs:
+        err.print(f"warning: could not restore {entry}; moved to lost+found/")
+    for rel in report.unreadable_manifests:
+        err.print(f"warning: unreadable document manifest {rel}")
+    for problem in report.problems:
+        err.print(f"note: {problem}")
+    if report.old_index:
+        err.print(f"the replaced index was kept at {report.old_index}; delete it once the archive works")
 
 
 def gc(
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used segments until the archive fits, e.g. 5GB."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be freed."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be freed (needs no writer lock)."),
+    wait: bool = WaitOpt,
     archive: Optional[Path] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Delete orphan blobs; with --max-size, evict least-recently-used segments."""
-    budget = parse_size(max_size) if max_size else None
-    with _open(archive) as arc:
+    budget = parse_size(max_size) if max_size is not None else None
+    with _open(archive, write=not dry_run) as arc:
         if dry_run:
             report = arc.gc(max_size_bytes=budget, dry_run=True)
         else:
-            with arc.writer(wait=False):
+            with arc.writer(wait=wait):
                 report = arc.gc(max_size_bytes=budget, dry_run=False)
-    data = report.to_dict() if hasattr(report, "to_dict") else vars(report)
+    data = report.to_dict()
     if as_json:
         print_json(data)
         return
     verb = "would free" if dry_run else "freed"
-    out.print(f"{verb} {human_bytes(data.get('freed_bytes', 0))}: "
-              f"{len(data.get('orphans', []))} orphan files, {len(data.get('evicted', []))} segments evicted")
+    out.print(f"{verb} {human_bytes(data['freed_bytes'])}: "
+              f"{len(data['orphans'])} orphan files, {len(data['evicted'])} segments evicted")
 
 
-def path(archive: Optional[Path] = ArchiveOpt) -> None:
-    """Print where the archive is."""
-    from kvblend.archive_format import resolve_archive_path
-
-    out.print(str(resolve_archive_path(str(archive) if archive else None)))
+def path(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+    """Print where the archive is (--archive, else $KVBLEND_ARCHIVE, else the XDG cache)."""
+    location = resolve_archive_path(str(archive) if archive else None)
+    if as_json:
+        print_json({"path": str(location), "exists": Archive.exists(location)})
+        return
+    out.print(str(location))

@@ -1,10 +1,17 @@
-"""`kvblend bench`: every mode on a QA file, KV streamed from an on-disk archive; quality vs TTFT."""
+"""`kvblend bench`: every mode on a QA file, KV streamed from an on-disk archive; quality vs TTFT.
+
+Parsing and rendering only: the workflow is :func:`kvblend.evaluation.bench.run_bench`,
+imported inside the command (it needs torch); the option checks and defaults
+come from the torch-free :mod:`kvblend.evaluation.records`.
+"""
 
 from __future__ import annotations
 
 import json
 import shlex
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +32,17 @@ from kvblend.cli.common import (
     progress_enabled,
 )
 from kvblend.errors import UsageError
+from kvblend.evaluation.records import (
+    DEFAULT_BENCH_MAX_NEW_TOKENS,
+    DEFAULT_BENCH_MODES,
+    DEFAULT_BENCH_RATIOS,
+    DEFAULT_CHUNKS,
+    DEFAULT_VARIANT_RATIO,
+    check_ratio,
+    load_records,
+    parse_modes,
+    parse_ratios,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,12 +62,12 @@ def _check_writable_target(path: Optional[Path], flag: str, suffix: str) -> None
 def bench(
     dataset: Path = typer.Argument(..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False),
     limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Benchmark the first N records (default: all).", show_default=False),
-    chunks: int = typer.Option(6, "--chunks", help="Passages per record (the first N, in order) archived as segments."),
-    modes: str = typer.Option("full,prefix,reuse,blend", "--modes", help="Comma-separated modes; full always runs (it is the reference)."),
-    ratios: str = typer.Option("0.05,0.15,0.3", "--ratios", help="Blend recompute ratios, each in (0, 1]."),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
+    chunks: int = typer.Option(DEFAULT_CHUNKS, "--chunks", help="Passages per record (the first N, in order) archived as segments."),
+    modes: str = typer.Option(",".join(DEFAULT_BENCH_MODES), "--modes", help="Comma-separated modes; full always runs (it is the reference)."),
+    ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS), "--ratios", help="Blend recompute ratios, each in (0, 1]."),
+    max_tokens: int = typer.Option(DEFAULT_BENCH_MAX_NEW_TOKENS, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
     variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
-    variant_ratio: float = typer.Option(0.15, "--variant-ratio", help="Blend ratio for --variants."),
+    variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
     answers: bool = typer.Option(False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib).", show_default=False),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
@@ -59,12 +77,10 @@ def bench(
     as_json: bool = JsonOpt,
 ) -> None:
     """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
-    from kvblend import bench as B
-
     # Everything a user can get wrong fails here, before the model loads.
-    mode_list = B.parse_modes(modes)
-    ratio_list = B.parse_ratios(ratios) if "blend" in mode_list else ()
-    B.check_ratio(variant_ratio, "--variant-ratio")
+    mode_list = parse_modes(modes)
+    ratio_list = parse_ratios(ratios) if "blend" in mode_list else ()
+    check_ratio(variant_ratio, "--variant-ratio")
     if chunks < 1:
         raise UsageError(f"--chunks must be at least 1, not {chunks}")
     if max_tokens < 1:
@@ -72,32 +88,23 @@ def bench(
     _check_writable_target(plot, "--plot", ".png")
     _check_writable_target(out_file, "--out", ".json")
     if plot is not None:
-        B.check_plot_available()
-    records = B.load_records(dataset, limit)
+        from kvblend.evaluation.plot import check_plot_available
+
+        check_plot_available()
+    records = load_records(dataset, limit)
     if "full" not in mode_list and not as_json:
         err.print("[dim]note: full also runs: it is the reference for agreement and KL[/]")
     command = "kvblend " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
-    from kvblend.engine import Engine
+    from kvblend.evaluation.bench import run_bench
+    from kvblend.pipeline import Engine
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
         with Engine(target, model, compute) as engine:
             kwargs = dict(chunks=chunks, max_new_tokens=max_tokens, variants=variants,
                           variant_ratio=variant_ratio, command=command)
-            if progress_enabled(as_json):
-                with Progress(
-                    TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
-                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
-                    console=err, transient=True,
-                ) as bar:
-                    task = bar.add_task("loading model", total=None)
-
-                    def on_progress(done: int, total: int, label: str) -> None:
-                        bar.update(task, completed=done, total=total, description=label)
-
-                    report = B.run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
-            else:
-                report = B.run_bench(engine, records, mode_list, ratio_list, **kwargs)
+            with _progress(as_json) as on_progress:
+                report = run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
 
     data = report.to_dict(answers=answers)
     if scratch:
@@ -105,7 +112,9 @@ def bench(
     if out_file is not None:
         out_file.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     if plot is not None:
-        B.plot_report(data, plot)
+        from kvblend.evaluation.plot import plot_report
+
+        plot_report(data, plot)
     for w in data.get("warnings", []):
         err.print(f"[yellow]warning:[/] {escape(w)}")
     if as_json:
@@ -116,6 +125,25 @@ def bench(
         for path, what in ((out_file, "report"), (plot, "plot")):
             if path is not None:
                 err.print(f"wrote {what} to {path}")
+
+
+@contextmanager
+def _progress(as_json: bool) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A progress bar on stderr for a human at a terminal (its update callback), else None."""
+    if not progress_enabled(as_json):
+        yield None
+        return
+    with Progress(
+        TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
+        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
+        console=err, transient=True,
+    ) as bar:
+        task = bar.add_task("loading model", total=None)
+
+        def on_progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        yield on_progress
 
 
 def _f(x, digits: int = 3) -> str:

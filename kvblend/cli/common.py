@@ -26,6 +26,7 @@ ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive directory (defa
 ModelOpt = typer.Option(None, "--model", "-m", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).", show_default=False)
 ComputeOpt = typer.Option(None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
+WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
 
 
 def print_json(obj: Any) -> None:

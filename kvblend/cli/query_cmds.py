@@ -1,4 +1,8 @@
-"""`kvblend ingest`, `kvblend query` and `kvblend demo`."""
+"""`kvblend ingest`, `kvblend query` and `kvblend demo`: parsing and rendering only.
+
+The workflows are kvblend.pipeline's; it is imported inside each command so that
+`kvblend --help` and the archive commands never import torch.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +28,20 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
+from kvblend.archive import CODECS
+from kvblend.defaults import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_CODEC,
+    DEFAULT_DEVIATION,
+    DEFAULT_LEVEL,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
+    DEFAULT_RATIO,
+    DEFAULT_TOP_K,
+)
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
-from kvblend.generate import SamplingConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -37,10 +52,10 @@ def register(app: typer.Typer) -> None:
 
 def ingest(
     paths: List[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
-    chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Target segment size in tokens."),
-    level: int = typer.Option(3, "--level", help="zstd compression level (1-22)."),
+    chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
+    level: int = typer.Option(DEFAULT_LEVEL, "--level", help="zstd compression level (1-22)."),
     codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: zstd-shuffle (default) or zstd."),
-    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
+    batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
@@ -48,8 +63,7 @@ def ingest(
     as_json: bool = JsonOpt,
 ) -> None:
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
-    from kvblend.archive_format import CODECS, DEFAULT_CODEC
-    from kvblend.engine import Engine
+    from kvblend.pipeline import Engine
 
     codec = codec or DEFAULT_CODEC
     if codec not in CODECS:
@@ -71,8 +85,8 @@ def ingest(
                 task = bar.add_task("ingest", total=None, rate="")
                 started = time.perf_counter()
 
-                def on_progress(p: dict) -> None:
-                    rate = p["tokens"] / max(1e-9, time.perf_counter() - started)
+                def on_progress(p: dict) -> None:  # the rate leaves out the model's load time
+                    rate = p["tokens"] / max(1e-9, time.perf_counter() - started - engine.model_load_s)
                     bar.update(task, completed=p["documents"], total=p.get("total"), rate=f"{rate:,.0f} tok/s")
 
                 report = engine.ingest(paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer=wait,
@@ -92,6 +106,7 @@ def ingest(
         f"wrote {human_bytes(report.bytes_written)}"
         + (f" (compression {report.compression_ratio:.2f}x vs fp16)" if report.bytes_written else "")
         + f"; archive {human_bytes(on_disk)} at {engine.archive_path}; {report.seconds:.1f}s"
+        + (f" (model load {report.model_load_seconds:.1f}s)" if report.model_load_seconds else "")
     )
 
 
@@ -107,21 +122,21 @@ def _read_context_files(files: List[Path]) -> list[str]:
 
 def query(
     question: str = typer.Argument(..., help="The question."),
-    mode: str = typer.Option("blend", "--mode", help="blend | full | reuse | prefix"),
-    ratio: Optional[float] = typer.Option(None, "--ratio", help="Share of cached tokens recomputed (default: tuned, else 0.15)."),
+    mode: str = typer.Option(DEFAULT_MODE, "--mode", help="blend | full | reuse | prefix"),
+    ratio: Optional[float] = typer.Option(None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."),
     check_layers: Optional[str] = typer.Option(None, "--check-layers", help="e.g. 1 or 1,2,3 (gradual filtering)."),
-    deviation: Optional[str] = typer.Option(None, "--deviation", help="HKVD measure: v, k or kv (default: v, chosen by `kvblend bench --variants`).", show_default=False),
-    top_k: int = typer.Option(6, "--top-k", help="Segments to retrieve."),
+    deviation: Optional[str] = typer.Option(None, "--deviation", help=f"HKVD measure: v, k or kv (default: {DEFAULT_DEVIATION}, chosen by `kvblend bench --variants`).", show_default=False),
+    top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Segments to retrieve."),
     doc: List[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
     segment: List[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
     context_file: List[Path] = typer.Option([], "--context-file", help="Extra passage from a file (computed unless archived)."),
     store: bool = typer.Option(False, "--store", help="Archive --context-file passages for next time."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the instruction prefix's exact KV from the archive (stored on first use)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Maximum tokens to generate."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-tokens", help="Maximum tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature, a finite number >= 0; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: sample from the smallest set of tokens whose probability reaches this share, in (0, 1]; 1 = all (only with --temperature > 0)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling, 0 to 2^63-1, so a sampled answer can be repeated (default: random)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Timing table on stderr."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
@@ -129,18 +144,18 @@ def query(
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
-    from kvblend.engine import Engine, QueryOptions
-    from kvblend.fusor import DEFAULT_DEVIATION
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import Engine, QueryOptions
     from kvblend.prompt import PromptTemplate
 
+    sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    sampling.validate()  # a usage error now, not a traceback after the model loaded
     template = PromptTemplate() if system is None else PromptTemplate(system=system)
     opts = QueryOptions(
         mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
         top_k=top_k, docs=list(doc), segment_keys=list(segment), context_texts=_read_context_files(context_file),
-        store_context=store, template=template, cache_prefix=prefix_cache,
-        sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
+        store_context=store, template=template, cache_prefix=prefix_cache, sampling=sampling,
     )
-    opts.sampling.validate()
     with Engine(archive, model, compute) as engine:
         engine.archive(create=False)  # fail fast on a missing archive, before loading the model
 
@@ -185,7 +200,34 @@ def demo(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ingest the bundled fixture documents and answer a two-document question with blend and full."""
-    from kvblend.demo import run_demo
+    from kvblend.pipeline.demo import run_demo
 
     with archive_dir_or_scratch(keep, "kvblend-demo-") as (target, _scratch):
-        run_demo(target, compute=compute, as_json=as_json, console=out, err_console=err)
+        run = run_demo(target, compute=compute, on_stage=_show_demo_stage)
+    if as_json:
+        print_json(run.summary)
+        return
+    table = Table(title="blend vs full on the same archive")
+    for col in ("mode", "answer", "TTFT", "recomputed", "KV load wait"):
+        table.add_column(col)
+    for mode, r in run.results.items():
+        label = f"{mode} @ {r.ratio:.2f}" if r.ratio is not None else mode
+        table.add_row(label, r.answer, f"{r.ttft_s * 1000:.0f} ms", f"{r.recompute_share:.0%}", f"{r.load_wait_s * 1000:.0f} ms")
+    out.print(table)
+    out.print(
+        f"blend is {run.summary['ttft_speedup']:.1f}x faster to the first token; "
+        f"first-token KL(full ‖ blend) = {run.summary['first_token_kl_blend_vs_full']:.4f}"
+    )
+
+
+def _show_demo_stage(stage: str, data) -> None:
+    """The demo's progress lines, on stderr."""
+    if stage == "ingest":
+        err.print(f"[bold]1.[/] ingest {data['docs']} → {data['archive']}")
+    elif stage == "ingested":
+        err.print(
+            f"   {data.documents} documents, {data.segments_new} segments, {data.tokens_new:,} tokens "
+            f"prefilled at {data.tokens_per_s:,.0f} tok/s, {data.compression_ratio:.2f}x compression"
+        )
+    elif stage == "ask":
+        err.print(f"[bold]2.[/] ask: {data['question']}  (gold: {data['gold'][0]})")

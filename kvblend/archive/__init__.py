@@ -1,0 +1,43 @@
+"""kvblend's on-disk KV archive: an LMDB index plus one blob file per segment.
+
+The format is specified in ``FORMAT.md`` next to this file. Typical use::
+
+    with Archive.open(path, model_name=name, model_fingerprint=fp) as ar:
+        with ar.writer():
+            ar.put_segment(SegmentRecord(key=key, token_ids=ids, text=text), layers)
+        k, v = ar.read_layer(key, 0)
+
+Importing this package does not import torch (only encoding and decoding KV do).
+"""
+
+from kvblend.archive.codec import CODECS, decode_layer, decode_safetensors, decompress_layer, encode_layer
+from kvblend.archive.facade import Archive
+from kvblend.archive.identity import FORMAT_VERSION
+from kvblend.archive.records import DocumentRecord, LayerEntry, SegmentRecord
+from kvblend.archive.keys import segment_key
+from kvblend.archive.maintenance import GcReport, VerifyProblem, VerifyReport
+from kvblend.archive.paths import resolve_archive_path
+from kvblend.archive.rebuild import RebuildReport, rebuild_index
+from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_CODEC",
+    "DEFAULT_LEVEL",
+    "FORMAT_VERSION",
+    "Archive",
+    "DocumentRecord",
+    "GcReport",
+    "LayerEntry",
+    "RebuildReport",
+    "SegmentRecord",
+    "VerifyProblem",
+    "VerifyReport",
+    "decode_layer",
+    "decode_safetensors",
+    "decompress_layer",
+    "encode_layer",
+    "rebuild_index",
+    "resolve_archive_path",
+    "segment_key",
+]

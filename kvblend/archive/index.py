@@ -1,0 +1,293 @@
+"""The archive index: small JSON records (records.py) in an LMDB environment.
+
+The index holds only metadata (a few KB per segment); KV payloads live in
+blob files (see :mod:`kvblend.archive.blobs`). Keeping LMDB small keeps
+its copy-on-write B-tree cheap to commit and its map easy to grow.
+
+Every LMDB error that means the file is damaged (a bad page, a broken
+B-tree) becomes one :class:`ArchiveDamagedError` line naming the repair
+command, wherever it surfaces: at open, mid-iteration, or in a commit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from kvblend.archive.health import damaged
+from kvblend.errors import ArchiveError
+
+T = TypeVar("T")
+
+#: Named sub-databases of the LMDB environment under ``index/``.
+DB_NAMES: tuple[str, ...] = ("meta", "segments", "documents", "embeddings", "profiles", "tuned")
+
+DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB; sparse on Linux, grown by doubling on MapFullError
+
+#: LMDB errors that mean the index file itself is damaged (not a full disk or a permission problem).
+DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
+    lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError,
+    lmdb.IncompatibleError, lmdb.ProblemError, lmdb.VersionMismatchError,
+    lmdb.BadTxnError,  # a transaction LMDB flagged after it met a damaged page
+)
+
+
+class _SharedExclusiveLock:
+    """Many holders in shared mode, or one in exclusive mode.
+
+    LMDB's ``set_mapsize`` must run while this process has no transaction
+    open, so every transaction holds the lock shared and a map resize takes it
+    exclusive. Transactions are short and never nest, so this cannot deadlock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class Index:
+    """The LMDB environment under ``index/`` and its named sub-databases.
+
+    All access goes through :meth:`read` and :meth:`write`, which handle map
+    growth: ``MapFullError`` doubles the map and reruns the write function;
+    ``MapResizedError`` (another process grew it) adopts the new size.
+    Transactions never nest: iterate with :meth:`items`, which reads in
+    batches and releases the transaction between them.
+
+    ``lock=False`` (read-only opens of a directory this user cannot write)
+    skips LMDB's reader table in ``lock.mdb``: LMDB would otherwise have to
+    create or write that file, which is impossible there, and refusing to
+    list a read-only archive helps no one. The cost: a writer in another
+    process does not see this reader, so a concurrent commit may recycle
+    pages under it; an archive its reader cannot write is rarely being
+    written, and a torn read then surfaces as a damaged-index error.
+    """
+
+    def __init__(self, path: Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE,
+                 lock: bool = True):
+        self.path = path
+        self.root = path.parent
+        self.readonly = readonly
+        self._rw = _SharedExclusiveLock()
+        try:
+            self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readonly=readonly,
+                                 create=not readonly, max_dbs=len(DB_NAMES) + 2, readahead=False,
+                                 meminit=False, lock=lock)
+        except DAMAGE_ERRORS as e:
+            raise damaged(self.root, f"its index cannot be opened ({lmdb_reason(e)})") from None
+        except lmdb.Error as e:
+            raise ArchiveError(f"cannot open archive index {path}: {lmdb_reason(e)}") from None
+        self.dbs: dict[str, Any] = {}
+        self._refs = 1
+        self._registry_key = ""
+
+    def peek_meta(self, key: str) -> bytes | None:
+        """Read a ``meta`` entry before the other tables are opened (or created).
+
+        Opening checks the format version with this first, so a newer archive
+        is refused before this process creates or touches anything in it.
+        """
+        db = self._open_existing(b"meta")
+        return None if db is None else self.read(lambda txn: txn.get(key.encode(), db=db))
+
+    def peek_count(self, table: str) -> int:
+        """Entries of a table before the tables are opened (or created); 0 when it does not exist."""
+        db = self._open_existing(table.encode())
+        return 0 if db is None else int(self.read(lambda txn: txn.stat(db)["entries"]))
+
+    def _open_existing(self, name: bytes) -> Any:
+        """The handle of an existing table, or None when the index has no such table."""
+        # No txn argument: py-lmdb then commits its own short transaction, which keeps the
+        # handle valid (a handle opened inside a `with env.begin()` read block is not).
+        while True:
+            try:
+                with self._rw.shared():
+                    return self.env.open_db(name, create=False)
+            except lmdb.NotFoundError:
+                return None
+            except lmdb.MapResizedError:
+                self._adopt_resize()
+            except DAMAGE_ERRORS as e:
+                raise self._damaged(e) from None
+
+    def open_dbs(self) -> None:
+        """Open every named table, creating missing ones unless read-only.
+
+        Read-only, a missing table (an archive written before it existed) is
+        None and reads as empty: listing an old archive must not need a write.
+        """
+        if self.readonly:
+            for name in DB_NAMES:
+                self.dbs[name] = self._open_existing(name.encode())
+        else:
+            def create(txn: lmdb.Transaction) -> None:
+                for name in DB_NAMES:
+                    self.dbs[name] = self.env.open_db(name.encode(), txn=txn, create=True)
+
+            self.write(create)
+
+    def close(self) -> None:
+        """Drop one reference (see :func:`open_index`); the environment closes with the last."""
+        with _OPEN_LOCK:
+            self._refs -= 1
+            if self._refs > 0:
+                return
+            if _OPEN.get(self._registry_key) is self:
+                del _OPEN[self._registry_key]
+        self.env.close()
+
+    @property
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
+
+    def _grow(self, factor: int = 2) -> None:
+        with self._rw.exclusive():
+            self.env.set_mapsize(self.map_size * factor)
+
+    def _adopt_resize(self) -> None:
+        with self._rw.exclusive():
+            self.env.set_mapsize(0)  # 0: take the size another process set
+
+    def _damaged(self, e: lmdb.Error) -> ArchiveError:
+        return damaged(self.root, f"its index is corrupted ({lmdb_reason(e)})")
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction and commit; rerun it after growing a full map.
+
+        ``fn`` must be repeatable: on ``MapFullError`` the transaction is
+        aborted and ``fn`` runs again from scratch in a new one.
+        """
+        if self.readonly:
+            raise ArchiveError("archive was opened read-only")
+        while True:
+            try:
+                with self._rw.shared():
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self._adopt_resize()
+            except DAMAGE_ERRORS as e:
+                raise self._damaged(e) from None
+            except lmdb.Error as e:  # e.g. ENOSPC while data.mdb grows: the transaction was aborted
+                raise ArchiveError(f"index write failed, nothing was committed ({lmdb_reason(e)}); "
+                                   f"free space or check {self.path}") from None
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a read transaction (a consistent snapshot); results must be copied out."""
+        while True:
+            try:
+                with self._rw.shared():
+                    with self.env.begin(write=False, buffers=False) as txn:
+                        return fn(txn)
+            except lmdb.MapResizedError:
+                self._adopt_resize()
+            except DAMAGE_ERRORS as e:
+                raise self._damaged(e) from None
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        handle = self.dbs[db]
+        return None if handle is None else self.read(lambda txn: txn.get(key, db=handle))
+
+    def count(self, db: str) -> int:
+        handle = self.dbs[db]
+        return 0 if handle is None else int(self.read(lambda txn: txn.stat(handle)["entries"]))
+
+    def items(self, db: str, batch: int = 256) -> Iterator[tuple[bytes, bytes]]:
+        """All (key, value) pairs of a sub-db in key order, read ``batch`` at a time.
+
+        Not one snapshot: records written meanwhile may or may not appear. That
+        is what listing commands want, and it never holds a transaction open
+        while the caller works (which would block map growth).
+        """
+        handle = self.dbs[db]
+        if handle is None:
+            return
+        after: bytes | None = None
+        while True:
+            def chunk(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+                cur = txn.cursor(db=handle)
+                out: list[tuple[bytes, bytes]] = []
+                if after is None:
+                    ok = cur.first()
+                else:
+                    ok = cur.set_range(after)
+                    if ok and cur.key() == after:
+                        ok = cur.next()
+                while ok and len(out) < batch:
+                    out.append((bytes(cur.key()), bytes(cur.value())))
+                    ok = cur.next()
+                return out
+
+            rows = self.read(chunk)
+            yield from rows
+            if len(rows) < batch:
+                return
+            after = rows[-1][0]
+
+
+_OPEN: dict[str, Index] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_index(path: Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE, lock: bool = True) -> Index:
+    """Open the index at ``path``, sharing one environment per process.
+
+    LMDB forbids opening one environment twice in a process (closing either
+    copy would drop the other's locks), but a process may well hold two
+    :class:`Archive` objects on one directory, e.g. a reader and a writer.
+    They share the environment, reference-counted; each keeps its own
+    writer flock, so they still exclude each other as writers.
+    """
+    key = os.path.realpath(path)
+    with _OPEN_LOCK:
+        index = _OPEN.get(key)
+        if index is not None:
+            if index.readonly and not readonly:
+                raise ArchiveError(f"archive index {path} is already open read-only in this process; "
+                                   "close it before opening it for writing")
+            index._refs += 1
+            return index
+        index = Index(path, readonly=readonly, map_size=map_size, lock=lock)
+        index._registry_key = key
+        _OPEN[key] = index
+        return index
+
+
+def lmdb_reason(e: lmdb.Error) -> str:
+    """One line for an LMDB error (its text may end with the raw errno description)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,0 +1,215 @@
+"""``kvblend verify --rebuild-index``: a new index from the blobs, for an archive whose index is lost.
+
+Sources, most trusted first: records the old index still yields (salvage.py,
+kept only when they match their blob byte for byte), then what each blob says
+about itself in layer 0 (segments.py), then document manifests (manifests.py).
+Every blob is decompressed in full (zstd frame checksums) before it is listed.
+
+Nothing is deleted. The new index is built beside the old one and swapped in
+by two renames; the old one is kept as ``index.damaged-<time>/``. Blobs that
+cannot be restored (written before blobs described themselves, or damaged)
+move to ``lost+found/``, out of reach of ``gc``. The report names every
+document that lost segments, so the user knows what to ingest again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from kvblend.archive.blobs import BLOB_DIR, scan_blob_dir
+from kvblend.archive.health import INDEX_DIR, has_blobs
+from kvblend.archive.identity import FORMAT_VERSION
+from kvblend.archive.index import Index
+from kvblend.archive.lock import WriterLock
+from kvblend.archive.manifests import read_manifests
+from kvblend.archive.paths import LOCK_FILE, archive_exists, writable
+from kvblend.archive.records import DocumentRecord, document_db_key
+from kvblend.archive.reserve import spending_reserve
+from kvblend.archive.restore import Restored, restore_blob
+from kvblend.archive.salvage import Salvage, salvage
+from kvblend.archive.stores import EmbeddingStore, dump_json
+from kvblend.errors import ArchiveError, ArchiveVersionError
+
+LOST_AND_FOUND = "lost+found"
+
+
+@dataclass
+class RebuildReport:
+    segments_restored: int = 0
+    segments_from_old_index: int = 0  # of those, records the damaged index still held
+    documents_restored: int = 0
+    incomplete_documents: list[str] = field(default_factory=list)  # lost segments: ingest them again
+    unlinked_segments: int = 0  # restored segments no restored document lists
+    lost_blobs: list[str] = field(default_factory=list)  # "<relpath>: <reason>", moved to lost+found/
+    unreadable_manifests: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what could not be read from the old index
+    old_index: str | None = None  # where the replaced index was kept
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> RebuildReport:
+    """Replace the index of the archive at ``path`` with one rebuilt from its blobs (under the writer lock)."""
+    root = Path(path).expanduser().absolute()
+    if not root.is_dir() or not (archive_exists(root) or has_blobs(root)):
+        raise ArchiveError(f"no archive at {root} (nothing to rebuild)")
+    if not writable(root):
+        raise ArchiveError(f"archive directory {root} is not writable; rebuilding its index needs to write")
+    report = RebuildReport()
+    with WriterLock(root / LOCK_FILE).hold(wait), spending_reserve(root):
+        old = salvage(root, _hints(root))
+        report.problems = old.problems
+        _refuse_newer(old)
+        restored = _restore_segments(root, old, report)
+        docs = _restore_documents(root, old, restored, report)
+        fresh = _build(root, old, restored, docs)
+        report.old_index = _swap(root, fresh)
+        _move_lost(root, report)
+    return report
+
+
+def _hints(root: Path) -> dict[str, list[bytes]]:
+    """Keys to look up one by one in a damaged index: segment keys from blob names, documents from manifests."""
+    keys = sorted({Path(rel).name.split(".", 1)[0].encode() for rel, _, is_temp in scan_blob_dir(root) if not is_temp})
+    docs = [document_db_key(doc.path) for doc in read_manifests(root)[0]]
+    return {"segments": keys, "embeddings": keys, "documents": docs}
+
+
+def _refuse_newer(old: Salvage) -> None:
+    raw = old.tables["meta"].get(b"format_version")
+    try:
+        version = int(raw) if raw is not None else 0
+    except ValueError:
+        return
+    if version > FORMAT_VERSION:
+        raise ArchiveVersionError(f"archive format v{version} is newer than this kvblend supports "
+                                  f"(v{FORMAT_VERSION}); upgrade kvblend to rebuild it")
+
+
+def _restore_segments(root: Path, old: Salvage, report: RebuildReport) -> dict[str, Restored]:
+    """One restored segment per key: the blob the old record names if it still matches, else the newest."""
+    known = old.segments()
+    by_key: dict[str, Restored] = {}
+    for rel, _, is_temp in scan_blob_dir(root):
+        if is_temp or not rel.endswith(".kvb"):
+            continue
+        try:
+            got = restore_blob(root, rel, known)
+        except (ArchiveError, OSError, ValueError, KeyError, TypeError) as e:
+            report.lost_blobs.append(f"{rel}: {e}")
+            continue
+        current = by_key.get(got.record.key)
+        if current is None or _better(got, current, known):
+            by_key[got.record.key] = got
+    report.segments_restored = len(by_key)
+    report.segments_from_old_index = sum(r.from_old_index for r in by_key.values())
+    return by_key
+
+
+def _better(new: Restored, current: Restored, known: dict[str, dict[str, Any]]) -> bool:
+    """Between two blobs of one key: the one the old index named, else the newer file."""
+    named = known.get(new.record.key, {}).get("blob")
+    if named in (new.record.blob, current.record.blob):
+        return named == new.record.blob
+    return new.mtime > current.mtime
+
+
+def _restore_documents(root: Path, old: Salvage, restored: dict[str, Restored],
+                       report: RebuildReport) -> list[DocumentRecord]:
+    """Documents from the old index, else from manifests; each keeps only segments that were restored."""
+    docs = {d["path"]: DocumentRecord.from_dict(d) for d in old.documents()}
+    manifests, report.unreadable_manifests = read_manifests(root)
+    for doc in manifests:
+        docs.setdefault(doc.path, doc)
+    listed: set[str] = set()
+    for doc in docs.values():
+        kept = [k for k in doc.segment_keys if k in restored]
+        if len(kept) < len(doc.segment_keys):
+            doc.segment_keys, doc.incomplete = kept, True
+        if doc.incomplete:
+            report.incomplete_documents.append(doc.path)
+        listed.update(kept)
+    report.documents_restored = len(docs)
+    report.incomplete_documents.sort()
+    report.unlinked_segments = sum(1 for k, r in restored.items()
+                                   if k not in listed and r.record.extra.get("role") != "prefix")
+    return list(docs.values())
+
+
+def _build(root: Path, old: Salvage, restored: dict[str, Restored], docs: list[DocumentRecord]) -> Path:
+    """Write the new index into ``index.rebuild/`` (a leftover of a crashed rebuild is replaced)."""
+    fresh = root / f"{INDEX_DIR}.rebuild"
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir()
+    index = Index(fresh)
+    try:
+        index.open_dbs()
+        index.write(lambda txn: _fill(txn, index.dbs, old, restored, docs))
+    finally:
+        index.close()
+    return fresh
+
+
+def _fill(txn: lmdb.Transaction, dbs: dict[str, Any], old: Salvage, restored: dict[str, Restored],
+          docs: list[DocumentRecord]) -> None:
+    for table in ("profiles", "tuned"):
+        for key, raw in old.tables[table].items():
+            txn.put(key, raw, db=dbs[table])
+    meta = old.json_rows("meta")
+    models = [(r.model_name, r.model_fingerprint) for r in restored.values() if r.model_fingerprint]
+    if b"model_fingerprint" not in meta and models:
+        name, fp = max(set(models), key=models.count)
+        meta[b"model_name"], meta[b"model_fingerprint"] = name, fp
+    meta[b"format_version"] = FORMAT_VERSION
+    meta.setdefault(b"created", time.time())
+    meta[b"rebuilt"] = time.time()
+    for key, value in meta.items():
+        txn.put(key, dump_json(value), db=dbs["meta"])
+    rows = []
+    for key, got in restored.items():
+        txn.put(key.encode(), got.record.to_json().encode(), db=dbs["segments"])
+        vector = old.tables["embeddings"].get(key.encode())
+        if vector is not None:
+            rows.append((key.encode(), vector))
+        elif got.embedding is not None:
+            rows.extend(EmbeddingStore.rows([(key, got.embedding)]))
+    EmbeddingStore.put_rows(txn, dbs, rows)
+    for doc in docs:
+        txn.put(document_db_key(doc.path), doc.to_json().encode(), db=dbs["documents"])
+
+
+def _swap(root: Path, fresh: Path) -> str | None:
+    """Keep the old index as ``index.damaged-<time>/`` and put the new one in its place."""
+    current = root / INDEX_DIR
+    kept = None
+    if current.exists():
+        kept = root / f"{INDEX_DIR}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        n = 1
+        while kept.exists():
+            kept = root / f"{INDEX_DIR}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+            n += 1
+        os.rename(current, kept)
+    os.rename(fresh, current)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return str(kept) if kept else None
+
+
+def _move_lost(root: Path, report: RebuildReport) -> None:
+    """Move blobs that could not be restored out of ``blobs/``, where gc would delete them as orphans."""
+    for entry in report.lost_blobs:
+        rel = entry.split(": ", 1)[0]
+        target = root / LOST_AND_FOUND / Path(rel).relative_to(BLOB_DIR)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(root / rel, target)

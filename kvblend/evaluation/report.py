@@ -1,0 +1,91 @@
+"""Markdown tables of a `kvblend bench --json` report, for BENCHMARKS.md (scripts/bench_all.py).
+
+They read the JSON dict, not a live :class:`~kvblend.evaluation.summary.BenchReport`,
+so a report written months ago renders the same way. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvblend.evaluation.records import ANSWER_KL_TOKENS
+
+
+def _num(x, digits: int = 3) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _table(headers: list[str], rows: list[list[str]], numeric_from: int) -> str:
+    align = ["---" if i < numeric_from else "---:" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _settings_line(data: dict) -> str:
+    s = data.get("settings", {})
+    return (
+        f"{data.get('records', '?')} records × {s.get('chunks', '?')} passages "
+        f"(~{s.get('mean_prompt_tokens', 0):.0f} prompt tokens), {data.get('model', '?')}, "
+        f"compute {s.get('compute', '?')}/{s.get('dtype', '?')}; greedy, ≤{s.get('max_new_tokens', '?')} new tokens, "
+        f"same prompt token ids for every mode; modes interleaved per record."
+    )
+
+
+def _result_row(r: dict, full: dict | None) -> list[str]:
+    speed = (full["ttft_median_s"] / r["ttft_median_s"]) if full and r["ttft_median_s"] else None
+    return [
+        r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _num(r["f1"]), _num(r["em_vs_full"]),
+        _num(r["rouge_l_vs_full"]), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
+        _num(r["ttft_median_s"]), _num(r["ttft_p90_s"]), "—" if speed is None else f"{speed:.2f}×",
+        f"{r['recompute_share']:.1%}",
+    ]
+
+
+def markdown_results(data: dict) -> str:
+    """The main table of a `kvblend bench --json` report, as markdown."""
+    rows_in = data.get("results") or []
+    if not rows_in:
+        return "(no results)"
+    full = next((r for r in rows_in if r["mode"] == "full"), None)
+    n_tok = data.get("settings", {}).get("answer_kl_tokens", ANSWER_KL_TOKENS)
+    return "\n".join([
+        _settings_line(data),
+        "",
+        _table(["mode", "ratio", "F1 (gold)", "EM vs full", "ROUGE-L vs full", "KL 1st token", "answer KL",
+                "TTFT p50 (s)", "TTFT p90 (s)", "speed-up vs full (p50)", "recompute share"],
+               [_result_row(r, full) for r in rows_in], 2),
+        "",
+        "F1: SQuAD token F1 against the gold answers (max over them). EM / ROUGE-L vs full: agreement with "
+        "full's own answer on the same record. KL (nats) from full's distribution: of the first token, and "
+        f"averaged over full's first ≤{n_tok} answer tokens fed to every mode (teacher forcing on the same fused KV). "
+        "TTFT: KV streamed from the on-disk archive + fusion + first token; model load excluded. "
+        "Recompute share: token-layers computed / prompt tokens × layers.",
+    ])
+
+
+def markdown_variants(data: dict) -> str:
+    """The fusor-variant table of a `kvblend bench --variants --json` report, as markdown."""
+    rows_in = data.get("variants") or []
+    if not rows_in:
+        return "(no variants)"
+    rows, last = [], None
+    for r in rows_in:
+        rows.append([
+            r["group"] if r["group"] != last else "", r["name"], r["mode"], _num(r["f1"]), _num(r["em_vs_full"]),
+            _num(r["rouge_l_vs_full"]), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
+            _num(r["ttft_median_s"]), f"{r['recompute_share']:.1%}", r.get("kv_source", ""),
+        ])
+        last = r["group"]
+    ratio = data.get("settings", {}).get("variant_ratio")
+    return "\n".join([
+        _settings_line(data) + (f" Blend at ratio {ratio:g}." if ratio is not None else ""),
+        "",
+        _table(["group", "variant", "mode", "F1 (gold)", "EM vs full", "ROUGE-L vs full", "KL 1st token", "answer KL",
+                "TTFT p50 (s)", "recompute share", "KV from"], rows, 3),
+        "",
+        "deviation: HKVD scored on K, V, or both (each normalised by its mean). check_layers: where tokens are "
+        "selected (1,2,3 = gradual filtering, ratios shrinking to the target). sink: chunks prefilled alone (what the "
+        "archive stores) vs after the prompt's shared instruction prefix (its KV dropped); these rows hold the KV in "
+        "memory, so their TTFTs compare with each other only." + (f" Note: {data['note']}." if data.get("note") else ""),
+    ])

@@ -1,0 +1,105 @@
+"""Aggregating runs: :class:`BenchReport` and the per-spec means and percentiles in its tables.
+
+F1 is against the gold answers (max over them); EM and ROUGE-L against full's
+own answer on the same record, so "agrees with full" and "is right" stay
+separate questions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvblend.evaluation.metrics import exact_match, f1_score, percentile, rouge_l
+from kvblend.evaluation.specs import RunRecord, RunSpec
+
+
+@dataclass
+class BenchReport:
+    model: str
+    machine: str
+    command: str
+    date: str
+    records: int
+    results: list[dict]
+    variants: list[dict] | None = None
+    settings: dict = field(default_factory=dict)
+    runs: list[RunRecord] = field(default_factory=list)  # per record × run, for scripts
+    full_answers: dict[int, str] = field(default_factory=dict)
+    questions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def per_record(self) -> list[dict]:
+        """Every run's answer and numbers, record by record (for `--answers`, and eyeballing)."""
+        return [{"record": i, "question": question, **self._record_runs(i)} for i, question in enumerate(self.questions)]
+
+    def _record_runs(self, i: int) -> dict[str, Any]:
+        mine = [r for r in self.runs if r.record == i]
+        return {
+            "gold": mine[0].golds if mine else [],
+            "runs": [{
+                "run": r.spec.label, "mode": r.spec.mode, "ratio": r.spec.ratio, "answer": r.answer,
+                "f1": round(f1_score(r.answer, r.golds), 4), "kl_vs_full": round(r.kl_vs_full, 6),
+                "answer_kl_vs_full": round(r.answer_kl_vs_full, 6), "ttft_s": round(r.ttft_s, 4),
+                "recompute_share": round(r.recompute_share, 4),
+            } for r in mine],
+        }
+
+    def to_dict(self, answers: bool = False) -> dict:
+        d = {
+            "model": self.model,
+            "machine": self.machine,
+            "command": self.command,
+            "date": self.date,
+            "records": self.records,
+            "settings": self.settings,
+            "results": self.results,
+        }
+        if self.variants is not None:
+            d["variants"] = self.variants
+        if self.warnings:
+            d["warnings"] = self.warnings
+        if answers:
+            d["per_record"] = self.per_record()
+        return d
+
+
+def mean(xs: Sequence[float]) -> float:
+    """The mean, NaN for nothing (a table cell shows "—" rather than the run failing)."""
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summarize_spec(runs: Sequence[RunRecord], full_answers: dict[int, str]) -> dict:
+    """Aggregate one spec's runs: means over records, TTFT median and p90."""
+    if not runs:
+        raise ValueError("no runs to summarize")
+    spec = runs[0].spec
+    ttfts = [r.ttft_s for r in runs]
+    return {
+        "mode": spec.mode,
+        "ratio": spec.ratio,
+        "f1": mean([f1_score(r.answer, r.golds) for r in runs]),
+        "em_vs_full": mean([exact_match(r.answer, full_answers[r.record]) for r in runs]),
+        "rouge_l_vs_full": mean([rouge_l(r.answer, full_answers[r.record]) for r in runs]),
+        "kl_vs_full": mean([r.kl_vs_full for r in runs]),
+        "answer_kl_vs_full": mean([r.answer_kl_vs_full for r in runs]),
+        "ttft_median_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "recompute_share": mean([r.recompute_share for r in runs]),
+    }
+
+
+def summarize(runs: Sequence[RunRecord], full_answers: dict[int, str],
+              specs: Sequence[RunSpec] | None = None) -> list[dict]:
+    """One summary per spec (in `specs` order, else first-seen order)."""
+    by_spec: dict[RunSpec, list[RunRecord]] = {}
+    for r in runs:
+        by_spec.setdefault(r.spec, []).append(r)
+    order = list(specs) if specs is not None else list(by_spec)
+    return [summarize_spec(by_spec[s], full_answers) for s in order if s in by_spec]
+
+
+def rounded(d: dict, digits: int = 6) -> dict:
+    """Finite floats rounded, so JSON reports diff cleanly between runs."""
+    return {k: (round(v, digits) if isinstance(v, float) and math.isfinite(v) else v) for k, v in d.items()}

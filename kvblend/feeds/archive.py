@@ -1,0 +1,243 @@
+"""The archive feed: load layer i+1's cached KV from the archive while the fusor computes layer i.
+
+Loading a layer has two stages: *fetch* (pread + checksum of every needed
+segment's compressed slice: I/O, little CPU) and *build* (decompress, widen,
+re-position K to the segment's offset in this prompt, lay the layer out for
+the whole prompt: CPU). A producer thread fetches ahead, in layer order; a
+semaphore of `depth` slots bounds how many fetched layers exist at once, so
+memory is a few layers, never the whole prompt's KV, and the high-water mark
+is recorded so tests can hold us to it.
+
+Where the build stage runs depends on whether it can overlap compute for free:
+
+- **overlap** (CUDA, or a CPU host with cores the fusor does not use): the
+  producer also builds, so layer i+1 is ready when layer i finishes. On CUDA
+  the decoded tensors are pinned and copied with non_blocking=True on a side
+  stream; the fusor waits on an event, not on the whole device.
+- **on demand** (CPU compute on every core, e.g. this project's 2-core hosts):
+  building on a third thread would preempt one of torch's threads, and every
+  parallel op then waits for the preempted one, which measured slower than
+  not overlapping at all (BENCHMARKS.md, notes). So only I/O runs ahead, and
+  the layer is built in the fusor's thread when it asks for it, while torch's
+  threads are idle anyway. That time counts as load wait.
+
+A blob that is missing, truncated or fails its checksum raises
+SegmentUnavailable in the fusor's thread, naming the segment: the query pipeline
+then recomputes that segment instead of trusting bad data.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvblend.archive import Archive, SegmentRecord
+from kvblend.defaults import DEFAULT_PREFETCH_DEPTH
+from kvblend.errors import CorruptBlobError, KvblendError
+from kvblend.feeds.memory import assemble_layer
+from kvblend.model.runner import ModelRunner
+from kvblend.types import LayerKV, Segment
+
+
+class SegmentUnavailable(KvblendError):
+    """A cached segment's blob could not be used; recompute it."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"segment {key[:12]}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass
+class StreamStats:
+    """What loading cost: the fusor's wait is the number that matters for TTFT."""
+
+    wait_s: float = 0.0
+    read_s: float = 0.0
+    decompress_s: float = 0.0
+    bytes_read: int = 0
+    layers_loaded: int = 0
+    high_water: int = 0
+    build: str = "overlap"  # where decompress + re-position ran: "overlap" or "on-demand"
+    per_layer_wait_s: list[float] = field(default_factory=list)
+
+
+def spare_cores_for_loading(device: torch.device) -> bool:
+    """Can building layers overlap compute without taking cores from the fusor?"""
+    if device.type == "cuda":
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
+
+
+class ArchiveFeed:
+    """A CachedKVFeed that streams from the archive with bounded prefetch."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        archive: Archive,
+        segments: Sequence[Segment],
+        records: dict[str, SegmentRecord],
+        offsets: Sequence[int],
+        schedule: dict[int, list[bool]],
+        depth: int = DEFAULT_PREFETCH_DEPTH,
+        workers: int = 2,
+        overlap: bool | None = None,
+    ):
+        self.runner = runner
+        self.archive = archive
+        self.segments = list(segments)
+        self.schedule = schedule  # layer -> which segments' KV it needs (fusion.feed_schedule)
+        self.records = records
+        self.offsets = list(offsets)
+        self.total = sum(len(s.token_ids) for s in segments)
+        self.layers = list(schedule)
+        self.depth = max(1, depth)
+        self.overlap = spare_cores_for_loading(runner.device) if overlap is None else overlap
+        self.stats = StreamStats(build="overlap" if self.overlap else "on-demand")
+        self._slots = threading.Semaphore(self.depth)
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kvblend-load")
+        self._cuda = runner.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=runner.device) if self._cuda else None
+        self._thread = threading.Thread(target=self._produce, name="kvblend-stream", daemon=True)
+        self._started = False
+
+    # ── CachedKVFeed ──
+    @property
+    def wait_s(self) -> float:
+        return self.stats.wait_s
+
+    def start(self) -> "ArchiveFeed":
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return self
+
+    def layer(self, index: int) -> LayerKV:
+        self.start()
+        t0 = time.perf_counter()
+        got_index, payload, event = self._queue.get()
+        with self._held_lock:
+            self._held -= 1
+        self._slots.release()
+        if isinstance(payload, BaseException):
+            self.close()
+            raise payload
+        if got_index != index:
+            self.close()
+            raise RuntimeError(f"layer stream out of order: wanted {index}, got {got_index}")
+        if not self.overlap:
+            try:
+                payload = self._build(index, payload)
+            except BaseException:
+                self.close()
+                raise
+        waited = time.perf_counter() - t0
+        self.stats.wait_s += waited
+        self.stats.per_layer_wait_s.append(waited)
+        if event is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(event)
+            for t in payload:
+                t.record_stream(torch.cuda.current_stream(self.runner.device))
+        return payload
+
+    def close(self) -> None:
+        self._stop.set()
+        # Unblock a producer waiting for a slot.
+        for _ in range(self.depth):
+            self._slots.release()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "ArchiveFeed":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ── producer ──
+    def _produce(self) -> None:
+        for index in self.layers:
+            self._slots.acquire()
+            if self._stop.is_set():
+                return
+            with self._held_lock:
+                self._held += 1
+                self.stats.high_water = max(self.stats.high_water, self._held)
+            try:
+                payload, event = self._load_layer(index)
+            except BaseException as exc:  # handed to the fusor's thread, raised there
+                self._queue.put((index, exc, None))
+                return
+            self._queue.put((index, payload, event))
+
+    def _load_layer(self, index: int):
+        """The producer's share of a layer: fetch it, and build it too when building overlaps."""
+        raw = self._fetch_layer(index)
+        self.stats.layers_loaded += 1
+        if not self.overlap:
+            return raw, None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                kv = self._build(index, raw)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return kv, event
+        return self._build(index, raw), None
+
+    def _fetch_layer(self, index: int) -> dict[int, bytes]:
+        """Checksummed compressed payloads of the segments this layer needs (I/O: one pread each)."""
+        needed = self.schedule[index]
+        raw: dict[int, bytes] = {}
+        for i, seg in enumerate(self.segments):
+            if not needed[i]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                raw[i] = self.archive.read_layer_raw(self.records[seg.key], index)
+            except CorruptBlobError as exc:
+                raise SegmentUnavailable(seg.key, str(exc)) from exc
+            except OSError as exc:
+                raise SegmentUnavailable(seg.key, f"unreadable blob ({exc.strerror or exc})") from exc
+            self.stats.read_s += time.perf_counter() - t0
+            self.stats.bytes_read += len(raw[i])
+        return raw
+
+    def _decode(self, seg: Segment, index: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            k, v = self.archive.decode(self.records[seg.key], index, raw)
+        except CorruptBlobError as exc:
+            raise SegmentUnavailable(seg.key, str(exc)) from exc
+        self.stats.decompress_s += time.perf_counter() - t0
+        if self._cuda:
+            k, v = k.pin_memory(), v.pin_memory()
+        return k, v
+
+    def _build(self, index: int, raw: dict[int, bytes]) -> LayerKV:
+        """Decompress, widen and re-position every fetched segment into the prompt-wide layer.
+
+        Ahead of the fusor, segments decode in parallel on the loader pool (zstd releases
+        the GIL). On demand, all in this thread: the fusor's torch threads are idle then,
+        and a pool measured slower (its threads' torch ops start OpenMP teams of their own).
+        """
+        if self.overlap:
+            decoded = dict(zip(raw, self._pool.map(lambda i: self._decode(self.segments[i], index, raw[i]), raw)))
+        else:
+            decoded = {i: self._decode(self.segments[i], index, data) for i, data in raw.items()}
+        return assemble_layer(self.runner, self.segments, self.offsets, self.total, index,
+                              lambda i, _seg, _layer: decoded.get(i))

@@ -1,0 +1,101 @@
+"""Which of a prompt's tokens each mode may take from cache, and which cached layers it reads.
+
+The *exact prefix* is a cached first segment prefilled at position 0 (typically
+the prompt's instruction prefix). Causal attention means its KV in this prompt
+is exactly the KV it was prefilled with, so no mode but `full` ever recomputes
+it, and blend's ratio counts only the cached tokens after it, whose KV is an
+approximation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvblend.defaults import MODES
+from kvblend.errors import UsageError
+from kvblend.fusion.config import BlendConfig
+from kvblend.types import Segment
+
+
+@dataclass
+class Plan:
+    """Which positions are cached, and the segments' offsets in this prompt."""
+
+    token_ids: list[int]
+    cached_mask: torch.Tensor  # [T] bool
+    offsets: list[int] = field(default_factory=list)
+    exact: int = 0  # leading cached tokens whose KV is exact here (see module docstring)
+
+
+def effective_cached(segments: Sequence[Segment], mode: str) -> list[bool]:
+    """Which segments' cached KV `mode` uses.
+
+    `full` uses none. `prefix` uses only a cached first segment at its own base
+    position: segments are prefilled alone, so no later one is an exact prefix.
+    """
+    if mode == "full":
+        return [False] * len(segments)
+    if mode == "prefix":
+        return [i == 0 and bool(s.cached) and s.base_position == 0 for i, s in enumerate(segments)]
+    return [bool(s.cached) for s in segments]
+
+
+def plan_prompt(segments: Sequence[Segment], mode: str) -> Plan:
+    """Concatenate segments and decide which positions count as cached for `mode`."""
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    token_ids: list[int] = []
+    flags: list[bool] = []
+    offsets: list[int] = []
+    for seg, cached in zip(segments, effective_cached(segments, mode)):
+        offsets.append(len(token_ids))
+        token_ids.extend(seg.token_ids)
+        flags.extend([cached] * len(seg.token_ids))
+    if not token_ids:
+        raise UsageError("empty prompt: nothing to compute")
+    cached_mask = torch.tensor(flags, dtype=torch.bool)
+    cached_mask[-1] = False  # the last token is always computed: its logits start generation
+    return Plan(token_ids, cached_mask, offsets, exact_prefix_tokens(segments, mode, len(token_ids)))
+
+
+def exact_prefix_tokens(segments: Sequence[Segment], mode: str, total: int) -> int:
+    """Tokens of a cached first segment prefilled at position 0: its KV needs no recompute.
+
+    Never the prompt's last token, whose logits must be computed.
+    """
+    if not segments or not effective_cached(segments[:1], mode)[0] or segments[0].base_position != 0:
+        return 0
+    return min(len(segments[0].token_ids), total - 1)
+
+
+def never_recomputed(plan: Plan, mode: str, blend: BlendConfig) -> int:
+    """How many leading tokens `blend` leaves to the exact prefix's cached KV.
+
+    None at ratio 1.0: "recompute every cached token" then means exactly `full`,
+    bit for bit, not `full` with a prefix read back from 16-bit storage.
+    """
+    return plan.exact if mode == "blend" and blend.ratios[-1] < 1.0 else 0
+
+
+def feed_schedule(
+    segments: Sequence[Segment], plan: Plan, mode: str, blend: BlendConfig, n_layers: int
+) -> dict[int, list[bool]]:
+    """The layers whose cached KV the fusor asks a feed for, in order, and which segments' KV
+    each needs (the others' rows are recomputed, so loading them would be wasted).
+
+    `blend` needs only the exact prefix before its first check layer (every other token is
+    computed there), then every cached segment; `prefix`/`reuse` need their cached
+    segments at every layer; `full` needs nothing.
+    """
+    use = effective_cached(segments, mode)
+    if mode == "full" or not any(use):
+        return {}
+    if mode != "blend":
+        return {layer: use for layer in range(n_layers)}
+    first_check = blend.check_layers[0]
+    only_exact = [i == 0 for i in range(len(segments))]
+    early = range(first_check) if never_recomputed(plan, mode, blend) else range(0)
+    return {**{layer: only_exact for layer in early}, **{layer: use for layer in range(first_check, n_layers)}}

@@ -1,0 +1,116 @@
+"""Loading a checkpoint as a ModelRunner: device and dtype choice, GGUF conversion, architecture check.
+
+transformers is imported inside the functions that load weights: picking a device
+or a dtype (the tune and bench commands do) must not pay for its import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from kvblend.errors import ModelNotFoundError, UsageError
+from kvblend.model.runner import ModelRunner
+from kvblend.model.source import (
+    SUPPORTED_ARCHITECTURES,
+    ModelSource,
+    check_architecture,
+    model_cache_dir,
+    resolve_model_source,
+    source_fingerprint,
+)
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
+
+
+def pick_compute_device(compute: str | None) -> torch.device:
+    """`--compute cpu|cuda`; default CUDA when present."""
+    if compute in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if compute == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--compute cuda: no CUDA device is available on this machine")
+    if compute not in ("cpu", "cuda"):
+        raise UsageError(f"--compute must be cpu or cuda, not {compute!r}")
+    return torch.device(compute)
+
+
+def pick_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slow there); bf16 on CUDA."""
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in names:
+        raise UsageError(f"--dtype must be one of fp32, bf16, fp16, not {dtype!r}")
+    return names[dtype]
+
+
+def load_model(model: str | None = None, compute: str | None = None, dtype: str | None = None) -> ModelRunner:
+    """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
+    hf_logging.set_verbosity_error()
+    source = resolve_model_source(model)
+    fingerprint = source_fingerprint(source)
+    with _unreadable_checkpoint(source):
+        directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory
+        config = AutoConfig.from_pretrained(directory)
+    check_architecture(config)
+    device = pick_compute_device(compute)
+    torch_dtype = pick_dtype(device, dtype)
+    with _unreadable_checkpoint(source):
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    hf_model.to(device).eval()
+    return ModelRunner(hf_model, tokenizer, name=source.name, fingerprint=fingerprint)
+
+
+@contextmanager
+def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
+    """A checkpoint transformers cannot read (not GGUF, truncated, bad config) is one line, not a traceback.
+
+    Only the loading calls run inside this: their errors come from the user's
+    file, whatever type transformers or safetensors chose for them.
+    """
+    try:
+        yield
+    except (OSError, ValueError, KeyError, EOFError, RuntimeError) as e:
+        shown = source.directory / source.gguf_file if source.gguf_file else source.directory
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelNotFoundError(f"cannot load model from {shown}: {reason}") from None
+
+
+def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
+    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not ~20 s."""
+    target = model_cache_dir() / f"{source.name}-{fingerprint}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    # The de-quantised weights are plain tensors now; forget the quantiser so they can be saved.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target) if not target.exists() else shutil.rmtree(staging)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target

@@ -1,0 +1,62 @@
+"""Segment precompute: prefill many segments alone, in batches, for the archive.
+
+Batches are formed by a token budget over length-sorted segments so padding
+stays small; results come back in input order, on the CPU, in the storage
+dtype (fp16 unless the model computes in bf16), ready for the codec.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from kvblend.defaults import DEFAULT_BATCH_TOKENS
+from kvblend.model.runner import ModelRunner
+from kvblend.types import LayerKV
+
+
+def storage_dtype(runner: ModelRunner) -> torch.dtype:
+    """fp16 keeps more mantissa than bf16 and KV values fit its range; keep bf16 if computed in bf16."""
+    return torch.bfloat16 if runner.dtype == torch.bfloat16 else torch.float16
+
+
+def batches_by_tokens(lengths: Sequence[int], budget: int) -> Iterator[list[int]]:
+    """Group indices (longest first) so each batch's padded size stays within `budget` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batch: list[int] = []
+    for i in order:
+        width = lengths[batch[0]] if batch else lengths[i]
+        if batch and width * (len(batch) + 1) > budget:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def precompute_kv(
+    runner: ModelRunner,
+    token_lists: Sequence[list[int]],
+    sink_prefix: list[int] | None = None,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    on_batch: Callable[[list[int], int], None] | None = None,
+) -> list[list[LayerKV]]:
+    """Per-layer KV ([kv_heads, n, hd], CPU, storage dtype) of each token list, prefilled alone.
+
+    With `sink_prefix`, each segment is prefilled after those tokens (a shared
+    instruction prefix that takes the attention-sink role) whose KV is dropped;
+    the segment's base position is then len(sink_prefix).
+    """
+    prefix = list(sink_prefix or [])
+    dtype = storage_dtype(runner)
+    results: list[list[LayerKV] | None] = [None] * len(token_lists)
+    lengths = [len(t) + len(prefix) for t in token_lists]
+    for batch in batches_by_tokens(lengths, batch_tokens):
+        rows = [prefix + list(token_lists[i]) for i in batch]
+        kv_rows = runner.prefill_batch(rows, drop_prefix=len(prefix))
+        for i, layers in zip(batch, kv_rows):
+            results[i] = [(k.to("cpu", dtype).contiguous(), v.to("cpu", dtype).contiguous()) for k, v in layers]
+        if on_batch is not None:
+            on_batch(batch, sum(len(token_lists[i]) for i in batch))
+    return results  # type: ignore[return-value]

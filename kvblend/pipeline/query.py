@@ -1,0 +1,297 @@
+"""Query: retrieve → assemble the prompt → stream cached KV + fuse → generate.
+
+    select_records      pinned documents / segments, else top-k retrieval
+    build_prompt        instruction prefix + passages + question, prefix cache, length check
+    fuse_streaming      fuse over the archive feed; a blob that fails is recomputed instead
+    (bookkeeping)       archive the instruction prefix on first use, touch what was used
+
+Damaged blobs never fail a query: a missing or short blob is caught by a stat
+before fusing, a bit flip by its checksum while streaming; either way the
+segment is recomputed and a warning names it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from kvblend.defaults import MODES
+from kvblend.errors import ArchiveBusyError, UsageError
+from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
+from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse, plan_prompt
+from kvblend.generation import Generation, generate
+from kvblend.model.prefill import storage_dtype
+from kvblend.pipeline.ingest import new_record
+from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
+from kvblend.prompt import assemble_prompt, segment_text_for_kv
+from kvblend.retrieval import get_embedder, top_k
+from kvblend.types import Segment
+
+if TYPE_CHECKING:  # the facade calls into this module; the annotation must not import it back
+    from kvblend.pipeline.engine import Engine
+
+Warn = Callable[[str], None]
+
+
+def run_query(
+    engine: Engine,
+    question: str,
+    opts: QueryOptions,
+    on_token: Callable[[str], None] | None = None,
+    on_warning: Warn | None = None,
+) -> QueryResult:
+    """Answer `question` from archived segments with the chosen mode."""
+    if opts.mode not in MODES:
+        raise UsageError(f"--mode must be one of {', '.join(MODES)}")
+    if not question or not question.strip():
+        raise UsageError("empty question")
+    engine.warm_up()
+    blend_cfg, ratio = engine.blend_config(opts) if opts.mode == "blend" else (BlendConfig(), None)
+    warnings: list[str] = []
+
+    def warn(msg: str) -> None:
+        warnings.append(msg)
+        if on_warning:
+            on_warning(msg)
+
+    t0 = time.perf_counter()
+    passages, infos, record_by_key = _passages(engine, question, opts)
+    t_retrieved = time.perf_counter()
+    prompt = build_prompt(engine, question, passages, record_by_key, opts, warn)
+    fused = fuse_streaming(engine, prompt, record_by_key, opts, blend_cfg, warn)
+    t_fused = time.perf_counter()
+    gen = generate(engine.runner, fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
+                   forced_tokens=opts.forced_tokens)
+    ttft = (t_fused - t0) + gen.first_token_s
+    cached_flags = {s.key: bool(s.cached) for s in prompt}
+    for info in infos:
+        info.cached = cached_flags.get(info.key, info.cached)
+    prefix_cached = bool(prompt[0].cached) and fused.mode != "full"  # cached only when opts.cache_prefix
+    _record_use(engine, prompt, fused, opts, warn)
+    timings = {
+        "retrieval_s": t_retrieved - t0,
+        "model_load_s": engine.model_load_s,
+        "load_wait_s": fused.load_wait_s,
+        "recompute_s": fused.compute_s - fused.load_wait_s,
+        "fusion_s": t_fused - t_retrieved,
+        "ttft_s": ttft,
+        "decode_s": gen.decode_s,
+    }
+    return _result(opts, ratio, ttft, fused, gen, infos, timings, warnings, prefix_cached)
+
+
+def _result(opts: QueryOptions, ratio: float | None, ttft: float, fused: FusionResult, gen: Generation,
+            infos: list[SegmentInfo], timings: dict[str, float], warnings: list[str],
+            prefix_cached: bool) -> QueryResult:
+    return QueryResult(
+        answer=gen.text,
+        mode=opts.mode,
+        ratio=ratio,
+        ttft_s=ttft,
+        load_wait_s=fused.load_wait_s,
+        prompt_tokens=len(fused.token_ids),
+        recomputed_tokens=fused.active_per_layer[-1],
+        recompute_share=fused.recompute_share,
+        segments=infos,
+        tokens_per_s=gen.tokens_per_s,
+        timings=timings,
+        warnings=warnings,
+        prefix_cached=prefix_cached,
+        fusion=fused,
+        generation=gen,
+    )
+
+
+# ── passages ──
+def _passages(
+    engine: Engine, question: str, opts: QueryOptions
+) -> tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]:
+    """The prompt's passages in order: archived records, then --context-file texts."""
+    records, infos = select_records(engine, question, opts)
+    passages = [Segment(list(r.token_ids), cached=True, key=r.key, base_position=r.base_position) for r in records]
+    record_by_key = {r.key: r for r in records}
+    for text in opts.context_texts:
+        seg, info, rec = context_segment(engine, text, store=opts.store_context)
+        passages.append(seg)
+        infos.append(info)
+        if rec is not None:
+            record_by_key[rec.key] = rec
+    if not passages:
+        raise UsageError("no passages: the question needs at least one segment or --context-file")
+    return passages, infos, record_by_key
+
+
+def select_records(engine: Engine, question: str, opts: QueryOptions) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
+    """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order."""
+    archive = engine.archive(create=False)
+    records: list[SegmentRecord] = []
+    infos: list[SegmentInfo] = []
+    for path in opts.docs:
+        doc = _find_document(archive, path)
+        for key in doc.segment_keys:
+            records.append(_segment_or_error(archive, key))
+            infos.append(SegmentInfo(key, doc.path, records[-1].n_tokens, True))
+    for key in opts.segment_keys:
+        rec = _segment_or_error(archive, key)
+        records.append(rec)
+        infos.append(SegmentInfo(rec.key, engine.document_of(rec.key), rec.n_tokens, True))
+    if records or (opts.context_texts and opts.top_k == 0):
+        return records, infos
+    if opts.top_k < 1:
+        raise UsageError("--top-k must be at least 1")
+    keys, matrix = archive.get_embeddings()
+    if not keys:
+        raise UsageError(f"the archive at {engine.archive_path} is empty: run `kvblend ingest PATH` first")
+    query_vec = get_embedder().embed([question])[0]
+    for key, score in top_k(query_vec, keys, matrix, opts.top_k):
+        rec = archive.get_segment(key)
+        if rec is None:
+            continue
+        records.append(rec)
+        infos.append(SegmentInfo(key, engine.document_of(key), rec.n_tokens, True, round(score, 4)))
+    return records, infos
+
+
+def _find_document(archive: Archive, path: str) -> DocumentRecord:
+    """A pinned document by its stored path, its resolved path, or a unique path suffix."""
+    doc = archive.get_document(path) or archive.get_document(str(Path(path).expanduser().resolve()))
+    if doc is None:
+        matches = [d for d in archive.iter_documents() if d.path.endswith("/" + path) or d.path == path]
+        if len(matches) == 1:
+            doc = matches[0]
+    if doc is None:
+        raise UsageError(f"no such document in the archive: {path} (see `kvblend ls`)")
+    return doc
+
+
+def _segment_or_error(archive: Archive, key: str) -> SegmentRecord:
+    """A pinned segment by its key or a unique key prefix (6+ characters)."""
+    rec = archive.get_segment(key)
+    if rec is None and len(key) >= 6:
+        matches = [r for r in archive.iter_segments() if r.key.startswith(key)]
+        rec = matches[0] if len(matches) == 1 else None
+    if rec is None:
+        raise UsageError(f"no such segment in the archive: {key}")
+    return rec
+
+
+def context_segment(engine: Engine, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
+    """A --context-file text: cached if already archived, stored with --store, else computed."""
+    ids = engine.runner.tokenize(segment_text_for_kv(text))
+    key = engine.key_of(ids)
+    rec = engine.archive().get_segment(key)
+    if rec is None and store:
+        rec = engine.store_texts([text])[0]
+    cached = rec is not None
+    seg = Segment(ids, cached=cached, key=key, base_position=rec.base_position if rec else 0)
+    return seg, SegmentInfo(key, None, len(ids), cached), rec
+
+
+# ── the prompt ──
+def build_prompt(engine: Engine, question: str, passages: list[Segment], record_by_key: dict[str, SegmentRecord],
+                 opts: QueryOptions, warn: Warn) -> list[Segment]:
+    """Instruction prefix + passages + question; segments whose blob is damaged are left uncached."""
+    runner = engine.runner
+    prompt = assemble_prompt(runner, opts.template, question, passages)
+    if opts.cache_prefix:
+        use_archived_prefix(engine, prompt[0], record_by_key)
+    total = sum(len(s.token_ids) for s in prompt)
+    if runner.max_positions and total + opts.sampling.max_new_tokens > runner.max_positions:
+        raise UsageError(
+            f"prompt is {total} tokens (+{opts.sampling.max_new_tokens} to generate); "
+            f"the model's context is {runner.max_positions}: use fewer segments (--top-k) or a shorter question"
+        )
+    for seg in prompt:
+        if seg.cached and not blob_intact(engine.archive(), record_by_key[seg.key]):
+            seg.cached = False
+            warn(f"segment {seg.key[:12]}: blob missing or truncated; recomputing it (run `kvblend verify --repair`)")
+    return prompt
+
+
+def blob_intact(archive: Archive, rec: SegmentRecord) -> bool:
+    """Cheap pre-flight (a stat, no read): the blob exists and is long enough for every layer.
+
+    Bit flips are caught later by per-layer checksums while streaming.
+    """
+    try:
+        size = (archive.path / rec.blob).stat().st_size
+    except OSError:
+        return False
+    return all(layer.offset + layer.length <= size for layer in rec.layers)
+
+
+# ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──
+def use_archived_prefix(engine: Engine, prefix: Segment, record_by_key: dict[str, SegmentRecord]) -> None:
+    """Mark the prompt's instruction prefix cached when the archive holds its KV.
+
+    It sits at position 0 and was prefilled there, so its archived KV is exactly
+    what this prompt would compute: no mode but `full` recomputes it (kvblend.fusion.plan).
+    """
+    prefix.key = engine.key_of(prefix.token_ids)
+    rec = engine.archive().get_segment(prefix.key)
+    if rec is not None and list(rec.token_ids) == list(prefix.token_ids):
+        prefix.cached, prefix.base_position = True, 0
+        record_by_key[prefix.key] = rec
+
+
+def archive_prefix(engine: Engine, prefix: Segment, fused: FusionResult) -> None:
+    """Store the prefix's KV from this fusion (computed fresh at positions 0..n-1 in every
+    mode when it was not cached), so later queries with the same template reuse it.
+
+    Opportunistic: skipped, without a warning, while another process holds the writer
+    lock or when the archive is read-only; it costs no recompute, only an encode and a
+    commit after the answer.
+    """
+    n = len(prefix.token_ids)
+    if not n or n >= len(fused.token_ids) or prefix.key is None:
+        return
+    runner = engine.runner
+    dtype = storage_dtype(runner)
+    layers = [(k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous())
+              for k, v in fused.kv]
+    record = new_record(runner, prefix.key, runner.tokenizer.decode(prefix.token_ids), prefix.token_ids,
+                        engine.kv_settings())
+    record.extra["role"] = "prefix"
+    archive = engine.archive()
+    if archive.readonly:
+        return  # an archive this user cannot write: answer from it, store nothing
+    try:
+        with archive.writer(wait=False):
+            if not archive.has_segment(prefix.key):
+                archive.put_segments([(record, layers)])
+    except ArchiveBusyError:
+        pass  # another writer is busy: the next query stores it
+
+
+def _record_use(engine: Engine, prompt: list[Segment], fused: FusionResult, opts: QueryOptions, warn: Warn) -> None:
+    """After the answer: archive a freshly computed prefix, and touch the segments used (for gc)."""
+    try:
+        if opts.cache_prefix and not prompt[0].cached:
+            archive_prefix(engine, prompt[0], fused)
+        engine.archive().touch([s.key for s in prompt if s.cached])
+    except Exception as exc:  # bookkeeping must never fail an answered query
+        warn(f"could not record segment use: {exc}")
+
+
+# ── fusion over the archive ──
+def fuse_streaming(engine: Engine, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
+                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> FusionResult:
+    """Fuse with the archive feed; a blob that fails mid-stream is recomputed instead."""
+    runner = engine.runner
+    while True:
+        plan = plan_prompt(prompt, opts.mode)
+        schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, runner.n_layers)
+        feed = ArchiveFeed(runner, engine.archive(), prompt, record_by_key, plan.offsets, schedule,
+                           depth=opts.prefetch_depth, overlap=opts.loader_overlap)
+        try:
+            with feed:
+                fused = fuse(runner, prompt, opts.mode, blend_cfg, feed=feed)
+            fused.stream = feed.stats
+            return fused
+        except SegmentUnavailable as exc:
+            warn(f"{exc}; recomputing that segment (run `kvblend verify --repair`)")
+            for seg in prompt:
+                if seg.key == exc.key:
+                    seg.cached = False

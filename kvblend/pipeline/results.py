@@ -1,0 +1,119 @@
+"""What the pipeline takes and gives back: query options, and ingest / query reports.
+
+Plain dataclasses with `to_dict` for `--json`: the CLI renders them, the
+pipeline never prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvblend.defaults import DEFAULT_DEVIATION, DEFAULT_MODE, DEFAULT_PREFETCH_DEPTH, DEFAULT_TOP_K
+from kvblend.fusion import FusionResult
+from kvblend.generation import Generation, SamplingConfig
+from kvblend.prompt import PromptTemplate
+
+
+@dataclass
+class IngestReport:
+    """What an ingest did: documents seen and skipped, segments prefilled or reused, bytes written."""
+
+    documents: int = 0
+    documents_unchanged: int = 0
+    segments_new: int = 0
+    segments_reused: int = 0
+    tokens_new: int = 0
+    tokens_total: int = 0
+    bytes_written: int = 0
+    raw_bytes: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    model_load_seconds: float = 0.0  # part of `seconds`, left out of the rate
+    skipped: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Ingest throughput: new tokens per second of work, not counting the model's one-off load."""
+        working = self.seconds - self.model_load_seconds
+        return self.tokens_new / working if working > 0 else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_written if self.bytes_written else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["compression_ratio"] = round(self.compression_ratio, 3)
+        return d
+
+
+@dataclass
+class SegmentInfo:
+    """One passage of an answered prompt: where it came from and whether its KV was reused."""
+
+    key: str
+    document: str | None
+    tokens: int
+    cached: bool
+    score: float | None = None
+
+
+@dataclass
+class QueryResult:
+    """An answer, the prompt it came from, and what it cost (TTFT, load wait, recompute share)."""
+
+    answer: str
+    mode: str
+    ratio: float | None
+    ttft_s: float
+    load_wait_s: float
+    prompt_tokens: int
+    recomputed_tokens: int
+    recompute_share: float
+    segments: list[SegmentInfo]
+    tokens_per_s: float
+    timings: dict[str, float]
+    warnings: list[str]
+    prefix_cached: bool = False
+    fusion: FusionResult | None = None
+    generation: Generation | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "answer": self.answer,
+            "mode": self.mode,
+            "ratio": self.ratio,
+            "ttft_s": round(self.ttft_s, 4),
+            "load_wait_s": round(self.load_wait_s, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_share": round(self.recompute_share, 4),
+            "segments": [asdict(s) for s in self.segments],
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "prefix_cached": self.prefix_cached,
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+            "warnings": self.warnings,
+        }
+
+
+@dataclass
+class QueryOptions:
+    """Everything a query can be told; the defaults are what `kvblend query` does unflagged."""
+
+    mode: str = DEFAULT_MODE
+    ratio: float | None = None  # None: tuned ratio if any, else DEFAULT_RATIO
+    check_layers: tuple[int, ...] | None = None
+    deviation: str = DEFAULT_DEVIATION
+    top_k: int = DEFAULT_TOP_K
+    docs: list[str] = field(default_factory=list)
+    segment_keys: list[str] = field(default_factory=list)
+    context_texts: list[str] = field(default_factory=list)
+    store_context: bool = False
+    template: PromptTemplate = field(default_factory=PromptTemplate)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    loader_overlap: bool | None = None  # build layers on loader threads; None: where cores are spare
+    cache_prefix: bool = True  # reuse (and after first use, archive) the instruction prefix's exact KV
+    keep_step_logits: bool = False
+    forced_tokens: list[int] | None = None

@@ -1,0 +1,138 @@
+"""Which machine measured what: identity for stored profiles, and the one-line description reports carry.
+
+A profile's timings hold only on the machine that measured them, so profiles
+record :class:`Machine` and ``tune`` ignores those of other machines. Reports
+(`kvblend bench`, the `make bench` scripts) name their machine with
+:func:`describe_machine`. Everything is read from /proc and /sys; torch is
+imported only to name a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What makes timings comparable: same host, same CPU model, same GPU."""
+
+    hostname: str
+    cpu: str
+    cores: int | None = None
+    gpu: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Machine":
+        return cls(str(d.get("hostname", "?")), str(d.get("cpu", "?")), d.get("cores"), d.get("gpu"))
+
+
+def same_machine(a: Machine, b: Machine) -> bool:
+    """Timings measured on `a` hold on `b` (the core count alone does not make another machine)."""
+    return (a.hostname, a.cpu, a.gpu) == (b.hostname, b.cpu, b.gpu)
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (else what `platform` knows)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def gpu_name() -> str | None:
+    """The first CUDA device's name, or None (no torch, no driver, or a broken CUDA install)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # a profile just says "no GPU" rather than failing
+        pass
+    return None
+
+
+def machine_info() -> Machine:
+    """This machine."""
+    return Machine(socket.gethostname(), cpu_model(), os.cpu_count(), gpu_name())
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average: other processes on the cores make timings pessimistic."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _memory_gib() -> float | None:
+    try:
+        return int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def describe_machine(runner=None) -> str:
+    """One line: host, CPU, cores, memory, the compute device (with a runner), torch, load."""
+    import torch
+
+    mem = _memory_gib()
+    compute = ""
+    if runner is not None:
+        dev = runner.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+        compute = f", compute {dev.type} ({name}, {str(runner.dtype).replace('torch.', '')})"
+    load = loadavg()
+    return (f"{socket.gethostname()}: {cpu_model()}, {os.cpu_count()} cores"
+            f"{'' if mem is None else f', {mem:.0f} GiB RAM'}{compute}, torch {torch.__version__}"
+            f"{'' if load is None else f', load {load:.2f}'}")
+
+
+def filesystem_of(path: str) -> dict[str, str] | None:
+    """The mount (device, mount point, fs type) holding `path`, from /proc/self/mounts."""
+    best = None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and (best is None or len(mnt) >= len(best[1])):
+                    best = (parts[0], mnt, parts[2])
+    except OSError:
+        return None
+    return {"device": best[0], "mount": best[1], "fs_type": best[2]} if best else None
+
+
+def guess_disk_label(path: str) -> str | None:
+    """nvme / hdd / ssd for the block device holding `path` (from /sys), or None when unknowable.
+
+    A guess: virtual disks (virtio, cloud volumes) often claim to be rotational.
+    """
+    try:
+        st = os.stat(path)
+        node = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        if not node.exists():
+            return None
+        for d in (node, node.parent):  # a partition's queue/ lives in its parent disk
+            rot = d / "queue" / "rotational"
+            if rot.is_file():
+                if d.name.startswith("nvme"):
+                    return "nvme"
+                return "hdd" if rot.read_text().strip() == "1" else "ssd"
+    except (OSError, ValueError):
+        pass
+    return None

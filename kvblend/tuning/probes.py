@@ -1,0 +1,295 @@
+"""The three measurements behind a profile: storage read, codec decompression, per-layer prefill.
+
+Each probe times what the query path really does: reads follow the loader's
+order (layer by layer, one ``pread`` per segment), decompression goes through
+the archive's own codec, and prefill runs the model's own layer functions.
+Cold reads need the file out of the page cache without root: ``fsync`` then
+``POSIX_FADV_DONTNEED``, and ``mincore`` (through ctypes) reports how much
+stayed cached, so a "cold" number that was not cold shows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import mmap
+import os
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvblend.archive import decode_layer
+from kvblend.defaults import DEFAULT_RATIO
+from kvblend.errors import UsageError
+from kvblend.tuning.delay import MB, fit_cost_model, recompute_time
+from kvblend.tuning.profile import LayerCost, LengthTiming, SelectiveCheck
+
+Layout = list[list[tuple[int, int]]]  # per segment, per layer: (offset, length) in the scratch file
+
+
+# ───────────────────────────────── page cache ─────────────────────────────────
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def resident_fraction(fd: int, size: int) -> float | None:
+    """Fraction of the file's pages in the page cache (mincore), or None if it cannot be asked."""
+    if size <= 0:
+        return None
+    try:
+        libc = _libc()
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return None
+            return sum(b & 1 for b in vec) / pages
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    except Exception:  # no libc, no mincore: the profile just lacks the residency number
+        return None
+
+
+def evict_page_cache(fd: int) -> None:
+    """Drop the file's clean pages from the page cache (fsync first so they are clean)."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+# ───────────────────────────────── storage ─────────────────────────────────
+
+
+@dataclass
+class ReadMeasurement:
+    read_cold_MBps: float | None
+    read_warm_MBps: float
+    scratch_bytes: int
+    reads: int  # preads per pass (one per layer per segment)
+    cold_resident_fraction: float | None = None  # page-cache residency right after eviction (0 = truly cold)
+    cold_runs_MBps: list[float] = field(default_factory=list)
+    warm_runs_MBps: list[float] = field(default_factory=list)
+
+
+def _write_scratch(fd: int, segments: Sequence[Sequence[bytes]]) -> Layout:
+    """Each segment's per-layer payloads back to back (segment-major, like one blob file per segment)."""
+    layout: Layout = []
+    offset = 0
+    for seg in segments:
+        layout.append([])
+        for p in seg:
+            os.pwrite(fd, p, offset)
+            layout[-1].append((offset, len(p)))
+            offset += len(p)
+    os.fsync(fd)
+    return layout
+
+
+def _read_pass(fd: int, layout: Layout) -> float:
+    """Read every payload once in the loader's order (layer by layer, every segment's slice); seconds."""
+    n_layers = max(len(seg) for seg in layout)
+    t0 = time.perf_counter()
+    for layer in range(n_layers):
+        for seg in layout:
+            if layer >= len(seg):
+                continue
+            offset, length = seg[layer]
+            if len(os.pread(fd, length, offset)) != length:
+                raise OSError(f"short read of the profile scratch file at offset {offset}")
+    return time.perf_counter() - t0
+
+
+def _open_scratch(directory: Path, total: int) -> tuple[int, Path]:
+    """A new scratch file in `directory`, after checking there is room for it."""
+    if not directory.is_dir():
+        raise UsageError(f"--device: no such directory: {directory}")
+    try:
+        free = os.statvfs(directory)
+        if free.f_bavail * free.f_frsize < 2 * total:
+            raise UsageError(f"not enough free space in {directory} for a {total / MB:.0f} MB profile scratch file")
+    except OSError:
+        pass
+    path = directory / f".kvblend-profile-{os.getpid()}-{secrets.token_hex(4)}.scratch"
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), path
+    except PermissionError:
+        raise UsageError(f"cannot write a scratch file in {directory} (permission denied)") from None
+
+
+def measure_disk_read(directory: str | os.PathLike[str], segments: Sequence[Sequence[bytes]],
+                      cold_runs: int = 3, warm_runs: int = 3) -> ReadMeasurement:
+    """Cold and warm read throughput of a directory's storage, in the archive's layout.
+
+    Writes the payloads into a scratch file inside ``directory``, then reads
+    them back as the loader does. Cold runs evict the file from the page cache
+    first and record how much stayed resident; warm runs read it again from
+    the cache. The file is always deleted.
+    """
+    total = sum(len(p) for seg in segments for p in seg)
+    if total == 0:
+        raise ValueError("nothing to write: no payloads")
+    fd, path = _open_scratch(Path(directory), total)
+    try:
+        layout = _write_scratch(fd, segments)
+        cold, resident = [], []
+        for _ in range(cold_runs):
+            evict_page_cache(fd)
+            frac = resident_fraction(fd, total)
+            if frac is not None:
+                resident.append(frac)
+            cold.append(total / _read_pass(fd, layout) / MB)
+        _read_pass(fd, layout)  # make sure it is cached
+        warm = [total / _read_pass(fd, layout) / MB for _ in range(max(1, warm_runs))]
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return ReadMeasurement(statistics.median(cold) if cold else None, statistics.median(warm), total,
+                           sum(len(seg) for seg in segments), max(resident) if resident else None, cold, warm)
+
+
+def measure_ram_read(segments: Sequence[Sequence[bytes]], runs: int = 3) -> ReadMeasurement:
+    """An in-memory tier: the payloads are already in RAM, so 'reading' is a copy (memcpy rate)."""
+    arrays = [np.frombuffer(p, dtype=np.uint8) for seg in segments for p in seg]
+    total = sum(a.nbytes for a in arrays)
+    for a in arrays:
+        a.copy()  # touch once
+    rates = []
+    for _ in range(max(1, runs)):
+        t0 = time.perf_counter()
+        for a in arrays:
+            a.copy()
+        rates.append(total / (time.perf_counter() - t0) / MB)
+    rate = statistics.median(rates)
+    return ReadMeasurement(rate, rate, total, len(arrays), None, rates, rates)
+
+
+# ───────────────────────────────── codec ─────────────────────────────────
+
+
+@dataclass
+class DecompressMeasurement:
+    decompress_MBps: float  # MB of compressed input per second
+    decompress_raw_MBps: float  # MB of decoded KV per second
+    compressed_bytes: int
+    raw_bytes: int
+    codec: str
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.compressed_bytes if self.compressed_bytes else 0.0
+
+
+def measure_decompress(payloads: Sequence[bytes], codec: str, min_seconds: float = 0.3) -> DecompressMeasurement:
+    """Decode every payload (zstd + safetensors + unshuffle, as the loader does) until ``min_seconds``."""
+    compressed = sum(len(p) for p in payloads)
+    raw = 0
+    for p in payloads:  # warm-up, and the raw size
+        k, v = decode_layer(p, codec)
+        raw += k.numel() * k.element_size() + v.numel() * v.element_size()
+    passes, elapsed = 0, 0.0
+    t0 = time.perf_counter()
+    while passes < 1 or elapsed < min_seconds:
+        for p in payloads:
+            decode_layer(p, codec)
+        passes += 1
+        elapsed = time.perf_counter() - t0
+    return DecompressMeasurement(passes * compressed / elapsed / MB, passes * raw / elapsed / MB,
+                                 compressed, raw, codec)
+
+
+# ───────────────────────────────── compute ─────────────────────────────────
+
+
+def _best_time(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Minimum of `repeats` timed calls after one warm-up (the least-disturbed run on a shared box)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _random_hidden(runner, L: int, g: torch.Generator):
+    """Hidden states of the model's width at positions 0..L-1, and their RoPE tables."""
+    hidden = torch.randn(1, L, runner.config.hidden_size, generator=g).to(runner.device, runner.dtype)
+    cos, sin = runner.rope(torch.arange(L, device=runner.device)[None])
+    return hidden, cos, sin
+
+
+def _time_full_layer(runner, layer: int, L: int, repeats: int, g: torch.Generator) -> float:
+    hidden, cos, sin = _random_hidden(runner, L, g)
+
+    def full_pass() -> None:
+        q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+        runner.finish_layer(layer, hidden, runner.attend(layer, q, k, v))
+
+    return _best_time(full_pass, runner.device, repeats)
+
+
+def _time_selective_layer(runner, layer: int, L: int, ratio: float, repeats: int, g: torch.Generator) -> float:
+    """What the fusor does in a layer after the check layer: r·L queries, their KV patched into L keys."""
+    n_keep = max(1, int(round(ratio * L)))
+    keep = torch.sort(torch.randperm(L - 1, generator=g)[: n_keep - 1]).values
+    keep = torch.cat([keep, torch.tensor([L - 1])]).to(runner.device)
+    hidden, cos, sin = _random_hidden(runner, L, g)
+    _, k_all, v_all = runner.project_qkv(layer, hidden, cos, sin)
+    h_keep, c_keep, s_keep = hidden[:, keep], cos[:, keep], sin[:, keep]
+
+    def selective_pass() -> None:
+        q, k, v = runner.project_qkv(layer, h_keep, c_keep, s_keep)
+        k_all[:, :, keep], v_all[:, :, keep] = k, v  # patch the loaded KV in place
+        runner.finish_layer(layer, h_keep, runner.attend(layer, q, k_all, v_all, query_positions=keep))
+
+    return _best_time(selective_pass, runner.device, repeats)
+
+
+def measure_layer_cost(runner, lengths: Sequence[int], repeats: int = 2, layer: int | None = None,
+                       check_ratio: float | None = DEFAULT_RATIO, seed: int = 0) -> LayerCost:
+    """Time one decoder layer's full prefill at each length and fit cost(L) = a·L + b·L².
+
+    The pass is the model's own: ``project_qkv`` + causal ``attend`` +
+    ``finish_layer`` on random hidden states of the model's scale. With
+    ``check_ratio``, also time the selective pass at the longest length, to
+    show how close ``r·cost(L)`` comes.
+    """
+    layer = runner.n_layers // 2 if layer is None else layer
+    max_len = runner.max_positions or max(lengths)
+    lengths = sorted({min(int(L), max_len) for L in lengths})
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.inference_mode():
+        rows = [LengthTiming(L, _time_full_layer(runner, layer, L, repeats, g)) for L in lengths]
+        model = fit_cost_model([r.L for r in rows], [r.layer_s for r in rows])
+        for r in rows:
+            r.s_per_token, r.fit_s = r.layer_s / r.L, model.cost(r.L)
+        cost = LayerCost(model.a, model.b, layer, rows)
+        if check_ratio:
+            L = lengths[-1]
+            measured = _time_selective_layer(runner, layer, L, check_ratio, repeats, g)
+            predicted = recompute_time(check_ratio, L, model)
+            cost.selective_check = SelectiveCheck(check_ratio, L, measured, predicted, measured / predicted)
+    return cost

@@ -1,0 +1,171 @@
+"""Measuring a profile: what `kvblend profile` runs (storage read, codec, per-layer prefill).
+
+Kept apart from :mod:`kvblend.tuning.profile` because measuring needs torch
+and a model, while reading stored profiles needs neither.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvblend.archive import Archive, resolve_archive_path
+from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
+from kvblend.errors import UsageError
+from kvblend.model import load_model
+from kvblend.tuning import probes
+from kvblend.tuning.keys import normalize_path, profile_name
+from kvblend.tuning.machine import filesystem_of, guess_disk_label, loadavg, machine_info
+from kvblend.tuning.profile import (
+    DISK_LABELS,
+    DEVICE_LABELS,
+    RAM_LABEL,
+    TYPICAL_PROMPT_TOKENS,
+    LoadAvg,
+    ModelInfo,
+    Profile,
+    SampleInfo,
+    StorageInfo,
+    today,
+)
+from kvblend.tuning.sample import sample_segments
+
+#: Context lengths (tokens) whose per-layer prefill cost `profile` times.
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
+QUICK_LENGTHS = (256, 512)
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How much `profile` measures; `quick()` is for tests and a first look."""
+
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    repeats: int = 2
+    sample_tokens: int = 512
+    sample: str = "prefill"  # prefill: real KV of prose; random: random-normal fp16
+    scratch_bytes: int = 64 * 1000 * 1000
+    cold_runs: int = 3
+    warm_runs: int = 3
+    decompress_seconds: float = 0.5
+
+    @classmethod
+    def quick(cls) -> "ProfileSettings":
+        return cls(lengths=QUICK_LENGTHS, repeats=2, sample_tokens=256, sample="random",
+                   scratch_bytes=8 * 1000 * 1000, cold_runs=1, warm_runs=2, decompress_seconds=0.1)
+
+
+def _locate(archive, device: str | None, label: str | None) -> tuple[str | None, str, str]:
+    """(directory or None for RAM, storage label, where the label came from) for `--device`/`--label`."""
+    if device is None or device in DISK_LABELS:
+        where: str | None = normalize_path(archive.path)
+        store_label = label or device
+    elif device == RAM_LABEL:
+        where, store_label = None, label or RAM_LABEL
+    else:
+        where = normalize_path(device)
+        if not os.path.isdir(where):
+            raise UsageError(f"--device must be nvme, ssd, hdd, ram or an existing directory, not {device!r}")
+        store_label = label
+    if store_label is not None:
+        return where, store_label, "given"
+    guessed = guess_disk_label(where) if where else None
+    return (where, guessed, "guessed from /sys") if guessed else (where, "disk", "default")
+
+
+def _stored_bytes_per_token_layer(archive, n_layers: int, fallback: float) -> float:
+    """The archive's real bytes per token-layer when it holds segments, else the sample's."""
+    try:
+        st = archive.stats()
+        if st.get("tokens"):
+            return st["bytes_per_token_stored"] / n_layers
+    except Exception:  # a damaged archive is `verify`'s business, not the profiler's
+        pass
+    return fallback
+
+
+def build_profile(runner, archive, device: str | None = None, settings: ProfileSettings = ProfileSettings(),
+                  label: str | None = None, codec: str | None = None, level: int | None = None,
+                  log: Log | None = None) -> Profile:
+    """Measure storage read, codec decompression and per-layer prefill cost.
+
+    ``device``: None or a disk label (nvme/ssd/hdd) profiles the archive's own
+    directory, ``ram`` an in-memory tier, anything else is a directory to
+    profile. ``label`` names the location (default: the disk label given,
+    or guessed from /sys for a path).
+    """
+    log = log or (lambda _msg: None)
+    started, load_before = time.perf_counter(), loadavg()
+    where, store_label, label_source = _locate(archive, device, label)
+    sample = sample_segments(runner, archive, settings, codec or DEFAULT_CODEC,
+                                    DEFAULT_LEVEL if level is None else level, log)
+    n_layers = len(sample.segments[0])
+    copies = max(1, math.ceil(settings.scratch_bytes / sample.stored_bytes))
+    scratch = [seg for _ in range(copies) for seg in sample.segments]
+
+    log(f"storage: {store_label} ({where or 'in memory'}), {len(scratch)} segments × {n_layers} layers")
+    if where is None:
+        reads = probes.measure_ram_read(scratch, runs=settings.warm_runs)
+    else:
+        reads = probes.measure_disk_read(where, scratch, cold_runs=settings.cold_runs, warm_runs=settings.warm_runs)
+    log(f"codec: {sample.codec}")
+    dec = probes.measure_decompress([p for seg in sample.segments[:4] for p in seg], sample.codec,
+                                    settings.decompress_seconds)
+    log(f"compute: {runner.device.type}, lengths {', '.join(map(str, settings.lengths))}")
+    cost = probes.measure_layer_cost(runner, settings.lengths, settings.repeats)
+
+    sample_per_token_layer = sample.stored_bytes / (sample.tokens * n_layers)
+    ref_L = min(TYPICAL_PROMPT_TOKENS, runner.max_positions or TYPICAL_PROMPT_TOKENS)
+    machine = machine_info()
+    return Profile(
+        name=profile_name(machine.hostname, runner.name, runner.device.type, store_label, where),
+        created=time.time(),
+        date=today(),
+        machine=machine,
+        model=ModelInfo(runner.name, runner.fingerprint, runner.n_layers, runner.n_kv_heads, runner.head_dim,
+                        str(runner.dtype).replace("torch.", ""), runner.max_positions),
+        compute=runner.device.type,
+        storage=StorageInfo(store_label, where, label_source, filesystem_of(where) if where else None,
+                            reads.scratch_bytes, reads.reads, reads.cold_resident_fraction,
+                            reads.cold_runs_MBps, reads.warm_runs_MBps),
+        read_cold_MBps=reads.read_cold_MBps,
+        read_warm_MBps=reads.read_warm_MBps,
+        codec=sample.codec,
+        decompress_MBps=dec.decompress_MBps,
+        decompress_raw_MBps=dec.decompress_raw_MBps,
+        compression_ratio=dec.compression_ratio,
+        kv_bytes_per_token_layer=_stored_bytes_per_token_layer(archive, n_layers, sample_per_token_layer),
+        kv_raw_bytes_per_token_layer=2 * 2 * runner.n_kv_heads * runner.head_dim,  # K and V, fp16
+        sample=SampleInfo(sample.source, sample.tokens, max(1, sample.stored_bytes // len(sample.segments)),
+                          sample_per_token_layer),
+        layer_cost=cost,
+        layer_cost_ref_tokens=ref_L,
+        layer_cost_s_per_token=cost.model.cost(ref_L) / ref_L,
+        quick=settings == ProfileSettings.quick(),
+        load_avg=LoadAvg(load_before, loadavg(), os.cpu_count()),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def run_profile(archive: str | os.PathLike[str] | None, model: str | None = None, compute: str | None = None,
+                device: str | None = None, label: str | None = None, quick: bool = False,
+                log: Log | None = None) -> Profile:
+    """`kvblend profile`: measure this machine for the model and store the profile in the archive.
+
+    Bad `--device`/`--label` values fail before the model loads.
+    """
+    if label is not None and not label.strip():
+        raise UsageError("--label must not be empty")
+    if device is not None and device not in DEVICE_LABELS and not os.path.isdir(os.path.expanduser(device)):
+        raise UsageError(f"--device must be nvme, ssd, hdd, ram or an existing directory, not {device!r}")
+    path = resolve_archive_path(archive)
+    runner = load_model(model, compute)
+    settings = ProfileSettings.quick() if quick else ProfileSettings()
+    with Archive.open(path, create=True, model_name=runner.name, model_fingerprint=runner.fingerprint) as ar:
+        profile = build_profile(runner, ar, device=device, settings=settings, label=label, log=log)
+        ar.put_profile(profile.name, profile.to_dict())
+    return profile

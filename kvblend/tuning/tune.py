@@ -1,0 +1,270 @@
+"""`kvblend tune`: pick the ratio ``r = max(r_quality, r_hide)`` for this archive's storage, and the storage.
+
+The workflow (:func:`run_tune`): find the profile of the archive's own location
+on this machine, pick the context length to tune for, measure (or take) the
+quality floor, decide the ratio from the delay model, price the profiled
+storage, and store the result as a :class:`TunedSetting` under
+:func:`~kvblend.tuning.keys.tuned_key`, where `kvblend query` finds it.
+The CLI only parses options and renders the :class:`TuneResult`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+from kvblend.archive import Archive, resolve_archive_path
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from kvblend.errors import UsageError
+from kvblend.model import load_model
+from kvblend.model.loading import pick_compute_device
+from kvblend.model.source import resolve_model_source, source_fingerprint
+from kvblend.tuning.delay import (
+    DEFAULT_CALIBRATION_LIMIT,
+    DEFAULT_KL_BOUND,
+    DEFAULT_TOLERANCE,
+    DEFAULT_TUNE_RATIOS,
+    LayerTiming,
+    choose_ratio,
+    hide_ratio,
+    quality_floor,
+    ratio_table,
+    recompute_time,
+)
+from kvblend.tuning.jsonable import check_version, from_fields
+from kvblend.tuning.keys import normalize_path, tuned_key
+from kvblend.tuning.machine import machine_info
+from kvblend.tuning.profile import Profile, applicable_profiles, busy_warning, location_profile, today
+from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
+from kvblend.tuning.storage import DEFAULT_STORAGE_COSTS, StorageDecision, cheapest_storage, parse_costs
+
+TUNED_VERSION = 1
+#: Context lengths in the per-length table `tune` prints (plus the one tuned for).
+TABLE_LENGTHS = (512, 1024, 2048, 3072, 4096, 8192)
+
+
+# ───────────────────────────────── the decision ─────────────────────────────────
+
+
+@dataclass
+class TuneDecision:
+    ratio: float
+    r_quality: float
+    r_quality_source: str  # calibration, given, fallback
+    r_hide: float
+    L: int
+    L_source: str
+    t_load_s: float
+    t_full_layer_s: float
+    t_recompute_s: float  # at the chosen ratio
+    table: list[LayerTiming]
+    profile: str | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bottleneck(self) -> str:
+        return "loading" if self.t_load_s > self.t_recompute_s else "recompute"
+
+
+def _decision_notes(r_hide: float, ratio: float, r_quality: float) -> list[str]:
+    notes = []
+    if r_hide >= 1.0:
+        notes.append("loading one layer takes longer than recomputing it in full: blending from this storage "
+                     "is slower than `--mode full`; move the archive to faster storage")
+    if ratio > r_quality + 1e-12:
+        notes.append(f"loading hides recompute up to r = {r_hide:.3f}, so the extra recompute above the quality "
+                     f"floor {r_quality:g} is free")
+    else:
+        notes.append(f"loading hides only r = {r_hide:.3f}: the quality floor {r_quality:g} sets the ratio and "
+                     "recompute, not loading, sets the pace")
+    return notes
+
+
+def decide(profile: Profile, r_quality: float, L: int, lengths: Sequence[int] = TABLE_LENGTHS,
+           r_quality_source: str = "calibration", L_source: str = "") -> TuneDecision:
+    """r = max(r_quality, r_hide(L)) from a location's profile, with the per-length table behind it."""
+    model, load = profile.cost_model, profile.load_model()
+    t_load, full = load.time(L), model.cost(L)
+    r_hide = hide_ratio(t_load, full)
+    ratio = choose_ratio(r_quality, r_hide)
+    table = ratio_table(load, model, sorted({*lengths, L}), ratio)
+    return TuneDecision(ratio, r_quality, r_quality_source, r_hide, int(L), L_source, t_load, full,
+                        recompute_time(ratio, L, model), table, profile.name, _decision_notes(r_hide, ratio, r_quality))
+
+
+# ───────────────────────────────── what is stored ─────────────────────────────────
+
+
+@dataclass
+class ModelRef:
+    name: str
+    fingerprint: str | None
+
+
+@dataclass
+class TunedSetting:
+    """What `tune` stores for (model, compute, archive location); `query` reads ``ratio``."""
+
+    ratio: float
+    r_quality: float
+    r_quality_source: str
+    r_hide: float
+    L: int
+    L_source: str
+    t_load_s: float
+    t_recompute_s: float
+    bottleneck: str
+    table: list[LayerTiming]
+    date: str
+    created: float
+    profile: str | None
+    model: ModelRef
+    compute: str
+    archive: str
+    tolerance: float
+    kl_bound: float  # as a fraction of reuse's KL
+    quality: QualitySweep | None
+    storage: StorageDecision
+    archive_bytes: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"version": TUNED_VERSION, **asdict(self)}
+        d["quality"] = self.quality.to_dict() if self.quality else None  # ratio keys as strings
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TunedSetting":
+        check_version(d, TUNED_VERSION, "tuned setting")
+        return from_fields(cls, {
+            **d,
+            "table": [LayerTiming.from_dict(r) for r in d.get("table", [])],
+            "model": from_fields(ModelRef, d.get("model") or {}),
+            "quality": QualitySweep.from_dict(d["quality"]) if d.get("quality") else None,
+            "storage": StorageDecision.from_dict(d.get("storage") or {}),
+        })
+
+
+# ───────────────────────────────── the workflow ─────────────────────────────────
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """`kvblend tune`'s options, parsed; :meth:`check` rejects bad values before any work."""
+
+    archive: str | os.PathLike[str] | None = None
+    model: str | None = None
+    compute: str | None = None
+    calibration: str | os.PathLike[str] | None = None  # None: the bundled set
+    limit: int = DEFAULT_CALIBRATION_LIMIT
+    tolerance: float = DEFAULT_TOLERANCE
+    kl_bound: float = DEFAULT_KL_BOUND
+    ratios: tuple[float, ...] = DEFAULT_TUNE_RATIOS
+    r_quality: float | None = None  # given: no calibration
+    context_tokens: int | None = None
+    costs: Mapping[str, float] = field(default_factory=lambda: parse_costs(DEFAULT_STORAGE_COSTS))
+    archive_bytes: int | None = None  # None: the archive's size
+
+    def check(self) -> None:
+        if self.tolerance < 0 or self.kl_bound < 0:
+            raise UsageError("--tolerance and --kl-bound must be >= 0")
+        if self.r_quality is not None and not 0 < self.r_quality <= 1:
+            raise UsageError("--r-quality must be in (0, 1]")
+        if self.context_tokens is not None and self.context_tokens < 1:
+            raise UsageError("--context-tokens must be at least 1")
+
+
+@dataclass
+class TuneResult:
+    setting: TunedSetting
+    key: str  # where it is stored (tuned_key)
+    decision: TuneDecision
+
+
+def typical_prompt_tokens(archive: Archive, top_k: int = DEFAULT_TOP_K) -> tuple[int, str]:
+    """The context length to tune for: top-k × the archive's mean segment size, else top-k × the chunk size."""
+    n = tokens = 0
+    for rec in archive.iter_segments():
+        n += 1
+        tokens += rec.n_tokens
+    if n:
+        return int(round(top_k * tokens / n)), f"{top_k} × the archive's mean segment ({tokens / n:.0f} tokens)"
+    return top_k * DEFAULT_CHUNK_TOKENS, f"{top_k} × {DEFAULT_CHUNK_TOKENS} tokens (archive has no segments)"
+
+
+def _context_length(ar: Archive, here: Profile, given: int | None) -> tuple[int, str]:
+    L, source = (given, "--context-tokens") if given is not None else typical_prompt_tokens(ar)
+    max_pos = here.model.max_positions or 0
+    if max_pos and L > max_pos:
+        return max_pos, source + f", capped at the model's context {max_pos}"
+    return L, source
+
+
+def _profile_notes(here: Profile) -> list[str]:
+    notes = []
+    warning = busy_warning(here)
+    if warning:
+        notes.append("profile: " + warning)
+    if here.quick:
+        notes.append("the profile is a --quick one (short contexts): run `kvblend profile` for a better cost fit")
+    return notes
+
+
+def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str, list[str]]:
+    """(sweep, r_quality, its source, notes) from the calibration set."""
+    records = load_calibration(req.calibration, req.limit)
+    log(f"calibration: {len(records)} records × ratios {', '.join(f'{r:g}' for r in req.ratios)} vs full")
+    quality = measure_quality(load_model(req.model, req.compute), records, req.ratios, tolerance=req.tolerance,
+                              kl_bound_vs_reuse=req.kl_bound, log=log)
+    floor = quality_floor(quality.by_ratio, req.tolerance, quality.kl_bound)
+    if floor is not None:
+        return quality, floor, "calibration", []
+    top = max(req.ratios)
+    v = quality.by_ratio[top]
+    return quality, 1.0, "fallback", [
+        f"even r = {top:g} misses the bounds (F1 drop {v.f1_drop:+.3f} vs ≤ {req.tolerance:g}, KL {v.kl:.3f} vs "
+        f"≤ {quality.kl_bound:.3f} = {req.kl_bound:g}× reuse's), so r_quality = 1.0: queries will recompute every "
+        "token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen --kl-bound/--tolerance, "
+        "or pass --r-quality"]
+
+
+def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
+    """Decide and store the tuned setting for the archive's location (see the module doc)."""
+    req.check()
+    log = log or (lambda _msg: None)
+    path = resolve_archive_path(req.archive)
+    if not path.exists():
+        raise UsageError(f"no archive at {path}: run `kvblend profile` first")
+    source = resolve_model_source(req.model)
+    fingerprint = source_fingerprint(source)
+    compute = pick_compute_device(req.compute).type
+    with Archive.open(path, create=False, model_name=source.name, model_fingerprint=fingerprint) as ar:
+        stored = [Profile.from_dict(p, name) for name, p in ar.iter_profiles()]
+        profiles = applicable_profiles(stored, machine_info(), fingerprint, compute)
+        here = location_profile(profiles, path)
+        if here is None:
+            raise UsageError(f"no profile of this archive's location ({path}) for {source.name} on {compute} "
+                             f"on this machine: run `kvblend profile --archive {path}` first")
+        L, L_source = _context_length(ar, here, req.context_tokens)
+        size = req.archive_bytes if req.archive_bytes is not None else ar.size_bytes()
+        notes = _profile_notes(here)
+        quality = None
+        if req.r_quality is not None:
+            rq, rq_source = req.r_quality, "given"
+        else:
+            quality, rq, rq_source, more = _quality_floor(req, log)
+            notes += more
+        decision = decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)
+        decision.notes = notes + decision.notes
+        storage = cheapest_storage(profiles, req.costs, decision.ratio, L, cost_model=here.cost_model,
+                                   archive_bytes=size)
+        setting = TunedSetting(
+            decision.ratio, decision.r_quality, rq_source, decision.r_hide, decision.L, L_source, decision.t_load_s,
+            decision.t_recompute_s, decision.bottleneck, decision.table, today(), time.time(), here.name,
+            ModelRef(source.name, fingerprint), compute, normalize_path(path), req.tolerance, req.kl_bound, quality,
+            storage, size, decision.notes)
+        key = tuned_key(source.name, compute, path)
+        ar.put_tuned(key, setting.to_dict())
+    return TuneResult(setting, key, decision)

@@ -1,0 +1,62 @@
+"""Before/after benchmark of two source trees in one run (issue 12: a refactor must not slow anything).
+
+Runs the engine and query benchmarks of OLD (another checkout, e.g. a git worktree
+of the previous commit) and of this tree alternately, `rounds` times each, with the
+same interpreter and virtualenv, and prints one table of their medians. Usage:
+
+    git worktree add /tmp/kvblend-before HEAD~1
+    .venv/bin/python scripts/bench_ab.py /tmp/kvblend-before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(tree: Path, script: str) -> dict:
+    """One benchmark script of `tree`, imported from `tree` (PYTHONPATH first), its JSON result."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, str(tree / "scripts" / f"{script}.py")], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+    return json.loads((tree / "bench-out" / f"{script.removeprefix('bench_')}.json").read_text())
+
+
+def headline(script: str, r: dict) -> dict[str, float]:
+    if script == "bench_engine":
+        return {"engine full TTFT s": r["modes"]["full"]["ttft_median_s"],
+                "engine blend TTFT s": r["modes"]["blend"]["ttft_median_s"],
+                "engine speed-up": r["modes"]["blend"]["speedup_vs_full"]}
+    return {"query warm speed-up": r["speedup_warm"], "query cold speed-up": r["speedup_cold"],
+            "query blend warm TTFT s": r["median"]["blend/warm"]["ttft"],
+            "query load-wait share": r["load_wait_share_warm"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("old", type=Path)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    trees = {"before": args.old.resolve(), "after": ROOT}
+    values: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    for _ in range(args.rounds):
+        for script in ("bench_engine", "bench_query"):
+            for label, tree in trees.items():
+                for k, v in headline(script, run_bench(tree, script)).items():
+                    values[label].setdefault(k, []).append(v)
+    print(f"| measure (median of {args.rounds} alternating runs) | before | after | after/before |")
+    print("|---|---:|---:|---:|")
+    for k in values["before"]:
+        b, a = statistics.median(values["before"][k]), statistics.median(values["after"][k])
+        print(f"| {k} | {b:.3f} | {a:.3f} | {a / b:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Hardening with the real default model: query on a read-only archive, a lost index rebuilt and queried,
+a corrupted index met by query, and a failed model load that leaves a new archive unbound."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+# The archive test helpers live beside the unit tests; pytest puts that folder on the path only
+# when it collects from it, so an e2e-only run adds it here.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+
+from hardening_helpers import public_dir, readonly_tree, run_as, snapshot  # noqa: E402
+from kvblend.archive import Archive  # noqa: E402
+from support import DOCS, one_line_error, run_cli  # noqa: E402
+
+QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
+NAMES = ("plants.md", "sonar-products.md")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """An archive of two fixture documents, ingested by the real CLI."""
+    root = tmp_path_factory.mktemp("hard")
+    docs = root / "docs"
+    docs.mkdir()
+    for name in NAMES:
+        shutil.copy(DOCS / name, docs / name)
+    run_cli("ingest", docs, "--archive", root / "arc", "--chunk-tokens", "128", check=True)
+    return root / "arc"
+
+
+def _query(arc, *extra, runner=run_cli):
+    return runner("query", QUESTION, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json", *extra)
+
+
+def test_query_on_an_archive_the_user_cannot_write(built):
+    with public_dir() as base:
+        arc = base / "arc"
+        shutil.copytree(built, arc)
+        with readonly_tree(arc) as user:
+            before = snapshot(arc)
+            proc = _query(arc, runner=lambda *a: run_as(user, *a, timeout=600))
+            assert proc.returncode == 0, proc.stderr
+            result = json.loads(proc.stdout)
+            assert result["segments"] and all(s["cached"] for s in result["segments"])
+            assert snapshot(arc) == before  # no usage counts, no prefix stored: nothing written
+
+
+def test_lost_index_rebuilt_then_query_answers_the_same(built, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(built, arc)
+    first = json.loads(_query(arc, "--no-prefix-cache").stdout)
+    (arc / "index" / "data.mdb").unlink()
+    line = one_line_error(_query(arc))
+    assert "damaged" in line and "--rebuild-index" in line
+    rebuilt = json.loads(run_cli("verify", "--rebuild-index", "--archive", arc, "--json", check=True).stdout)
+    assert rebuilt["documents_restored"] == 2 and not rebuilt["incomplete_documents"] and not rebuilt["lost_blobs"]
+    again = _query(arc, "--no-prefix-cache")
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["answer"] == first["answer"] and [s["key"] for s in result["segments"]] == \
+        [s["key"] for s in first["segments"]]
+    assert all(s["cached"] for s in result["segments"])  # embeddings and KV came back from the blobs
+
+
+def test_corrupted_index_page_is_one_line_for_query(built, tmp_path):
+    arc = tmp_path / "arc"
+    shutil.copytree(built, arc)
+    data = arc / "index" / "data.mdb"
+    raw = data.read_bytes()
+    with Archive.open(arc, readonly=True) as ar:
+        key = next(iter(ar.iter_segments())).key
+    page = raw.index(f'"key":"{key}"'.encode()) // 4096
+    with open(data, "r+b") as f:
+        f.seek(page * 4096)
+        f.write(b"\xff" * 16)
+    line = one_line_error(_query(arc))
+    assert "damaged" in line and "--rebuild-index" in line
+
+
+def test_failed_model_load_leaves_a_new_archive_unbound(built, tmp_path):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file" * 20)
+    arc = tmp_path / "new"
+    docs = built.parent / "docs"
+    one_line_error(run_cli("ingest", docs / NAMES[0], "--model", garbage, "--archive", arc))
+    proc = run_cli("ingest", docs / NAMES[0], "--archive", arc, "--chunk-tokens", "128")
+    assert proc.returncode == 0, proc.stderr  # was: "was built with model garbage"

@@ -1,0 +1,213 @@
+"""`query` end to end on the real default model over a real archive of the fixture documents."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from support import DOCS
+from kvblend.errors import UsageError
+from kvblend.fusion import BlendConfig, fuse
+from kvblend.generation import SamplingConfig, generate
+from kvblend.pipeline import Engine, QueryOptions
+from kvblend.prompt import PromptTemplate, assemble_prompt, split_template
+from kvblend.tuning.keys import tuned_key
+from kvblend.types import Segment
+
+QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
+SHORT = SamplingConfig(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def built_archive(tmp_path_factory, default_runner):
+    path = tmp_path_factory.mktemp("arc") / "archive"
+    with Engine(path, runner=default_runner) as engine:
+        report = engine.ingest([DOCS])
+    assert report.segments_new >= 12
+    return path
+
+
+@pytest.fixture
+def engine(built_archive, default_runner, tmp_path):
+    """A private copy of the archive, so tests that damage it don't leak."""
+    path = tmp_path / "archive"
+    shutil.copytree(built_archive, path)
+    with Engine(path, runner=default_runner) as eng:
+        yield eng
+
+
+def pinned(engine, n: int = 4) -> QueryOptions:
+    docs = sorted(d.path for d in engine.archive().iter_documents())[:n]
+    return QueryOptions(docs=docs, sampling=SHORT)
+
+
+def test_full_answers_exactly_as_model_generate(engine, default_runner):
+    result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=4))
+    ids = torch.tensor([result.fusion.token_ids])
+    with torch.inference_mode():
+        ref = default_runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    expected = []
+    for t in ref[0, ids.shape[1]:].tolist():
+        if t in default_runner.stop_token_ids:
+            break
+        expected.append(t)
+    assert result.generation.token_ids == expected
+    assert result.recompute_share == 1.0
+
+
+def test_blend_at_ratio_one_answers_as_full(engine):
+    opts = pinned(engine)
+    full = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "full"}))
+    blend = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "blend", "ratio": 1.0}))
+    assert blend.answer == full.answer
+    assert blend.generation.token_ids == full.generation.token_ids
+    assert torch.allclose(blend.fusion.last_logits, full.fusion.last_logits, atol=1e-5)
+
+
+def archived_prompt(engine, result, recompute: str | None = None) -> list[Segment]:
+    """The prompt `result` ran on, rebuilt in memory from the archive: its passages' KV and,
+    when the query used it, the instruction prefix's (segment `recompute` left uncached)."""
+    archive, runner = engine.archive(), engine.runner
+
+    def stored(key: str) -> list:
+        return [archive.read_layer(archive.get_segment(key), i) for i in range(runner.n_layers)]
+
+    segs = [Segment(list(archive.get_segment(info.key).token_ids), kv=None if info.key == recompute else stored(info.key))
+            for info in result.segments]
+    prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
+    if result.prefix_cached:
+        key = engine.key_of(prompt[0].token_ids)
+        prompt[0] = Segment(prompt[0].token_ids, kv=stored(key), key=key)
+    return prompt
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_streaming_holds_at_most_the_prefetch_depth(engine, depth):
+    opts = pinned(engine)
+    opts.prefetch_depth = depth
+    first = engine.query(QUESTION, opts)
+    assert not first.prefix_cached
+    assert first.fusion.stream.layers_loaded == engine.runner.n_layers - 1  # blend loads layers 1..L-1
+    result = engine.query(QUESTION, opts)
+    assert result.prefix_cached
+    stream = result.fusion.stream
+    assert stream.layers_loaded == engine.runner.n_layers  # + layer 0, for the cached prefix alone
+    assert 1 <= stream.high_water <= depth
+    assert stream.bytes_read > first.fusion.stream.bytes_read
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["built-ahead", "built-on-demand"])
+def test_streamed_blend_equals_in_memory_blend(engine, overlap):
+    """Streaming is transport only: the fused result must equal fusing the same KV in memory."""
+    opts = pinned(engine, 3)
+    opts.loader_overlap = overlap
+    for expect_prefix_cached in (False, True):  # the first query archives the prefix, the second reuses it
+        streamed = engine.query(QUESTION, opts)
+        assert streamed.prefix_cached == expect_prefix_cached
+        assert streamed.fusion.stream.build == ("overlap" if overlap else "on-demand")
+        local = fuse(engine.runner, archived_prompt(engine, streamed), "blend", BlendConfig.single(0.15))
+        assert local.token_ids == streamed.fusion.token_ids
+        assert torch.equal(local.last_logits, streamed.fusion.last_logits)
+
+
+def _flip_byte(archive, key: str, layer: int) -> None:
+    rec = archive.get_segment(key)
+    entry = rec.layers[layer]
+    blob = archive.path / rec.blob
+    data = bytearray(blob.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,overlap", [("bitflip", True), ("bitflip", False), ("missing", None)])
+def test_corrupt_blob_falls_back_to_recompute(engine, damage, overlap):
+    opts = pinned(engine, 3)
+    opts.loader_overlap = overlap
+    clean = engine.query(QUESTION, opts)
+    victim = clean.segments[1].key
+    archive = engine.archive()
+    if damage == "bitflip":
+        _flip_byte(archive, victim, 7)
+    else:
+        (archive.path / archive.get_segment(victim).blob).unlink()
+    warnings: list[str] = []
+    damaged = engine.query(QUESTION, opts, on_warning=warnings.append)
+    assert any(victim[:12] in w for w in warnings), warnings
+    assert [s.cached for s in damaged.segments] == [True, False, True]
+    # Identical to a run where that segment is simply recomputed.
+    assert damaged.prefix_cached
+    expected = fuse(engine.runner, archived_prompt(engine, damaged, recompute=victim), "blend", BlendConfig.single(0.15))
+    assert torch.equal(expected.last_logits, damaged.fusion.last_logits)
+    assert generate(engine.runner, expected, SHORT).token_ids == damaged.generation.token_ids
+
+
+def test_instruction_prefix_is_archived_once_then_reused(engine):
+    """The prefix's KV is exact at position 0: reusing it saves prefix × layers of compute and
+    changes the answer only by its 16-bit storage rounding."""
+    opts = pinned(engine, 3)
+    segments_before = engine.archive().count_segments()
+    first = engine.query(QUESTION, opts)
+    assert not first.prefix_cached
+    assert engine.archive().count_segments() == segments_before + 1
+    prefix_ids = first.fusion.token_ids[: len(engine.runner.tokenize(_prefix_text(engine)))]
+    key = engine.key_of(prefix_ids)
+    rec = engine.archive().get_segment(key)
+    assert rec is not None and rec.extra["role"] == "prefix" and rec.token_ids == prefix_ids
+    assert not engine.archive().has_embedding(key)  # never retrieved as a passage
+    second = engine.query(QUESTION, opts)
+    assert second.prefix_cached and second.fusion.exact_prefix_tokens == len(prefix_ids)
+    assert engine.archive().count_segments() == segments_before + 1
+    saved = first.fusion.recomputed_token_layers - second.fusion.recomputed_token_layers
+    assert saved == len(prefix_ids) * engine.runner.n_layers
+    assert second.answer == first.answer
+    first_p = torch.log_softmax(first.fusion.last_logits, -1)
+    second_p = torch.log_softmax(second.fusion.last_logits, -1)
+    assert float((first_p.exp() * (first_p - second_p)).sum()) < 1e-4
+    # Opting out neither reads nor writes it; `full` never uses it.
+    off = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "cache_prefix": False}))
+    assert not off.prefix_cached and off.fusion.exact_prefix_tokens == 0
+    assert off.fusion.recomputed_token_layers == first.fusion.recomputed_token_layers
+    full = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "full"}))
+    assert not full.prefix_cached and full.recompute_share == 1.0
+
+
+def _prefix_text(engine) -> str:
+    return split_template(engine.runner, PromptTemplate(), QUESTION)[0]
+
+
+def test_bad_queries_are_clear_errors(engine, tmp_path, default_runner):
+    with pytest.raises(UsageError, match="no such document"):
+        engine.query(QUESTION, QueryOptions(docs=["nope.md"]))
+    with pytest.raises(UsageError, match="top-k"):
+        engine.query(QUESTION, QueryOptions(top_k=0))
+    with pytest.raises(UsageError, match="empty question"):
+        engine.query("   ", QueryOptions())
+    with pytest.raises(UsageError, match="context is"):
+        engine.query("why " * 9000, QueryOptions(top_k=2))
+    with pytest.raises(UsageError, match=r"ratio must be in \(0, 1\]"):
+        engine.query(QUESTION, QueryOptions(ratio=1.5))
+    with Engine(tmp_path / "empty", runner=default_runner) as empty:
+        empty.archive(create=True)
+        with pytest.raises(UsageError, match="empty"):
+            empty.query(QUESTION, QueryOptions())
+
+
+def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
+    """What `kvblend tune` stored for this model/device/archive is what `query` recomputes at."""
+    runner = engine.runner
+    engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.archive_path), {"ratio": 0.4})
+    opts = pinned(engine, 2)
+    opts.sampling = SamplingConfig(max_new_tokens=1)
+    tuned = engine.query(QUESTION, opts)
+    cached = tuned.fusion.cached_tokens
+    uncached = len(tuned.fusion.token_ids) - cached
+    assert tuned.ratio == 0.4
+    assert tuned.fusion.active_per_layer[-1] == uncached + math.ceil(0.4 * cached)
+    opts.ratio = 0.1
+    override = engine.query(QUESTION, opts)  # the instruction prefix is archived now: never recomputed
+    exact = override.fusion.exact_prefix_tokens
+    assert override.ratio == 0.1 and exact > 0
+    assert override.fusion.active_per_layer[-1] == uncached - exact + math.ceil(0.1 * cached)

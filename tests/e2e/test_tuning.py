@@ -1,0 +1,82 @@
+"""`kvblend profile` and `kvblend tune`'s quality sweep on the real default model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblend.evaluation.records import QARecord
+from kvblend.tuning.keys import normalize_path
+from kvblend.tuning.profile import Profile
+from kvblend.tuning.profiling import QUICK_LENGTHS
+from kvblend.tuning.quality import measure_quality
+from support import run_cli
+
+
+def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
+    path = tmp_path / "archive"
+    proc = run_cli("profile", "--quick", "--json", "--archive", path, "--compute", "cpu", "--device", "ssd", check=True)
+    prof = json.loads(proc.stdout)
+    for key in ("read_cold_MBps", "read_warm_MBps", "decompress_MBps", "layer_cost_s_per_token", "per_length"):
+        assert key in prof, key
+    assert prof["read_cold_MBps"] > 0 and prof["read_warm_MBps"] > 0 and prof["decompress_MBps"] > 0
+    assert prof["layer_cost_s_per_token"] > 0
+    assert [r["L"] for r in prof["per_length"]] == list(QUICK_LENGTHS)
+    assert prof["storage"]["label"] == "ssd" and prof["storage"]["path"] == normalize_path(path)
+    assert prof["compute"] == "cpu" and prof["model"]["fingerprint"]
+    assert not [p for p in path.iterdir() if p.name.endswith(".scratch")]  # scratch file deleted
+
+    shown = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
+    assert [p["name"] for p in shown["profiles"]] == [prof["name"]]
+    assert shown["profiles"][0]["flags"] == []
+    assert shown["profiles"][0]["read_cold_MBps"] == prof["read_cold_MBps"]
+
+    # a profile from elsewhere is flagged
+    from kvblend.archive import Archive
+
+    foreign = Profile.from_dict(prof)
+    foreign.name, foreign.machine = "foreign", type(foreign.machine)("far", "?")
+    foreign.model.fingerprint = "other"
+    with Archive.open(path, create=False) as ar:
+        ar.put_profile("foreign", foreign.to_dict())
+    shown = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
+    flags = {p["name"]: p["flags"] for p in shown["profiles"]}
+    assert flags["foreign"] == ["other machine", "other model"] and flags[prof["name"]] == []
+    assert "other machine" in run_cli("profile", "--show", "--archive", path, check=True).stdout
+
+
+RECORD = QARecord(
+    question="Who manages the Bergen office?",
+    passages=[("Offices", "The Bergen office is managed by Marit Haugen. It has forty staff."),
+              ("Plants", "The Gdansk plant builds circuit boards and employs 180 people.")],
+    answers=["Marit Haugen"],
+)
+
+
+def test_measure_quality_through_the_harness_on_default_model(default_runner):
+    """One short record through prefill alone → assemble → full/reuse/blend → KL and F1."""
+    q = measure_quality(default_runner, [RECORD], [0.3, 1.0], max_new_tokens=3)
+    assert q.records == 1 and set(q.by_ratio) == {0.3, 1.0}
+    full_equivalent = q.by_ratio[1.0]  # ratio 1.0 recomputes everything: the same as full
+    assert full_equivalent.kl == pytest.approx(0.0, abs=1e-4)
+    assert full_equivalent.f1_drop == pytest.approx(0.0) and full_equivalent.same_as_full == 1.0
+    assert q.by_ratio[0.3].kl >= 0
+    assert q.reuse_kl > 0 and q.kl_bound is None  # reuse skips the cross-attention, so it deviates
+    bounded = measure_quality(default_runner, [RECORD], [0.3, 1.0], max_new_tokens=3,
+                              tolerance=1.0, kl_bound_vs_reuse=0.5)
+    assert bounded.kl_bound == pytest.approx(0.5 * bounded.reuse_kl)
+    strict = measure_quality(default_runner, [RECORD], [0.3, 1.0], max_new_tokens=3,
+                             tolerance=-1.0, kl_bound_vs_reuse=0.5)  # nothing passes: stop after the largest
+    assert list(strict.by_ratio) == [1.0] and strict.skipped == [0.3]
+
+
+def test_tune_calibrates_on_the_bundled_set(tmp_path):
+    """`tune` without --r-quality: the quality sweep on one bundled record, stored with the setting."""
+    path = tmp_path / "archive"
+    run_cli("profile", "--quick", "--archive", path, "--compute", "cpu", check=True)
+    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--ratios", "0.3,1",
+                   "--context-tokens", "1024", "--json", check=True)
+    out = json.loads(proc.stdout)
+    assert out["quality"]["records"] == 1 and "1" in out["quality"]["by_ratio"]
+    assert out["r_quality_source"] in ("calibration", "fallback") and 0 < out["ratio"] <= 1

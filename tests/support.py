@@ -1,0 +1,94 @@
+"""What every test shares: fixture paths, tiny random-weight models, and one way to run the CLI.
+
+Tests run the *installed* `kvblend` console script in a subprocess, as a user
+meets it; `run_cli` is the only way tests invoke the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"  # test-only data (questions.json)
+PACKAGE_DATA = REPO / "kvblend" / "data"  # shipped with the package: demo docs, calibration set
+DOCS = PACKAGE_DATA / "docs"
+CALIBRATION = PACKAGE_DATA / "calibration.json"
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_config(arch: str):
+    """A tiny config of `arch`, with the architecture's distinguishing features switched on."""
+    import transformers as tf
+
+    if arch == "llama":
+        # Llama-3 rope scaling, so re-positioning is checked against a non-trivial RoPE.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return tf.LlamaConfig(**TINY, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+    if arch == "mistral":
+        # A sliding window shorter than the test prompts, so the window mask is exercised.
+        return tf.MistralConfig(**TINY, sliding_window=24, architectures=["MistralForCausalLM"])
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"])  # q/k/v bias on
+    if arch == "qwen3":
+        return tf.Qwen3Config(**TINY, head_dim=16, architectures=["Qwen3ForCausalLM"])  # q_norm/k_norm
+    raise ValueError(arch)
+
+
+def tiny_runner(arch: str, seed: int = 0):
+    """A layer-by-layer runner over a tiny random-weight model of `arch` (no download)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvblend.model import ModelRunner
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+    return ModelRunner(model, None, name=f"tiny-{arch}")
+
+
+def kvblend_script() -> list[str]:
+    """The installed console script (next to this interpreter), as a user runs it."""
+    script = Path(sys.executable).with_name("kvblend")
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("kvblend")
+    if found is None:
+        raise RuntimeError("the kvblend console script is not installed: run `make install`")
+    return [found]
+
+
+def run_cli(*args, timeout: float = 900, check: bool = False, env: dict | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """Run `kvblend ARGS...` in a subprocess; `check` raises with stderr on a non-zero exit."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run([*kvblend_script(), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, input=input)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvblend {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """Assert the command failed with exactly one line on stderr and no traceback; return it."""
+    assert proc.returncode != 0, proc.stdout
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]

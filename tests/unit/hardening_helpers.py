@@ -1,0 +1,135 @@
+"""What the hardening tests share: a small archive with documents, file snapshots, another user, a tmpfs.
+
+The archive is built through the API with tiny random KV (no model), so the
+CLI can then be run against it in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from archive_helpers import TOKENS, layers
+from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from support import kvblend_script
+
+N_SEGMENTS = 6
+DOCS = {"/docs/a.md": ["seg00", "seg01", "seg02"], "/docs/b.md": ["seg02", "seg03", "seg04"]}  # seg05: no document
+NOBODY = 65534
+
+
+def embedding(i: int) -> np.ndarray:
+    return np.arange(8, dtype=np.float32) + i
+
+
+def build_archive(path: Path, n: int = N_SEGMENTS, n_layers: int = 4) -> Path:
+    """An archive of ``n`` segments ``seg00``.. with embeddings, and the two documents of DOCS."""
+    items = [(SegmentRecord(key=f"seg{i:02d}", token_ids=list(range(i, i + TOKENS)), text=f"text of segment {i}",
+                            extra={"sink": "alone"}), layers(i, n_layers=n_layers)) for i in range(n)]
+    with Archive.open(path, model_name="tiny", model_fingerprint="fp-tiny") as ar, ar.writer():
+        ar.put_segments(items, embeddings={rec.key: embedding(i) for i, (rec, _) in enumerate(items)})
+        for doc, keys in DOCS.items():
+            ar.replace_document(DocumentRecord(path=doc, content_hash=f"hash {doc}", segment_keys=keys,
+                                               n_tokens=TOKENS * len(keys), size=100))
+    return path
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root`` with its mode and bytes, except LMDB's reader table ``lock.mdb``.
+
+    ``lock.mdb`` is LMDB's shared lock file: a reader registers in it to read
+    safely beside a writer, which is not a change to the archive.
+    """
+    return {str(p.relative_to(root)): (p.stat().st_mode, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "lock.mdb"}
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under ``root`` (directories too), to show nothing was created."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@contextmanager
+def readonly_tree(root: Path):
+    """Make ``root`` unwritable for the user the CLI will run as; yields that user's command prefix.
+
+    Tests run as root here, and root ignores permissions, so the CLI runs as
+    ``nobody`` (setpriv) on a tree it does not own. As another user, the tree
+    is chmod-ed read-only instead.
+    """
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot run the CLI as a user without write access")
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        for up in root.parents:
+            if up.stat().st_mode & 0o001 == 0:
+                pytest.skip(f"{up} is not searchable by other users")
+        yield ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        return
+    modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
+    for p in modes:
+        p.chmod(modes[p] & ~0o222)
+    try:
+        yield []
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)
+
+
+def run_as(prefix: list[str], *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`kvblend ARGS` as ``prefix`` (another user) runs it; like support.run_cli, which cannot switch users."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/nonexistent"}
+    return subprocess.run([*prefix, *kvblend_script(), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@contextmanager
+def public_dir():
+    """A fresh directory under /tmp that other users can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="kvblend-test-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def small_tmpfs(mountpoint: Path, size: str = "6m"):
+    """A tmpfs of ``size`` at ``mountpoint`` (a disk that really fills up); skips where mounting is not allowed."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e})")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); needs root")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=30)
+
+
+def fill_disk(directory: Path, name: str = "filler") -> Path:
+    """Write zeros into ``directory/name`` until the file system is full (ENOSPC)."""
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for size in (1 << 16, 4096, 512, 1):  # big writes, then the last partial blocks
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return path

@@ -1,0 +1,191 @@
+"""A lost, emptied, blank, truncated or corrupted index: one line naming the repair, never a traceback,
+a signal, or an "empty archive" that gc would then wipe; `verify --rebuild-index` restores it from the blobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import lmdb
+import pytest
+
+from archive_helpers import TOKENS, flip_byte, layers, same
+from hardening_helpers import DOCS, N_SEGMENTS, build_archive, embedding, snapshot
+from kvblend.archive import Archive, encode_layer, rebuild_index
+from kvblend.archive.blobs import write_blob
+from kvblend.errors import ArchiveDamagedError
+from support import one_line_error, run_cli
+
+# Every command, as far as it gets without a model: each must stop at the damaged index.
+COMMANDS = [["ls"], ["stats"], ["show", "seg00"], ["verify"], ["verify", "--repair"], ["gc", "--dry-run"],
+            ["gc"], ["gc", "--max-size", "1KB"], ["rm", "/docs/a.md"], ["query", "q?"]]
+
+
+def _damage(arc, how: str) -> None:
+    data = arc / "index" / "data.mdb"
+    if how == "missing":
+        data.unlink()
+    elif how == "empty":
+        os.truncate(data, 0)
+    elif how == "truncated":  # LMDB would map it and die of SIGBUS on the first read past the end
+        os.truncate(data, 16384)
+    elif how == "no-index-dir":
+        shutil.rmtree(arc / "index")
+    elif how == "blank":  # LMDB re-created from nothing: no format version, no segments
+        shutil.rmtree(arc / "index")
+        env = lmdb.open(str(arc / "index"), max_dbs=8)
+        with env.begin(write=True) as txn:
+            env.open_db(b"segments", txn=txn)
+        env.close()
+
+
+@pytest.mark.parametrize("how", ["missing", "empty", "truncated", "no-index-dir", "blank"])
+def test_damaged_index_is_refused_by_every_command_and_nothing_is_deleted(tmp_path, how):
+    arc = build_archive(tmp_path / "arc")
+    _damage(arc, how)
+    before = snapshot(arc)
+    for command in COMMANDS:
+        proc = run_cli(*command, "--archive", arc, timeout=300)
+        line = one_line_error(proc)
+        assert proc.returncode > 0, (command, proc.returncode)  # an exit code, not a signal (SIGBUS was 135/-7)
+        assert "damaged" in line and f"kvblend verify --rebuild-index --archive {arc}" in line, (command, line)
+    assert snapshot(arc) == before  # nothing created (no fresh data.mdb, no blobs/), nothing deleted
+    assert sorted(p.name for p in (arc / "blobs" / "se").iterdir()) == [f"seg{i:02d}.kvb" for i in range(N_SEGMENTS)]
+
+
+def test_rebuild_restores_segments_documents_embeddings_and_model(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc, readonly=True) as ar:
+        before = {r.key: r for r in ar.iter_segments()}
+        docs_before = {d.path: d for d in ar.iter_documents()}
+    (arc / "index" / "data.mdb").unlink()
+
+    proc = run_cli("verify", "--rebuild-index", "--archive", arc, "--json", check=True)
+    report = json.loads(proc.stdout)
+    assert report["segments_restored"] == N_SEGMENTS and report["documents_restored"] == 2
+    assert report["incomplete_documents"] == [] and report["lost_blobs"] == []
+    assert report["unlinked_segments"] == 1  # seg05 belongs to no document
+    assert run_cli("verify", "--archive", arc, check=True).stdout.startswith(f"ok: {N_SEGMENTS} segments")
+    assert {d["path"] for d in json.loads(run_cli("ls", "--archive", arc, "--json", check=True).stdout)} == set(DOCS)
+
+    with Archive.open(arc, readonly=True) as ar:
+        assert (ar.model_name, ar.model_fingerprint) == ("tiny", "fp-tiny")
+        for key, old in before.items():
+            new = ar.get_segment(key)
+            for field in ("token_ids", "text", "n_tokens", "dtype", "codec", "n_layers", "kv_heads", "head_dim",
+                          "base_position", "layers", "blob", "extra"):
+                assert getattr(new, field) == getattr(old, field), (key, field)
+            k, v = ar.read_layer(key, 3)
+            assert same(k, layers(int(key[3:]))[3][0]) and same(v, layers(int(key[3:]))[3][1])
+        keys, matrix = ar.get_embeddings()
+        assert keys == sorted(before) and all((matrix[i] == embedding(i)).all() for i in range(N_SEGMENTS))
+        for path, doc in docs_before.items():
+            new_doc = ar.get_document(path)
+            assert (new_doc.segment_keys, new_doc.content_hash, new_doc.n_tokens, new_doc.incomplete) == \
+                (doc.segment_keys, doc.content_hash, doc.n_tokens, False)
+    assert any(p.name.startswith("index.damaged-") for p in arc.iterdir())  # the old index is kept
+
+
+def test_rebuild_reports_what_it_cannot_restore(tmp_path):
+    """A blob written before blobs described themselves, and a damaged blob, go to lost+found; the
+    documents that used them are restored incomplete and named."""
+    arc = build_archive(tmp_path / "arc")
+    (arc / "index" / "data.mdb").unlink()
+    old_style = "blobs/ol/old1.kvb"
+    write_blob(arc, old_style, [encode_layer(k, v, "zstd-shuffle") for k, v in layers(9)])  # no segment metadata
+    flip_byte(arc / "blobs/se/seg01.kvb", 200)  # inside layer 0: its zstd frame checksum fails
+
+    proc = run_cli("verify", "--rebuild-index", "--archive", arc)
+    assert proc.returncode == 0, proc.stderr
+    assert "/docs/a.md lost segments" in proc.stderr and "/docs/b.md" not in proc.stderr
+    assert "old1.kvb" in proc.stderr and "seg01.kvb" in proc.stderr and "lost+found" in proc.stderr
+    assert (arc / "lost+found/ol/old1.kvb").is_file() and (arc / "lost+found/se/seg01.kvb").is_file()
+    with Archive.open(arc, readonly=True) as ar:
+        doc = ar.get_document("/docs/a.md")
+        assert doc.segment_keys == ["seg00", "seg02"] and doc.incomplete
+        assert ar.count_segments() == N_SEGMENTS - 1 and ar.verify().ok
+    gc = json.loads(run_cli("gc", "--archive", arc, "--json", check=True).stdout)
+    assert gc["orphans"] == [] and (arc / "lost+found/ol/old1.kvb").is_file()  # gc never reaches them
+
+
+def test_truncated_index_rebuilt_from_blobs(tmp_path):
+    arc = build_archive(tmp_path / "arc", n=40)  # enough records that the index spans many pages
+    os.truncate(arc / "index" / "data.mdb", 16384)
+    line = one_line_error(run_cli("ls", "--archive", arc))
+    assert "truncated" in line and "--rebuild-index" in line
+    report = rebuild_index(arc)
+    assert report.segments_restored == 40 and report.documents_restored == 2 and not report.incomplete_documents
+    assert any("truncated" in p for p in report.problems)
+    assert run_cli("verify", "--archive", arc).returncode == 0
+
+
+def _corrupt_first_segment_page(arc) -> None:
+    """Overwrite the header of an index page that holds segment records (LMDB then says MDB_CORRUPTED)."""
+    path = arc / "index" / "data.mdb"
+    data = path.read_bytes()
+    page = data.index(b'"key":"seg01"') // 4096
+    with open(path, "r+b") as f:
+        f.seek(page * 4096)
+        f.write(b"\xff" * 16)
+
+
+def test_corrupted_index_page_is_one_line_and_named_by_verify(tmp_path):
+    arc = build_archive(tmp_path / "arc", n=40)
+    _corrupt_first_segment_page(arc)
+    for command in (["verify"], ["stats"], ["gc", "--dry-run"], ["rm", "/docs/a.md"]):
+        line = one_line_error(run_cli(*command, "--archive", arc, timeout=300))
+        assert "corrupted" in line and "--rebuild-index" in line, (command, line)
+    with pytest.raises(ArchiveDamagedError, match="MDB_CORRUPTED"):
+        with Archive.open(arc, readonly=True) as ar:
+            ar.verify()
+
+
+def test_rebuild_keeps_what_a_corrupted_index_still_holds(tmp_path):
+    """Records the damaged index still yields (usage counts, profiles) survive the rebuild."""
+    arc = build_archive(tmp_path / "arc", n=40)
+    with Archive.open(arc) as ar:
+        ar.touch(["seg30"])
+        ar.touch(["seg30"])
+        ar.put_profile("nvme", {"read_GBps": 3.0})
+    _corrupt_first_segment_page(arc)
+    report = rebuild_index(arc)
+    assert report.segments_restored == 40 and 0 < report.segments_from_old_index < 40
+    with Archive.open(arc, readonly=True) as ar:
+        assert ar.get_segment("seg30").hits == 2 and ar.get_profile("nvme") == {"read_GBps": 3.0}
+        assert ar.verify().ok
+
+
+def test_bad_json_record_is_one_line(tmp_path):
+    """LMDB keeps no checksums: a flipped byte inside a record's JSON is found only when parsed."""
+    arc = build_archive(tmp_path / "arc")
+    path = arc / "index" / "data.mdb"
+    data = bytearray(path.read_bytes())
+    for at in range(len(data)):  # every copy: LMDB's copy-on-write may leave older ones behind
+        if data[at:at + 13] == b'"key":"seg03"':
+            data[at] = ord("{")
+    path.write_bytes(bytes(data))
+    line = one_line_error(run_cli("verify", "--archive", arc))
+    assert "not valid JSON" in line and "--rebuild-index" in line
+    assert rebuild_index(arc).segments_restored == N_SEGMENTS
+    assert run_cli("verify", "--archive", arc).returncode == 0
+
+
+def test_read_commands_create_nothing_beside_a_bare_index_dir(tmp_path):
+    """A folder with an empty `index/` is not an archive: reading it must not make it one."""
+    bare = tmp_path / "bare"
+    (bare / "index").mkdir(parents=True)
+    for command in (["ls"], ["stats"], ["verify"], ["gc", "--dry-run"], ["show", "x1"]):
+        line = one_line_error(run_cli(*command, "--archive", bare))
+        assert "no archive index" in line, (command, line)
+    assert sorted(p.name for p in bare.rglob("*")) == ["index"]
+
+
+def test_rebuild_is_idempotent_and_keeps_tokens_for_keys(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    first = rebuild_index(arc)  # of a healthy archive: everything comes from the old index
+    assert first.segments_from_old_index == N_SEGMENTS
+    again = rebuild_index(arc)
+    assert again.segments_restored == N_SEGMENTS
+    with Archive.open(arc, readonly=True) as ar:
+        assert ar.get_segment("seg04").token_ids == list(range(4, 4 + TOKENS))

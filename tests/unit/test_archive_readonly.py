@@ -1,0 +1,152 @@
+"""Reading never writes: read commands work on an archive the user cannot write, create nothing and
+write nothing back; odd format versions are refused; a writer binds the model only when it stores KV."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import lmdb
+import pytest
+
+from archive_helpers import layers
+from hardening_helpers import N_SEGMENTS, build_archive, public_dir, readonly_tree, run_as, snapshot, tree
+from kvblend.archive import Archive, SegmentRecord
+from kvblend.errors import ArchiveDamagedError, ArchiveModelMismatchError
+from support import one_line_error, run_cli
+
+READ_COMMANDS = [["ls"], ["stats"], ["show", "seg01"], ["show", "/docs/a.md"], ["verify"], ["gc", "--dry-run"],
+                 ["ls", "--json"], ["stats", "--json"], ["path", "--json"]]
+WRITE_COMMANDS = [["gc"], ["rm", "/docs/a.md"], ["verify", "--repair"], ["verify", "--rebuild-index"]]
+
+
+def test_read_commands_work_on_an_archive_the_user_cannot_write():
+    with public_dir() as base:
+        arc = build_archive(base / "arc")
+        with readonly_tree(arc) as user:
+            before = snapshot(arc)
+            for command in READ_COMMANDS:
+                proc = run_as(user, *command, "--archive", arc)
+                assert proc.returncode == 0, (command, proc.stderr)
+                assert "not writable" not in proc.stderr
+            assert "seg01" in run_as(user, "show", "seg01", "--archive", arc).stdout
+            for command in WRITE_COMMANDS:  # refused in one line, saying why
+                line = one_line_error(run_as(user, *command, "--archive", arc))
+                assert "not writable" in line, (command, line)
+            assert snapshot(arc) == before
+
+
+def test_read_commands_create_and_modify_nothing(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    (arc / "lock").unlink()  # writers create it; readers must not
+    (arc / "reserve").unlink()
+    before, paths = snapshot(arc), tree(arc)
+    for command in READ_COMMANDS:
+        assert run_cli(*command, "--archive", arc).returncode == 0, command
+    assert snapshot(arc) == before and tree(arc) == paths
+
+
+def _set_format_version(arc, raw: bytes | None) -> None:
+    env = lmdb.open(str(arc / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        if raw is None:
+            txn.delete(b"format_version", db=meta)
+        else:
+            txn.put(b"format_version", raw, db=meta)
+    env.close()
+
+
+def _format_version(arc) -> bytes | None:
+    env = lmdb.open(str(arc / "index"), max_dbs=16, readonly=True, lock=False)
+    with env.begin() as txn:
+        value = txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    return value
+
+
+@pytest.mark.parametrize("raw", [b"1.5", b"0", b"-1", b'"1"', b"true", b"garbage"])
+def test_malformed_format_version_is_refused(tmp_path, raw):
+    arc = build_archive(tmp_path / "arc")
+    _set_format_version(arc, raw)
+    for command in (["ls"], ["gc"], ["verify"]):
+        line = one_line_error(run_cli(*command, "--archive", arc))
+        assert "format version" in line and "not a positive integer" in line, (command, line)
+    with pytest.raises(ArchiveDamagedError):
+        Archive.open(arc)
+    assert _format_version(arc) == raw  # refused untouched
+
+
+def test_missing_format_version_is_not_written_back_by_readers(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    _set_format_version(arc, None)
+    for command in (["ls"], ["stats"], ["verify"], ["show", "seg00"], ["gc", "--dry-run"]):
+        assert run_cli(*command, "--archive", arc).returncode == 0, command
+    with Archive.open(arc, create=False, model_name="tiny", model_fingerprint="fp-tiny", defer_binding=True):
+        pass  # how `query` opens it
+    assert _format_version(arc) is None
+    assert json.loads(run_cli("stats", "--archive", arc, "--json", check=True).stdout)["segments"] == N_SEGMENTS
+
+
+def test_deferred_binding_records_the_model_only_with_the_first_segment(tmp_path):
+    """A run that fails before storing anything (its model would not load) must not bind the archive."""
+    path = tmp_path / "new"
+    with Archive.open(path, model_name="garbage", model_fingerprint="fp-garbage", defer_binding=True):
+        pass  # e.g. the model failed to load here
+    with Archive.open(path, readonly=True) as ar:
+        assert (ar.model_name, ar.model_fingerprint) == (None, None)
+    with Archive.open(path, model_name="real", model_fingerprint="fp-real", defer_binding=True) as ar:
+        assert ar.model_fingerprint is None
+        ar.put_segment(SegmentRecord(key="bb1", token_ids=list(range(8))), layers(0))
+        assert (ar.model_name, ar.model_fingerprint) == ("real", "fp-real")
+    with pytest.raises(ArchiveModelMismatchError, match="built with model real"):
+        Archive.open(path, model_name="garbage", model_fingerprint="fp-garbage", defer_binding=True)
+
+
+def test_deferred_binding_is_rechecked_in_the_commit(tmp_path):
+    """Two writers naming different models on a fresh archive: the second commit is refused."""
+    path = tmp_path / "new"
+    Archive.open(path).close()
+    first = Archive.open(path, model_name="a", model_fingerprint="fp-a", defer_binding=True)
+    second = Archive.open(path, model_name="b", model_fingerprint="fp-b", defer_binding=True)
+    try:
+        first.put_segment(SegmentRecord(key="aa1"), layers(1))
+        with pytest.raises(ArchiveModelMismatchError):
+            second.put_segment(SegmentRecord(key="bb1"), layers(2))
+        assert not first.has_segment("bb1")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_failed_model_load_does_not_bind_a_new_archive(tmp_path):
+    """`ingest --model garbage.gguf` fails; the archive it may have created stays unbound."""
+    doc = tmp_path / "a.md"
+    doc.write_text("Some text to ingest.\n")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    arc = tmp_path / "new"
+    proc = run_cli("ingest", doc, "--model", garbage, "--archive", arc, timeout=300)
+    one_line_error(proc)
+    if (arc / "index" / "data.mdb").exists():
+        with Archive.open(arc, readonly=True) as ar:
+            assert ar.model_fingerprint is None and ar.count_segments() == 0
+
+
+def test_writable_open_of_unwritable_dir_reads_and_refuses_writes_in_one_line():
+    with public_dir() as base:
+        arc = build_archive(base / "arc")
+        with readonly_tree(arc) as user:
+            code = ("import sys\n"
+                    "from kvblend.archive import Archive\n"
+                    "from kvblend.errors import ArchiveError\n"
+                    f"ar = Archive.open({str(arc)!r}, create=False, model_name='tiny', model_fingerprint='fp-tiny')\n"
+                    "assert ar.readonly and ar.count_segments() == 6 and ar.touch(['seg00']) == 0\n"
+                    "try:\n"
+                    "    ar.put_profile('x', {})\n"
+                    "except ArchiveError as e:\n"
+                    "    print(e)\n")
+            proc = subprocess.run([*user, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            assert "is not writable; this command needs to write" in proc.stdout

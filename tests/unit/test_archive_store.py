@@ -1,0 +1,342 @@
+"""Archive storage on a real LMDB index and real blob files in tmp_path: round trips, opening, locking, records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from archive_helpers import DIM, HEADS, N_LAYERS, TOKENS, ar, layers, put, same  # noqa: F401 (ar: fixture)
+from kvblend.archive import CODECS, Archive, DocumentRecord, SegmentRecord, resolve_archive_path, segment_key
+from kvblend.archive import blobs as blobs_mod
+from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveModelMismatchError, ArchiveVersionError
+from support import REPO
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_trip_every_layer_bit_identical(tmp_path, codec, dtype):
+    with Archive.open(tmp_path / "ar") as ar, ar.writer():
+        stored = {}
+        for i in range(3):
+            kv = layers(i, dtype)
+            ar.put_segment(SegmentRecord(key=f"seg{i}", token_ids=list(range(TOKENS)), base_position=5), kv,
+                           codec=codec)
+            stored[f"seg{i}"] = kv
+    with Archive.open(tmp_path / "ar", create=False, readonly=True) as ar:
+        for key, kv in stored.items():
+            rec = ar.get_segment(key)
+            assert (rec.codec, rec.n_layers, rec.kv_heads, rec.n_tokens, rec.head_dim, rec.base_position) == \
+                (codec, N_LAYERS, HEADS, TOKENS, DIM, 5)
+            assert rec.dtype == {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+            for i, (k, v) in enumerate(kv):
+                k2, v2 = ar.read_layer(key, i)
+                assert same(k2, k) and same(v2, v)
+            raw = ar.read_layer_raw(rec, 1)
+            k2, _ = ar.decode(rec, 1, raw)
+            assert same(k2, kv[1][0])
+        assert ar.verify(deep=True).ok
+
+
+def test_layers_are_contiguous_ranges_of_one_blob(ar):
+    rec = put(ar, "aa01")
+    assert rec.blob == "blobs/aa/aa01.kvb"
+    offset = 0
+    for entry in rec.layers:
+        assert entry.offset == offset and entry.length > 0 and len(entry.checksum) == 8
+        offset += entry.length
+    assert (ar.path / rec.blob).stat().st_size == offset
+
+
+def test_record_json_round_trip_ignores_unknown_fields():
+    rec = SegmentRecord(key="k1", n_tokens=2, token_ids=[1, 2], extra={"sink": "prefix"})
+    d = json.loads(rec.to_json())
+    d["field_from_the_future"] = 1
+    assert SegmentRecord.from_json(json.dumps(d)) == rec
+    doc = DocumentRecord(path="/x", segment_keys=["a", "b"], incomplete=True)
+    assert DocumentRecord.from_json(doc.to_json()) == doc
+    # Older kvblends wrote an always-zero `mtime`; such records still load.
+    legacy = DocumentRecord.from_json(json.dumps({**doc.to_dict(), "mtime": 0.0}))
+    assert legacy == doc and "mtime" not in doc.to_dict()
+
+
+def test_put_segments_batch_and_replace(ar):
+    with ar.writer():
+        recs = ar.put_segments([(SegmentRecord(key=f"bb{i}"), layers(i)) for i in range(3)])
+    assert [r.key for r in recs] == ["bb0", "bb1", "bb2"]
+    ar.touch(["bb1"])
+    new = ar.put_segment(SegmentRecord(key="bb1"), layers(9), codec="zstd")
+    assert new.blob != recs[1].blob and not (ar.path / recs[1].blob).exists()
+    assert ar.get_segment("bb1").hits == 1  # popularity survives a replace
+    assert same(ar.read_layer("bb1", 2)[0], layers(9)[2][0])
+    assert ar.gc().orphan_blobs == []
+
+
+def test_rejects_inconsistent_input(ar):
+    with pytest.raises(ValueError):
+        ar.put_segment(SegmentRecord(key="cc", token_ids=[1, 2]), layers(0))
+    with pytest.raises(ArchiveError, match="invalid segment key"):
+        ar.put_segment(SegmentRecord(key="../evil"), layers(0))
+    with pytest.raises(IndexError):
+        put(ar, "cc1")
+        ar.read_layer("cc1", N_LAYERS)
+
+
+def test_concurrent_reader_threads(ar):
+    for i in range(3):
+        put(ar, f"dd{i}", seed=i)
+    errors = []
+
+    def read_all():
+        try:
+            for _ in range(3):
+                for i in range(3):
+                    for layer in range(N_LAYERS):
+                        assert same(ar.read_layer(f"dd{i}", layer)[1], layers(i)[layer][1])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=read_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_disk_full_leaves_index_unchanged(ar, monkeypatch):
+    put(ar, "jj0")
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(blobs_mod, "_write_all", full)
+    with pytest.raises(ArchiveError, match="disk full"):
+        put(ar, "jj1")
+    monkeypatch.undo()
+    assert not ar.has_segment("jj1") and ar.count_segments() == 1
+    assert [rel for rel, _, _ in blobs_mod.scan_blob_dir(ar.path)] == ["blobs/jj/jj0.kvb"]
+
+
+def test_segment_key_depends_on_model_tokens_and_settings():
+    base = segment_key("fp", [1, 2, 3], {"dtype": "float16"})
+    assert base == segment_key("fp", (1, 2, 3), {"dtype": "float16"}) and len(base) == 40
+    assert len({base, segment_key("fp2", [1, 2, 3], {"dtype": "float16"}),
+                segment_key("fp", [1, 2, 4], {"dtype": "float16"}),
+                segment_key("fp", [1, 2, 3], {"dtype": "bfloat16"})}) == 4
+
+
+def test_import_and_listing_do_not_load_torch(tmp_path, ar):
+    put(ar, "tt1")
+    code = ("import sys, kvblend.archive as a\n"
+            f"with a.Archive.open({str(ar.path)!r}, create=False, readonly=True) as ar:\n"
+            "    assert [r.key for r in ar.iter_segments()] == ['tt1'] and ar.verify().ok\n"
+            "    ar.stats(); ar.size_bytes()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- opening
+
+
+def test_version_refusal(tmp_path):
+    path = tmp_path / "ar"
+    Archive.open(path).close()
+    env = lmdb.open(str(path / "index"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"2", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(ArchiveVersionError, match=r"archive format v2 is newer than this kvblend supports \(v1\)"):
+        Archive.open(path)
+
+
+def test_model_mismatch_refusal(tmp_path):
+    path = tmp_path / "ar"
+    Archive.open(path, model_name="SmolLM2-135M", model_fingerprint="aaa").close()
+    with pytest.raises(ArchiveModelMismatchError) as e:
+        Archive.open(path, model_name="Qwen3-0.6B", model_fingerprint="bbb")
+    msg = str(e.value)
+    assert "SmolLM2-135M" in msg and "Qwen3-0.6B" in msg and "--model SmolLM2-135M" in msg
+    with Archive.open(path) as ar:  # no model asked: fine, and reports the recorded one
+        assert (ar.model_name, ar.model_fingerprint) == ("SmolLM2-135M", "aaa")
+    with Archive.open(path, model_name="SmolLM2-135M", model_fingerprint="aaa"):
+        pass
+
+
+def test_model_recorded_by_first_open_that_names_one(tmp_path):
+    path = tmp_path / "ar"
+    with Archive.open(path, model_name="named-only") as ar:
+        assert (ar.model_name, ar.model_fingerprint) == ("named-only", None)
+    with Archive.open(path, model_name="real", model_fingerprint="fff") as ar:  # a fingerprint brings its name
+        assert (ar.model_name, ar.model_fingerprint) == ("real", "fff")
+    with Archive.open(path, model_name="other") as ar:  # no fingerprint asked: nothing to check or record
+        assert (ar.model_name, ar.model_fingerprint) == ("real", "fff")
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(ArchiveError, match="no archive"):
+        Archive.open(tmp_path / "missing", create=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ArchiveError, match="not a directory"):
+        Archive.open(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArchiveError, match="not a kvblend archive"):
+        Archive.open(tmp_path / "empty", create=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_unwritable_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ArchiveError):
+            Archive.open(ro / "ar")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_readonly_open(tmp_path, ar):
+    put(ar, "ee1")
+    with Archive.open(ar.path, readonly=True) as ro:
+        assert ro.has_segment("ee1") and ro.touch(["ee1"]) == 0
+        with pytest.raises(ArchiveError, match="read-only"):
+            with ro.writer():
+                pass
+        with pytest.raises(ArchiveError, match="read-only"):
+            ro.put_profile("disk", {})
+
+
+def test_resolve_archive_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_ARCHIVE", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_archive_path("~/x") == Path.home() / "x"
+    assert resolve_archive_path(None) == tmp_path / "env"
+    monkeypatch.delenv("KVBLEND_ARCHIVE")
+    assert resolve_archive_path(None) == tmp_path / "xdg" / "kvblend"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert resolve_archive_path("") == Path.home() / ".cache" / "kvblend"
+
+
+# ---------------------------------------------------------------- locking and growth
+
+
+def test_writer_lock_busy(tmp_path, ar):
+    with Archive.open(ar.path) as other:
+        with ar.writer() as held:
+            assert held is ar and ar.holds_writer and not other.holds_writer
+            with pytest.raises(ArchiveBusyError, match=f"pid {os.getpid()}"):
+                with other.writer():
+                    pass
+            t0 = time.monotonic()
+            with pytest.raises(ArchiveBusyError):
+                with other.writer(wait=0.2):
+                    pass
+            assert time.monotonic() - t0 >= 0.2
+            with pytest.raises(ArchiveBusyError):
+                other.put_segment(SegmentRecord(key="ff1"), layers(0))
+            with pytest.raises(ArchiveBusyError):
+                other.gc()
+            assert other.touch(["anything"]) == 0  # index-only writes are not blocked
+            other.put_profile("disk", {"read_GBps": 1.0})
+            with ar.writer():  # re-entrant for the holder
+                put(ar, "ff2")
+        assert not ar.holds_writer
+        with other.writer():
+            put(other, "ff3")
+        assert ar.has_segment("ff3") and other.get_profile("disk") == {"read_GBps": 1.0}
+
+
+def test_map_full_grows_and_retries(tmp_path):
+    with Archive.open(tmp_path / "ar", initial_map_size=64 * 1024) as ar:
+        start = ar.map_size
+        with ar.writer():
+            for i in range(12):
+                ar.put_segment(SegmentRecord(key=f"gg{i:02d}", text="x" * 20_000), layers(i))
+        assert ar.map_size > start
+        assert all(ar.get_segment(f"gg{i:02d}").text == "x" * 20_000 for i in range(12))
+        assert ar.verify().ok
+
+
+# ---------------------------------------------------------------- documents and side stores
+
+
+def test_remove_documents_keeps_shared_segments(ar):
+    for key in ("mm1", "mm2", "mm3"):
+        put(ar, key)
+    ar.put_embeddings([("mm1", np.ones(4))])
+    ar.put_document(DocumentRecord(path="/docs/a.txt", segment_keys=["mm1", "mm2"]))
+    ar.put_document(DocumentRecord(path="/docs/b.txt", segment_keys=["mm2", "mm3"]))
+    blob1 = ar.path / ar.get_segment("mm1").blob
+
+    assert ar.remove_documents(["/docs/a.txt", "/docs/nope.txt"]) == ["/docs/a.txt"]
+    assert ar.get_document("/docs/a.txt") is None
+    assert not ar.has_segment("mm1") and not blob1.exists()
+    assert ar.has_segment("mm2") and ar.has_segment("mm3")
+    assert ar.get_embeddings()[0] == [] and not ar.has_embedding("mm1")
+    assert not ar.get_document("/docs/b.txt").incomplete
+    assert ar.verify().ok
+
+
+def test_replace_document_drops_only_unshared_stale_segments(ar):
+    for key in ("rr1", "rr2", "rr3", "rr4"):
+        put(ar, key)
+    ar.put_document(DocumentRecord(path="/a.txt", segment_keys=["rr1", "rr2", "rr3"]))
+    ar.put_document(DocumentRecord(path="/b.txt", segment_keys=["rr3"]))
+    assert ar.replace_document(DocumentRecord(path="/a.txt", segment_keys=["rr2", "rr4"])) == ["rr1"]
+    assert ar.get_document("/a.txt").segment_keys == ["rr2", "rr4"]
+    assert [r.key for r in ar.iter_segments()] == ["rr2", "rr3", "rr4"]
+    assert ar.replace_document(DocumentRecord(path="/new.txt", segment_keys=["rr2"])) == []
+    assert ar.verify().ok and ar.gc().orphans == []
+
+
+def test_documents_embeddings_profiles_tuned_meta_stats(ar, tmp_path):
+    put(ar, "nn1")
+    put(ar, "nn2", seed=2)
+    long_path = "/" + "d" * 300 + "/" + "f" * 300 + ".txt"  # beyond LMDB's key limit
+    for p in ("rel/doc.txt", long_path):
+        ar.put_document(DocumentRecord(path=p, content_hash="h", segment_keys=["nn1"], n_tokens=TOKENS, size=10))
+    assert ar.get_document(long_path).path == long_path
+    assert ar.get_document("rel/doc.txt").path == os.path.abspath("rel/doc.txt")
+    assert sorted(d.path for d in ar.iter_documents()) == sorted([long_path, os.path.abspath("rel/doc.txt")])
+    assert ar.count_documents() == 2
+
+    ar.put_embeddings([("nn1", np.arange(3, dtype=np.float64))])
+    ar.put_embeddings([("nn2", np.ones(3))])
+    keys, mat = ar.get_embeddings()
+    assert keys == ["nn1", "nn2"] and mat.dtype == np.float32 and mat.shape == (2, 3)
+    ar.put_embeddings(["nn1", "nn2"], np.array([[1, 2, 3], [4, 5, 6]], dtype=np.float32))
+    assert ar.get_embeddings()[1].tolist() == [[1, 2, 3], [4, 5, 6]]
+    keys, mat = ar.get_embeddings(["nn2", "missing"])
+    assert keys == ["nn2"] and mat.tolist() == [[4.0, 5.0, 6.0]]
+    assert ar.has_embedding("nn2") and not ar.has_embedding("missing")
+
+    ar.put_profile("nvme", {"read_GBps": 3.2})
+    ar.put_tuned("tiny/cpu/nvme", {"ratio": 0.15})
+    assert list(ar.iter_profiles()) == [("nvme", {"read_GBps": 3.2})]
+    assert ar.get_tuned("tiny/cpu/nvme") == {"ratio": 0.15} and ar.get_tuned("x") is None
+    ar.set_meta("note", {"a": 1})
+    assert ar.get_meta("note") == {"a": 1} and ar.get_meta("format_version") == 1
+    assert ar.get_meta("absent", "dflt") == "dflt"
+    with pytest.raises(ArchiveError):
+        ar.set_meta("format_version", 9)
+
+    ar.touch(["nn1", "nn1", "nn2"])
+    s = ar.stats()
+    assert (s["segments"], s["documents"], s["tokens"], s["hits"]) == (2, 2, 2 * TOKENS, 2)
+    assert s["raw_bytes"] == 2 * 2 * N_LAYERS * HEADS * DIM * 2 * TOKENS
+    assert s["bytes_per_token_raw"] == s["raw_bytes"] / s["tokens"]
+    assert s["compression_ratio"] == pytest.approx(s["raw_bytes"] / s["stored_bytes"])
+    assert ar.size_bytes() > ar.size_bytes(include_index=False) >= s["stored_bytes"]

@@ -1,0 +1,181 @@
+"""Odd inputs and awkward moments at the command line: Ctrl-C, a busy archive, a FIFO, empty values,
+readers beside a live writer, one line per bad segment, plain --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from archive_crash_writer import key_for
+from archive_helpers import layers
+from hardening_helpers import build_archive
+from kvblend.archive import Archive, SegmentRecord
+from kvblend.documents import read_user_text
+from kvblend.errors import UsageError
+from support import REPO, kvblend_script, one_line_error, run_cli
+
+WRITER = Path(__file__).with_name("archive_crash_writer.py")
+
+
+def _wait_until_open(pid: int, path: Path, timeout: float = 60) -> None:
+    """Wait until process ``pid`` has ``path`` open (it is then past start-up, inside the command)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{pid}/fd")):
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never opened {path}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the waiting process")
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as holder, holder.writer():  # so `gc --wait` blocks on the lock
+        proc = subprocess.Popen([*kvblend_script(), "gc", "--wait", "--archive", str(arc)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_until_open(proc.pid, arc / "lock")
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130
+    assert stderr.strip() == "kvblend: interrupted"
+
+
+def test_gc_dry_run_and_readers_run_while_another_process_writes(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as holder, holder.writer():
+        busy = one_line_error(run_cli("gc", "--archive", arc))
+        assert "--wait" in busy and f"pid {os.getpid()}" in busy
+        for command in (["gc", "--dry-run"], ["verify"], ["ls"], ["stats"]):
+            assert run_cli(*command, "--archive", arc).returncode == 0, command
+
+
+def test_reading_during_a_live_write(tmp_path):
+    """Query-like reads (records, layers, verify, ls) beside a writer committing segments in another process."""
+    arc = tmp_path / "arc"
+    Archive.open(arc).close()
+    writer = subprocess.Popen([sys.executable, str(WRITER), str(arc), "0", "1000", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO)
+    watchdog = threading.Timer(120, writer.kill)
+    watchdog.start()
+    try:
+        assert writer.stdout.readline().strip() == key_for(0)
+        for _ in range(3):
+            with Archive.open(arc, readonly=True) as ar:
+                for rec in ar.iter_segments():
+                    ar.read_layer_raw(rec, rec.n_layers - 1)
+            for command in (["verify"], ["ls"], ["gc", "--dry-run"]):
+                proc = run_cli(*command, "--archive", arc)
+                assert proc.returncode == 0, (command, proc.stderr)
+        assert writer.poll() is None, "the writer finished before the reads: nothing was tested"
+    finally:
+        watchdog.cancel()
+        writer.kill()
+        writer.communicate()
+
+
+def test_verify_prints_one_line_per_bad_segment(tmp_path):
+    arc = build_archive(tmp_path / "arc", n_layers=24)
+    with Archive.open(arc, readonly=True) as ar:
+        rec = ar.get_segment("seg02")
+    os.truncate(arc / rec.blob, rec.layers[1].offset + 5)  # layers 1..23 cut off
+    proc = run_cli("verify", "--archive", arc)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "seg02" in lines[0] and "layers 1-23" in lines[0], proc.stderr
+    report = json.loads(run_cli("verify", "--archive", arc, "--json").stdout)
+    assert len(report["problems"]) == 23  # the JSON keeps every finding
+
+
+@pytest.mark.parametrize("command", ["ls", "show", "stats", "rm", "verify", "gc", "path", "ingest", "query"])
+def test_help_shows_no_type_placeholders_for_flags(command):
+    text = run_cli(command, "--help", check=True).stdout
+    assert "<bool>" not in text and "BOOLEAN" not in text
+
+
+def test_path_json(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    assert json.loads(run_cli("path", "--archive", arc, "--json", check=True).stdout) == \
+        {"path": str(arc), "exists": True}
+    assert json.loads(run_cli("path", "--archive", tmp_path / "none", "--json", check=True).stdout)["exists"] is False
+
+
+def test_gc_empty_max_size_is_a_usage_error(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    proc = run_cli("gc", "--max-size", "", "--archive", arc)
+    assert proc.returncode == 2 and "not a size" in one_line_error(proc)
+    with Archive.open(arc, readonly=True) as ar:
+        assert ar.count_segments() == 6  # nothing evicted
+
+
+def test_context_file_fifo_fails_fast(tmp_path):
+    fifo = tmp_path / "some.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_user_text(fifo, "context file")
+    proc = run_cli("query", "q?", "--context-file", fifo, "--archive", tmp_path / "arc", timeout=120)
+    assert proc.returncode == 2 and "not a regular file" in one_line_error(proc)
+
+
+def test_read_user_text_keeps_reading_regular_files(tmp_path):
+    f = tmp_path / "ctx.txt"
+    f.write_bytes(b"line one\r\nline two\rthree\n")
+    assert read_user_text(f, "context file") == "line one\nline two\nthree\n"
+    with pytest.raises(UsageError, match="no such context file"):
+        read_user_text(tmp_path / "missing.txt", "context file")
+    with pytest.raises(UsageError, match="is a directory"):
+        read_user_text(tmp_path, "context file")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(UsageError, match="UTF-8"):
+        read_user_text(tmp_path / "bad.txt", "context file")
+
+
+def test_a_segment_put_leaves_a_manifest_and_rm_removes_it(tmp_path):
+    """Document manifests (what a rebuild reads) follow the index: written with a document, gone with it."""
+    arc = build_archive(tmp_path / "arc")
+    assert len(list((arc / "documents").glob("*.json"))) == 2
+    assert run_cli("rm", "/docs/a.md", "--archive", arc).returncode == 0
+    assert len(list((arc / "documents").glob("*.json"))) == 1
+    with Archive.open(arc) as ar:
+        ar.put_segment(SegmentRecord(key="zz1"), layers(1))
+    stale = arc / "documents" / "0123456789abcdef0123456789abcdef.json"
+    stale.write_text("{}")
+    report = json.loads(run_cli("gc", "--archive", arc, "--json", check=True).stdout)
+    assert report["orphan_manifests"] == ["documents/0123456789abcdef0123456789abcdef.json"] and not stale.exists()
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--temperature", "-1"],
+                                   ["--top-p", "nan"], ["--top-p", "0"], ["--top-p", "inf"], ["--seed", "-1"]])
+def test_bad_sampling_values_are_usage_errors_before_the_model_loads(flags, tmp_path):
+    proc = run_cli("query", "q?", *flags, "--archive", tmp_path / "none", timeout=120)
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and flags[0] in line, line
+    assert not (tmp_path / "none").exists()
+
+
+def test_sampling_flags_have_help():
+    text = run_cli("query", "--help", check=True).stdout
+    for flag, words in (("--top-p", "Nucleus"), ("--seed", "Random seed"), ("--temperature", "greedy")):
+        assert words in text.split(flag, 1)[1].split("\n  -", 1)[0], flag
+
+
+def test_ingest_rate_leaves_out_the_model_load():
+    from kvblend.pipeline.results import IngestReport
+
+    report = IngestReport(tokens_new=900, seconds=10.0, model_load_seconds=9.0)
+    assert report.tokens_per_s == pytest.approx(900.0)  # was 90: the load counted as prefill time
+    assert report.to_dict()["model_load_seconds"] == 9.0

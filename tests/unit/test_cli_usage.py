@@ -1,0 +1,63 @@
+"""Usage errors, as a user meets them: the installed script, one line on stderr, exit 2, no traceback.
+
+No command here gets far enough to load a model (no real weights), so they are unit tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import one_line_error, run_cli
+
+# Every command, with its required arguments filled, so an unknown option is the only fault.
+COMMANDS = {
+    "ingest": ["docs/"],
+    "query": ["q?"],
+    "demo": [],
+    "ls": [],
+    "show": ["abc"],
+    "stats": [],
+    "rm": ["a.md"],
+    "verify": [],
+    "gc": [],
+    "path": [],
+    "profile": [],
+    "tune": [],
+    "bench": ["data.json"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_unknown_option_is_one_line_and_exit_2(command, tmp_path):
+    proc = run_cli(command, *COMMANDS[command], "--bogus", "--archive", tmp_path / "a")
+    line = one_line_error(proc)
+    assert proc.returncode == 2
+    assert "--bogus" in line and line.startswith("kvblend: error:")
+    assert not (tmp_path / "a").exists()  # nothing was created on the way to the error
+
+
+@pytest.mark.parametrize("command", ["query", "show", "rm", "ingest", "bench"])
+def test_missing_argument_is_one_line_and_exit_2(command):
+    proc = run_cli(command)
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "Missing argument" in line
+
+
+@pytest.mark.parametrize("args", [["query", "x", "--top-k", "abc"], ["query", "x", "--ratio", "lots"],
+                                  ["ingest", "d", "--chunk-tokens", "1.5"], ["bench", "d.json", "--limit", "x"]])
+def test_bad_type_is_one_line_and_exit_2(args):
+    proc = run_cli(*args)
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "Invalid value" in line
+
+
+def test_unknown_command_is_one_line_and_exit_2():
+    proc = run_cli("frobnicate")
+    assert proc.returncode == 2 and "frobnicate" in one_line_error(proc)
+
+
+def test_help_works_for_every_command():
+    top = run_cli("--help", check=True)
+    for command in COMMANDS:
+        assert command in top.stdout
+        assert run_cli(command, "--help", check=True).stdout.strip()

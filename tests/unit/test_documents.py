@@ -1,0 +1,251 @@
+"""Document discovery: walking, text detection, JSON/JSONL records, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvblend.documents import Document, Skipped, content_hash, iter_documents
+from kvblend.errors import UsageError
+from support import CALIBRATION, DOCS, FIXTURES
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data, encoding="utf-8")
+    return path
+
+
+def test_directory_walk_is_recursive_sorted_and_skips_hidden(tmp_path):
+    root = tmp_path / "kb"
+    write(root / "b.md", "B doc")
+    write(root / "a.txt", "A doc")
+    write(root / "sub" / "z.rst", "Z doc")
+    write(root / "sub" / "deeper" / "c.weird", "C doc, any extension")
+    write(root / "A-upper.md", "upper")
+    write(root / ".git" / "config", "[core]")
+    write(root / ".hidden.md", "hidden file")
+    write(root / "sub" / ".cache" / "x.md", "hidden dir")
+    docs, skipped = iter_documents([root])
+    shown = root.as_posix()
+    assert [d.path for d in docs] == [
+        f"{shown}/A-upper.md",
+        f"{shown}/a.txt",
+        f"{shown}/b.md",
+        f"{shown}/sub/deeper/c.weird",
+        f"{shown}/sub/z.rst",
+    ]
+    assert skipped == []
+    assert docs[1].text == "A doc"
+    # same call, same answer
+    assert iter_documents([root]) == (docs, skipped)
+
+
+def test_document_hash_is_blake2b_of_text(tmp_path):
+    f = write(tmp_path / "x.md", "héllo\n")
+    (doc,), _ = iter_documents([f])
+    assert doc == Document(f.as_posix(), "héllo\n", content_hash("héllo\n"))
+    assert content_hash("a") != content_hash("b")
+    assert len(doc.content_hash) == 64
+    import hashlib
+
+    assert doc.content_hash == hashlib.blake2b("héllo\n".encode(), digest_size=32).hexdigest()
+
+
+def test_line_endings_and_bom_are_normalised(tmp_path):
+    a = write(tmp_path / "crlf.txt", b"\xef\xbb\xbfone\r\ntwo\rthree\n")
+    b = write(tmp_path / "lf.txt", "one\ntwo\nthree\n")
+    (da, db), _ = iter_documents([a, b])
+    assert da.text == db.text == "one\ntwo\nthree\n"
+    assert da.content_hash == db.content_hash
+
+
+def test_binary_non_utf8_empty_are_skipped_with_reasons(tmp_path):
+    write(tmp_path / "img.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    write(tmp_path / "latin1.txt", "caf\xe9".encode("latin-1"))
+    write(tmp_path / "empty.md", "")
+    write(tmp_path / "blank.md", "  \n\n\t")
+    write(tmp_path / "ok.md", "fine")
+    docs, skipped = iter_documents([tmp_path])
+    p = tmp_path.as_posix()
+    assert [d.path for d in docs] == [f"{p}/ok.md"]
+    assert sorted(skipped, key=lambda s: s.path) == [
+        Skipped(f"{p}/blank.md", "empty"),
+        Skipped(f"{p}/empty.md", "empty"),
+        Skipped(f"{p}/img.png", "binary"),
+        Skipped(f"{p}/latin1.txt", "not UTF-8"),
+    ]
+
+
+def test_permission_denied_is_skipped(tmp_path, monkeypatch):
+    secret = write(tmp_path / "secret.md", "top secret")
+    write(tmp_path / "open.md", "open")
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "secret.md":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    docs, skipped = iter_documents([tmp_path])
+    assert [d.text for d in docs] == ["open"]
+    assert skipped == [Skipped(secret.as_posix(), "permission denied")]
+
+
+def test_missing_path_is_a_one_line_usage_error(tmp_path):
+    write(tmp_path / "a.md", "a")
+    with pytest.raises(UsageError) as e:
+        iter_documents([tmp_path / "a.md", tmp_path / "nope.md"])
+    assert str(e.value) == f"no such file or directory: {(tmp_path / 'nope.md').as_posix()}"
+    assert "\n" not in str(e.value)
+
+
+def test_empty_directory_is_a_usage_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write(empty / ".git" / "HEAD", "ref")  # hidden content does not count
+    with pytest.raises(UsageError, match=r"^no documents found under .*empty$"):
+        iter_documents([empty])
+
+
+def test_jsonl_one_document_per_line(tmp_path):
+    lines = [
+        json.dumps({"text": "first", "content": "ignored"}),
+        json.dumps({"content": "second"}),
+        "",
+        json.dumps({"body": "third", "text": None}),
+        json.dumps({"title": "no text here"}),
+        "{not json",
+        json.dumps(["a", "list"]),
+        json.dumps({"text": "   "}),
+        json.dumps({"text": "line\r\nbreaks"}),
+    ]
+    f = write(tmp_path / "data.jsonl", "\n".join(lines) + "\n")
+    docs, skipped = iter_documents([f])
+    p = f.as_posix()
+    assert [(d.path, d.text) for d in docs] == [
+        (f"{p}#L1", "first"),
+        (f"{p}#L2", "second"),
+        (f"{p}#L4", "third"),
+        (f"{p}#L9", "line\nbreaks"),
+    ]
+    assert [(s.path, s.reason) for s in skipped] == [
+        (f"{p}#L5", "no text, content or body field"),
+        (f"{p}#L6", "invalid JSON"),
+        (f"{p}#L7", "not a JSON object"),
+        (f"{p}#L8", "empty"),
+    ]
+    assert docs[0].content_hash == content_hash("first")
+
+
+def test_json_list_single_object_or_plain_text(tmp_path):
+    lst = write(tmp_path / "list.json", json.dumps([{"text": "one"}, {"x": 1}, {"body": "three"}]))
+    obj = write(tmp_path / "obj.json", json.dumps({"content": "single", "id": 7}))
+    other = write(tmp_path / "other.json", json.dumps({"name": "config", "n": 3}))
+    bad = write(tmp_path / "bad.json", "{ this is not json")
+    nums = write(tmp_path / "nums.json", "[1, 2, 3]")
+    docs, skipped = iter_documents([lst, obj, other, bad, nums])
+    assert [(d.path, d.text) for d in docs] == [
+        (f"{lst.as_posix()}#0", "one"),
+        (f"{lst.as_posix()}#2", "three"),
+        (obj.as_posix(), "single"),
+        (other.as_posix(), json.dumps({"name": "config", "n": 3})),
+        (bad.as_posix(), "{ this is not json"),
+        (nums.as_posix(), "[1, 2, 3]"),
+    ]
+    assert skipped == [Skipped(f"{lst.as_posix()}#1", "no text, content or body field")]
+
+
+def test_same_file_twice_is_read_once_and_argument_order_is_kept(tmp_path):
+    a = write(tmp_path / "d" / "a.md", "a")
+    z = write(tmp_path / "z.md", "z")
+    docs, _ = iter_documents([z, tmp_path / "d", a])
+    assert [d.text for d in docs] == ["z", "a"]
+
+
+def test_relative_paths_are_shown_as_given(tmp_path, monkeypatch):
+    write(tmp_path / "kb" / "x.md", "x")
+    monkeypatch.chdir(tmp_path)
+    docs, _ = iter_documents([Path("kb")])
+    assert docs[0].path == "kb/x.md"
+    docs, _ = iter_documents([Path(".")])
+    assert docs[0].path == "kb/x.md"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_fifo_is_skipped_not_read(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    docs, skipped = iter_documents([fifo])
+    assert docs == [] and skipped == [Skipped(fifo.as_posix(), "not a regular file")]
+
+
+def test_fixture_docs_are_all_read():
+    root = DOCS
+    docs, skipped = iter_documents([root])
+    assert len(docs) == 12 and skipped == []
+    assert all(d.path.endswith(".md") for d in docs)
+
+
+# ─────────────────────────────── fixtures ───────────────────────────────
+
+
+
+def _fixture_docs() -> dict[str, tuple[str, str]]:
+    """name -> (title from the '# ' heading, body below it)."""
+    out = {}
+    for f in sorted(DOCS.glob("*.md")):
+        head, body = f.read_text(encoding="utf-8").split("\n", 1)
+        assert head.startswith("# ")
+        out[f.name] = (head[2:].strip(), body.strip())
+    return out
+
+
+def test_fixture_questions_are_two_hop_and_answerable():
+    docs = _fixture_docs()
+    questions = json.loads((FIXTURES / "questions.json").read_text(encoding="utf-8"))
+    assert len(questions) >= 10
+    for q in questions:
+        assert set(q) == {"question", "answers", "docs"}
+        assert q["question"].endswith("?")
+        a, b = q["docs"]
+        assert a != b and a in docs and b in docs
+        assert len(q["answers"][0].split()) <= 5  # short canonical answer (aliases may be longer)
+        # the (first) answer is stated in one of the two documents, never in the question
+        first = q["answers"][0]
+        assert any(first in docs[n][1] for n in q["docs"]), q
+        assert first.lower() not in q["question"].lower()
+    # at least the two-hop pairs differ: no single pair covers most questions
+    pairs = {tuple(q["docs"]) for q in questions}
+    assert len(pairs) >= 8
+
+
+def test_fixture_calibration_matches_questions_and_musique_schema():
+    docs = _fixture_docs()
+    by_title = {title: (name, body) for name, (title, body) in docs.items()}
+    assert len(by_title) == len(docs)  # titles are unique
+    questions = json.loads((FIXTURES / "questions.json").read_text(encoding="utf-8"))
+    records = json.loads(CALIBRATION.read_text(encoding="utf-8"))
+    assert len(records) >= 8 and len(records) == len(questions)
+    positions = set()
+    for rec, q in zip(records, questions):
+        assert set(rec) == {"ctxs", "question", "answers"}
+        assert rec["question"] == q["question"] and rec["answers"] == q["answers"]
+        assert len(rec["ctxs"]) == 6
+        names = []
+        for ctx in rec["ctxs"]:
+            assert set(ctx) == {"title", "text"}
+            name, body = by_title[ctx["title"]]
+            assert ctx["text"] == body
+            names.append(name)
+        assert len(set(names)) == 6
+        assert set(q["docs"]) <= set(names)
+        positions.add(tuple(names.index(n) for n in q["docs"]))
+    assert len(positions) >= 6  # the needed documents move around

@@ -1,0 +1,133 @@
+"""The bench harness without a model: aggregation on hand-made runs, specs, records, tables, the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblend.errors import UsageError
+from kvblend.evaluation.plot import plot_report
+from kvblend.evaluation.records import load_records, parse_modes
+from kvblend.evaluation.report import markdown_results, markdown_variants
+from kvblend.evaluation.specs import FULL, RunRecord, RunSpec, main_specs, variant_specs
+from kvblend.evaluation.summary import summarize
+from kvblend.tuning.quality import calibration_file, load_calibration
+from support import CALIBRATION, one_line_error, run_cli
+
+RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
+               "ttft_median_s", "ttft_p90_s", "recompute_share"}
+
+
+def _run(record: int, spec: RunSpec, answer: str, golds, ttft: float, share: float, kl: float, akl: float):
+    return RunRecord(record, spec, answer, list(golds), ttft, share, kl, akl)
+
+
+def test_summary_means_percentiles_and_agreement_is_against_fulls_answer():
+    blend = RunSpec("blend", 0.15)
+    golds = [["Ingrid Solberg"], ["Bergen", "Bergen, Norway"], ["1962"], ["red"]]
+    full_answers = {0: "Ingrid Solberg", 1: "Oslo", 2: "in 1962", 3: "the red one"}
+    full_runs = [_run(i, FULL, full_answers[i], golds[i], t, 1.0, 0.0, 0.0) for i, t in enumerate([4.0, 2.0, 3.0, 1.0])]
+    blend_runs = [
+        _run(0, blend, "Ingrid Solberg", golds[0], 0.4, 0.20, 0.1, 0.2),  # = full, = gold
+        _run(1, blend, "Oslo", golds[1], 0.1, 0.22, 0.3, 0.4),  # = full, ≠ gold: EM vs full counts it
+        _run(2, blend, "1962", golds[2], 0.3, 0.24, 0.5, 0.6),  # = gold; vs full "in 1962": EM 0, ROUGE-L 2/3
+        _run(3, blend, "blue", golds[3], 0.2, 0.26, 0.7, 0.8),  # wrong everywhere
+    ]
+    rows = summarize(blend_runs + full_runs, full_answers, [FULL, blend])
+    assert [r["mode"] for r in rows] == ["full", "blend"]
+    full, bl = rows
+    assert set(full) == RESULT_KEYS
+    assert full["ratio"] is None and bl["ratio"] == 0.15
+    assert full["em_vs_full"] == 1.0 and full["rouge_l_vs_full"] == 1.0
+    assert full["kl_vs_full"] == 0.0 and full["answer_kl_vs_full"] == 0.0
+    assert full["f1"] == pytest.approx((1.0 + 0.0 + 2 / 3 + 2 / 3) / 4)  # "in 1962" vs "1962": P=1/2, R=1
+    assert full["ttft_median_s"] == pytest.approx(2.5)
+    assert full["ttft_p90_s"] == pytest.approx(3.7)  # sorted 1,2,3,4: position 2.7 → 3 + 0.7
+    assert bl["f1"] == pytest.approx((1.0 + 0.0 + 1.0 + 0.0) / 4)
+    assert bl["em_vs_full"] == pytest.approx(2 / 4)
+    assert bl["rouge_l_vs_full"] == pytest.approx((1.0 + 1.0 + 2 * 1 / (1 + 2) + 0.0) / 4)
+    assert bl["kl_vs_full"] == pytest.approx(0.4)
+    assert bl["answer_kl_vs_full"] == pytest.approx(0.5)
+    assert bl["recompute_share"] == pytest.approx(0.23)
+    assert bl["ttft_median_s"] == pytest.approx(0.25)
+    assert bl["ttft_p90_s"] == pytest.approx(0.37)
+
+
+def test_specs_full_always_first_blend_per_ratio_and_identical_runs_shared():
+    specs = main_specs(("reuse", "blend"), (0.05, 0.3))
+    assert [s.label for s in specs] == ["full", "reuse", "blend@0.05", "blend@0.3"]
+    # non-blend modes ignore blend knobs, so equal runs compare (and are run) once
+    assert RunSpec("reuse", 0.3, deviation="k") == RunSpec("reuse")
+    variants = variant_specs(0.15)
+    assert {g for g, _, _ in variants} == {"deviation", "check_layers", "sink"}
+    unique = set(s for _, _, s in variants)
+    assert RunSpec("blend", 0.15) in unique  # the default deviation, layer 1: the main blend@0.15 run
+    assert len(unique) == len(variants) - 1  # the default deviation and check layer 1 are the same run
+    with pytest.raises(UsageError):
+        RunSpec("blend", 0.15, sink="shared-prefix")  # the archive only holds chunks prefilled alone
+    assert RunSpec("full", source="memory").label == "full [alone, in memory]"
+
+
+def test_plot_has_two_panels_written_as_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        {"mode": "full", "ratio": None, "f1": 0.5, "answer_kl_vs_full": 0.0, "ttft_median_s": 2.0},
+        {"mode": "reuse", "ratio": None, "f1": 0.2, "answer_kl_vs_full": 0.6, "ttft_median_s": 0.3},
+        {"mode": "blend", "ratio": 0.05, "f1": 0.3, "answer_kl_vs_full": 0.3, "ttft_median_s": 0.5},
+        {"mode": "blend", "ratio": 0.15, "f1": 0.45, "answer_kl_vs_full": 0.1, "ttft_median_s": 0.7},
+    ]
+    data = {"model": "m", "machine": "here", "records": 3, "settings": {"answer_kl_tokens": 16}, "results": rows}
+    path = plot_report(data, tmp_path / "q.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_tables_for_benchmarks_md():
+    row = {"f1": 0.5, "em_vs_full": 1.0, "rouge_l_vs_full": 1.0, "kl_vs_full": 0.0, "answer_kl_vs_full": 0.0,
+           "ttft_median_s": 2.0, "ttft_p90_s": 2.5, "recompute_share": 1.0}
+    data = {"model": "m", "records": 2, "settings": {"chunks": 6, "variant_ratio": 0.15},
+            "results": [{"mode": "full", "ratio": None, **row},
+                        {"mode": "blend", "ratio": 0.15, **row, "ttft_median_s": 0.5, "recompute_share": 0.2}],
+            "variants": [{"group": "deviation", "name": "v", "mode": "blend", "kv_source": "archive", **row}]}
+    md = markdown_results(data)
+    assert "| blend | 0.15 |" in md and "4.00×" in md and "20.0%" in md
+    assert "| deviation | v | blend |" in markdown_variants(data)
+
+
+# ───────────────────────────── records ─────────────────────────────
+
+
+def test_load_records_reads_the_bundled_calibration_set_and_limits():
+    records = load_records(CALIBRATION, limit=2)
+    assert len(records) == 2
+    assert len(records[0].passages) == 6 and records[0].answers
+    texts = records[0].passage_texts(3)
+    assert len(texts) == 3 and texts[0].startswith(records[0].passages[0][0] + "\n\n")
+    assert len(records[0].passage_texts()) == 6
+    with pytest.raises(UsageError):
+        load_records(CALIBRATION, limit=0)
+
+
+def test_calibration_set_is_package_data():
+    """Read through importlib.resources (works from a wheel), and the same records as the file in the tree."""
+    assert calibration_file().is_file()
+    assert load_calibration(limit=3) == load_records(CALIBRATION, limit=3)
+    assert parse_modes("full, blend") == ("full", "blend")
+
+
+@pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "mode", "passage"])
+def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
+    args = {
+        "missing": [tmp_path / "nope.json"],
+        "schema": [tmp_path / "wrong.json"],
+        "limit0": [CALIBRATION, "--limit", "0"],
+        "ratio": [CALIBRATION, "--ratios", "0.15,1.5"],
+        "mode": [CALIBRATION, "--modes", "full,turbo"],
+        "passage": [tmp_path / "passage.json"],
+    }[case]
+    (tmp_path / "wrong.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "contexts": []}]))
+    (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
+    line = one_line_error(run_cli("bench", *args))
+    assert line.startswith("kvblend: error:")
+    assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "mode": "turbo",
+            "passage": "ctxs[0]"}[case] in line

@@ -1,0 +1,82 @@
+"""`kvblend tune --r-quality` on synthetic profiles of this machine: no calibration, no model weights loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblend.tuning.keys import normalize_path, tuned_key
+from kvblend.tuning.machine import machine_info
+from kvblend.tuning.tune import TunedSetting
+from support import one_line_error, run_cli
+from tuning_helpers import synthetic_profile
+
+
+def _default_model_identity() -> tuple[str, str]:
+    from kvblend.model.source import resolve_model_source, source_fingerprint
+
+    try:
+        source = resolve_model_source(None)
+    except Exception as exc:  # pragma: no cover - the default model is part of `make install`
+        pytest.skip(f"default model not installed: {exc}")
+    return source.name, source_fingerprint(source)
+
+
+def test_tune_cli_from_stored_profiles(tmp_path):
+    """The ratio, the storage choice and the stored setting, as JSON and as text."""
+    from kvblend.archive import Archive
+
+    name, fp = _default_model_identity()
+    path = tmp_path / "archive"
+    machine = machine_info()
+    common = dict(bytes_per_token_layer=4096, machine=machine, fingerprint=fp, L=3072)
+    here = synthetic_profile("nvme", 0.004, 0.007, path=normalize_path(path), **common)
+    others = [
+        synthetic_profile("hdd", 0.016, 0.007, path="/mnt/hdd", **common),
+        synthetic_profile("ram", 0.0005, 0.007, **common),
+        # not applicable: another machine, another model
+        synthetic_profile("ssd", 0.001, 0.007, **{**common, "machine": machine.__class__("elsewhere", "?")}),
+        synthetic_profile("ssd", 0.001, 0.007, **{**common, "fingerprint": "another-model"}),
+    ]
+    with Archive.open(path, create=True, model_name=name, model_fingerprint=fp) as ar:
+        for i, p in enumerate([here, *others]):
+            ar.put_profile(f"p{i}", p.to_dict())
+    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.15", "--context-tokens", "3072",
+                   "--storage-costs", "ram=5,nvme=0.1,ssd=0.05,hdd=0.02", "--archive-size", "100GB", "--json",
+                   check=True)
+    out = json.loads(proc.stdout)
+    assert out["ratio"] == 0.15 and out["r_quality"] == 0.15
+    assert out["r_hide"] == pytest.approx(0.0857, abs=1e-3)
+    assert out["storage"]["choice"]["label"] == "nvme"  # hdd is cheaper but adds delay; ssd is not from here
+    assert out["storage"]["choice"]["monthly_cost"] == pytest.approx(10.0)
+    assert out["storage"]["unprofiled"] == ["ssd"]
+    assert out["tuned_key"] == tuned_key(name, "cpu", path)
+    with Archive.open(path, create=False) as ar:
+        stored = TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path)))
+    assert stored.ratio == 0.15 and stored.r_hide == out["r_hide"] and stored.quality is None
+    # the human-readable form prints the decision
+    text = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.1", "--context-tokens", "3072",
+                   check=True).stdout
+    assert "ratio = max(r_quality, r_hide) = 0.100" in text
+
+
+def test_tune_without_profile_says_what_to_run(tmp_path):
+    from kvblend.archive import Archive
+
+    name, fp = _default_model_identity()
+    Archive.open(tmp_path / "a", create=True, model_name=name, model_fingerprint=fp).close()
+    line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", "--compute", "cpu", "--r-quality", "0.15"))
+    assert "kvblend profile" in line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--r-quality", "1.5"], "--r-quality"),
+    (["--tolerance", "-1"], "--tolerance"),
+    (["--ratios", "0.1,2"], "--ratios"),
+    (["--storage-costs", "ram"], "--storage-costs"),
+])
+def test_tune_bad_options_fail_before_any_work(tmp_path, args, says):
+    line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", *args))
+    assert says in line
+    assert not (tmp_path / "a").exists()
