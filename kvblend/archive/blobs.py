@@ -102,7 +102,7 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
             os.close(fd)
         os.rename(tmp, final)
     except BaseException as e:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             raise ArchiveError(f"disk full while writing {final}; free space or shrink the archive "
                                "with `kvblend gc --max-size`") from None
@@ -114,7 +114,8 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
     return entries
 
 
-def _unlink_quiet(path: Path) -> None:
+def unlink_quiet(path: Path) -> None:
+    """Delete a file that may already be gone."""
     try:
         os.unlink(path)
     except FileNotFoundError:

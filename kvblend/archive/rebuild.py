@@ -23,9 +23,9 @@ from typing import Any
 
 import lmdb
 
-from kvblend.archive.blobs import BLOB_DIR, scan_blob_dir
+from kvblend.archive.blobs import BLOB_DIR, fsync_dir, scan_blob_dir
 from kvblend.archive.health import INDEX_DIR, has_blobs
-from kvblend.archive.identity import FORMAT_VERSION
+from kvblend.archive.identity import FORMAT_VERSION, check_version
 from kvblend.archive.index import Index
 from kvblend.archive.lock import WriterLock
 from kvblend.archive.manifests import read_manifests
@@ -35,7 +35,7 @@ from kvblend.archive.reserve import spending_reserve
 from kvblend.archive.restore import Restored, restore_blob
 from kvblend.archive.salvage import Salvage, salvage
 from kvblend.archive.stores import EmbeddingStore, dump_json
-from kvblend.errors import ArchiveError, ArchiveVersionError
+from kvblend.errors import ArchiveDamagedError, ArchiveError
 
 LOST_AND_FOUND = "lost+found"
 
@@ -67,7 +67,7 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
     with WriterLock(root / LOCK_FILE).hold(wait), spending_reserve(root):
         old = salvage(root, _hints(root))
         report.problems = old.problems
-        _refuse_newer(old)
+        _refuse_newer(old, root)
         restored = _restore_segments(root, old, report)
         docs = _restore_documents(root, old, restored, report)
         fresh = _build(root, old, restored, docs)
@@ -83,15 +83,12 @@ def _hints(root: Path) -> dict[str, list[bytes]]:
     return {"segments": keys, "embeddings": keys, "documents": docs}
 
 
-def _refuse_newer(old: Salvage) -> None:
-    raw = old.tables["meta"].get(b"format_version")
+def _refuse_newer(old: Salvage, root: Path) -> None:
+    """A newer kvblend's archive is not ours to rebuild; a malformed version is what a rebuild repairs."""
     try:
-        version = int(raw) if raw is not None else 0
-    except ValueError:
-        return
-    if version > FORMAT_VERSION:
-        raise ArchiveVersionError(f"archive format v{version} is newer than this kvblend supports "
-                                  f"(v{FORMAT_VERSION}); upgrade kvblend to rebuild it")
+        check_version(old.tables["meta"].get(b"format_version"), root)
+    except ArchiveDamagedError:
+        pass
 
 
 def _restore_segments(root: Path, old: Salvage, report: RebuildReport) -> dict[str, Restored]:
@@ -198,11 +195,7 @@ def _swap(root: Path, fresh: Path) -> str | None:
             n += 1
         os.rename(current, kept)
     os.rename(fresh, current)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
     return str(kept) if kept else None
 
 

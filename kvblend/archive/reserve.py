@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvblend.archive.blobs import unlink_blob, unlink_quiet
+
 RESERVE_FILE = "reserve"
 RESERVE_BYTES = 4 << 20  # LMDB commits of a gc or rm touch far fewer pages than this
 
@@ -28,16 +30,13 @@ def ensure_reserve(root: Path, size: int = RESERVE_BYTES) -> bool:
     leaves a short reserve that looks complete. Called under the writer lock,
     so any other temp reserve is a crashed writer's: it is removed.
     """
-    for stale in root.glob(f".{RESERVE_FILE}.tmp-*"):
-        _unlink_quiet(stale)
     final = root / RESERVE_FILE
-    try:
-        if final.stat().st_size >= size:
-            return True
-    except OSError:
-        pass
     tmp = root / f".{RESERVE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
+        for stale in root.glob(f".{RESERVE_FILE}.tmp-*"):
+            unlink_quiet(stale)
+        if final.is_file() and final.stat().st_size >= size:
+            return True
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.posix_fallocate(fd, 0, size)  # real blocks, not a sparse hole
@@ -46,26 +45,13 @@ def ensure_reserve(root: Path, size: int = RESERVE_BYTES) -> bool:
         os.rename(tmp, final)
         return True
     except OSError:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         return False
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def release_reserve(root: Path) -> int:
     """Delete the reserve file; the bytes it freed (0 if there was none)."""
-    path = root / RESERVE_FILE
-    try:
-        size = path.stat().st_size
-        os.unlink(path)
-        return size
-    except OSError:
-        return 0
+    return unlink_blob(root, RESERVE_FILE)
 
 
 @contextmanager

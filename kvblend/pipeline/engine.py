@@ -106,6 +106,11 @@ class Engine:
         ingested segments, stored context files and the instruction prefix alike."""
         return segment_key(self.fingerprint, token_ids, self.kv_settings())
 
+    def refresh(self) -> None:
+        """Forget what was cached from the index, so documents another process ingested
+        since are seen: a long-running server calls this before each request."""
+        self._doc_index = None
+
     def document_of(self, key: str) -> str | None:
         """The path of a document holding segment `key` (indexed once per engine)."""
         if self._doc_index is None:

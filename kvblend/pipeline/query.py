@@ -35,6 +35,14 @@ if TYPE_CHECKING:  # the facade calls into this module; the annotation must not 
 Warn = Callable[[str], None]
 
 
+class NotFoundError(UsageError):
+    """A pinned document or segment the archive does not hold (a server answers 404)."""
+
+
+class ContextLengthError(UsageError):
+    """The prompt plus the tokens to generate exceed the model's context (a server answers 400)."""
+
+
 def run_query(
     engine: Engine,
     question: str,
@@ -112,6 +120,9 @@ def _passages(
     records, infos = select_records(engine, question, opts)
     passages = [Segment(list(r.token_ids), cached=True, key=r.key, base_position=r.base_position) for r in records]
     record_by_key = {r.key: r for r in records}
+    if opts.context_texts:  # before any text is stored: a prompt that cannot fit stores nothing
+        texts = [engine.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
+        check_length(engine, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
     for text in opts.context_texts:
         seg, info, rec = context_segment(engine, text, store=opts.store_context)
         passages.append(seg)
@@ -162,7 +173,7 @@ def _find_document(archive: Archive, path: str) -> DocumentRecord:
         if len(matches) == 1:
             doc = matches[0]
     if doc is None:
-        raise UsageError(f"no such document in the archive: {path} (see `kvblend ls`)")
+        raise NotFoundError(f"no such document in the archive: {path} (see `kvblend ls`)")
     return doc
 
 
@@ -173,20 +184,29 @@ def _segment_or_error(archive: Archive, key: str) -> SegmentRecord:
         matches = [r for r in archive.iter_segments() if r.key.startswith(key)]
         rec = matches[0] if len(matches) == 1 else None
     if rec is None:
-        raise UsageError(f"no such segment in the archive: {key}")
+        raise NotFoundError(f"no such segment in the archive: {key}")
     return rec
 
 
 def context_segment(engine: Engine, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
-    """A --context-file text: cached if already archived, stored with --store, else computed."""
+    """A --context-file text: cached if already archived, stored with --store, else computed.
+
+    Storing is skipped (the text is computed in the prompt instead) while another
+    process holds the writer lock past store_texts' wait: an answer never fails for it.
+    """
     ids = engine.runner.tokenize(segment_text_for_kv(text))
     key = engine.key_of(ids)
     rec = engine.archive().get_segment(key)
+    stored = False
     if rec is None and store:
-        rec = engine.store_texts([text])[0]
+        try:
+            rec = engine.store_texts([text])[0]
+            stored = True
+        except ArchiveBusyError:
+            rec = None
     cached = rec is not None
     seg = Segment(ids, cached=cached, key=key, base_position=rec.base_position if rec else 0)
-    return seg, SegmentInfo(key, None, len(ids), cached), rec
+    return seg, SegmentInfo(key, None, len(ids), cached, stored=stored), rec
 
 
 # ── the prompt ──
@@ -197,17 +217,22 @@ def build_prompt(engine: Engine, question: str, passages: list[Segment], record_
     prompt = assemble_prompt(runner, opts.template, question, passages)
     if opts.cache_prefix:
         use_archived_prefix(engine, prompt[0], record_by_key)
-    total = sum(len(s.token_ids) for s in prompt)
-    if runner.max_positions and total + opts.sampling.max_new_tokens > runner.max_positions:
-        raise UsageError(
-            f"prompt is {total} tokens (+{opts.sampling.max_new_tokens} to generate); "
-            f"the model's context is {runner.max_positions}: use fewer segments (--top-k) or a shorter question"
-        )
+    check_length(engine, sum(len(s.token_ids) for s in prompt), opts)
     for seg in prompt:
         if seg.cached and not blob_intact(engine.archive(), record_by_key[seg.key]):
             seg.cached = False
             warn(f"segment {seg.key[:12]}: blob missing or truncated; recomputing it (run `kvblend verify --repair`)")
     return prompt
+
+
+def check_length(engine: Engine, prompt_tokens: int, opts: QueryOptions) -> None:
+    """Refuse a prompt that, with the tokens to generate, would not fit the model's context."""
+    limit = engine.runner.max_positions
+    if limit and prompt_tokens + opts.sampling.max_new_tokens > limit:
+        raise ContextLengthError(
+            f"prompt is {prompt_tokens} tokens (+{opts.sampling.max_new_tokens} to generate); "
+            f"the model's context is {limit}: use fewer segments (--top-k) or a shorter question"
+        )
 
 
 def blob_intact(archive: Archive, rec: SegmentRecord) -> bool:

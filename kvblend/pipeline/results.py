@@ -57,6 +57,7 @@ class SegmentInfo:
     tokens: int
     cached: bool
     score: float | None = None
+    stored: bool = False  # a context text missing from the archive: prefilled alone in this query and stored
 
 
 @dataclass

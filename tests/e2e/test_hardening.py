@@ -14,8 +14,7 @@ import pytest
 # when it collects from it, so an e2e-only run adds it here.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 
-from hardening_helpers import public_dir, readonly_tree, run_as, snapshot  # noqa: E402
-from kvblend.archive import Archive  # noqa: E402
+from hardening_helpers import home_for, public_dir, readonly_tree, run_as, snapshot  # noqa: E402
 from support import DOCS, one_line_error, run_cli  # noqa: E402
 
 QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
@@ -44,7 +43,8 @@ def test_query_on_an_archive_the_user_cannot_write(built):
         shutil.copytree(built, arc)
         with readonly_tree(arc) as user:
             before = snapshot(arc)
-            proc = _query(arc, runner=lambda *a: run_as(user, *a, timeout=600))
+            home = home_for(user, base)
+            proc = _query(arc, runner=lambda *a: run_as(user, *a, timeout=600, home=home))
             assert proc.returncode == 0, proc.stderr
             result = json.loads(proc.stdout)
             assert result["segments"] and all(s["cached"] for s in result["segments"])
@@ -69,16 +69,16 @@ def test_lost_index_rebuilt_then_query_answers_the_same(built, tmp_path):
 
 
 def test_corrupted_index_page_is_one_line_for_query(built, tmp_path):
+    """Every page holding a segment record gets a garbage header: whatever query reads, LMDB says MDB_CORRUPTED."""
     arc = tmp_path / "arc"
     shutil.copytree(built, arc)
     data = arc / "index" / "data.mdb"
     raw = data.read_bytes()
-    with Archive.open(arc, readonly=True) as ar:
-        key = next(iter(ar.iter_segments())).key
-    page = raw.index(f'"key":"{key}"'.encode()) // 4096
+    pages = {at // 4096 for at in range(len(raw)) if raw.startswith(b'"key":"', at)}
     with open(data, "r+b") as f:
-        f.seek(page * 4096)
-        f.write(b"\xff" * 16)
+        for page in pages:
+            f.seek(page * 4096)
+            f.write(b"\xff" * 16)
     line = one_line_error(_query(arc))
     assert "damaged" in line and "--rebuild-index" in line
 

@@ -84,11 +84,24 @@ def readonly_tree(root: Path):
             p.chmod(mode)
 
 
-def run_as(prefix: list[str], *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`kvblend ARGS` as ``prefix`` (another user) runs it; like support.run_cli, which cannot switch users."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/nonexistent"}
+def run_as(prefix: list[str], *args, timeout: float = 120, home: Path | None = None) -> subprocess.CompletedProcess:
+    """`kvblend ARGS` as ``prefix`` (another user) runs it; like support.run_cli, which cannot switch users.
+
+    ``home``: that user's home (its model cache goes there); default none at all.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": str(home or "/nonexistent")}
+    env.pop("XDG_CACHE_HOME", None)
     return subprocess.run([*prefix, *kvblend_script(), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def home_for(prefix: list[str], base: Path) -> Path:
+    """A home directory the user of ``prefix`` owns (for its own caches), under ``base``."""
+    home = base / "home"
+    home.mkdir(exist_ok=True)
+    if prefix:
+        os.chown(home, NOBODY, NOBODY)
+    return home
 
 
 @contextmanager

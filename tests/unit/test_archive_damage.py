@@ -14,7 +14,7 @@ from archive_helpers import TOKENS, flip_byte, layers, same
 from hardening_helpers import DOCS, N_SEGMENTS, build_archive, embedding, snapshot
 from kvblend.archive import Archive, encode_layer, rebuild_index
 from kvblend.archive.blobs import write_blob
-from kvblend.errors import ArchiveDamagedError
+from kvblend.errors import ArchiveDamagedError, ArchiveVersionError
 from support import one_line_error, run_cli
 
 # Every command, as far as it gets without a model: each must stop at the damaged index.
@@ -189,3 +189,22 @@ def test_rebuild_is_idempotent_and_keeps_tokens_for_keys(tmp_path):
     assert again.segments_restored == N_SEGMENTS
     with Archive.open(arc, readonly=True) as ar:
         assert ar.get_segment("seg04").token_ids == list(range(4, 4 + TOKENS))
+
+
+def _put_meta(arc, key: bytes, raw: bytes) -> None:
+    env = lmdb.open(str(arc / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(key, raw, db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+
+def test_rebuild_refuses_a_newer_archive_and_repairs_a_malformed_version(tmp_path):
+    arc = build_archive(tmp_path / "arc")
+    _put_meta(arc, b"format_version", b"7")
+    with pytest.raises(ArchiveVersionError, match="v7 is newer"):
+        rebuild_index(arc)
+    assert not any(p.name.startswith("index.damaged-") for p in arc.iterdir())  # refused untouched
+    _put_meta(arc, b"format_version", b"1.5")
+    assert "not a positive integer" in one_line_error(run_cli("ls", "--archive", arc))
+    assert rebuild_index(arc).segments_from_old_index == N_SEGMENTS
+    assert run_cli("ls", "--archive", arc).returncode == 0

@@ -1,0 +1,13 @@
+"""`kvblend serve`: an OpenAI-compatible chat server over the kvblend pipeline.
+
+    schema.py     request parsing (OpenAI chat schema + the `kvblend` extension) and the error shape
+    chunks.py     messages → (system prompt, client chunks, question); segments as the response reports them
+    responses.py  completion, stream-chunk, models and error bodies
+    worker.py     the bounded queue, the one model thread, cancellation between tokens
+    metrics.py    Prometheus text exposition
+    app.py        the routes (FastAPI), the disconnect watch, SSE streaming
+    server.py     uvicorn: logs on stderr, graceful shutdown
+
+Nothing here is imported by the CLI at start-up: `kvblend serve` imports
+server.py inside the command, so `kvblend --help` never loads FastAPI or torch.
+"""
