@@ -16,6 +16,16 @@ DEVIATIONS = ("k", "v", "kv")
 # HKVD measure. V beat K on every fidelity measure on MuSiQue (first-token KL 0.078 vs 0.085,
 # answer KL 0.054 vs 0.064, ROUGE-L vs full 0.85 vs 0.77 at r=0.15; BENCHMARKS.md, variants).
 DEFAULT_DEVIATION = "v"
+# Token-selection policies at the check layer (kvblend.fusion.policies; all spend the same budget).
+SELECTIONS = ("hkvd", "heads", "question", "question+hkvd", "probe")
+# The probe (the question's attention over the stale cached KV, through every layer) had the best
+# fidelity at <= 22% compute on musique_dev.json (BENCHMARKS.md, "selection policies").
+DEFAULT_SELECT = "probe"
+HEAD_TOKENS = 4  # `heads`: leading tokens of every cached segment forced into the budget
+# ── sink-aware precompute ──
+SINKS = ("none", "template")  # `template`: segments prefilled after the chat template's first tokens
+DEFAULT_SINK = "none"
+SINK_TOKENS = 4
 
 # ── retrieval and prompts ──
 DEFAULT_TOP_K = 6

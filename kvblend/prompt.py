@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblend.defaults import SINK_TOKENS
 from kvblend.errors import UsageError
 from kvblend.model.runner import ModelRunner
 from kvblend.types import Segment
@@ -75,3 +76,10 @@ def assemble_prompt(
     """[instruction prefix] + passages (cached or not) + [question], as token segments."""
     before, after = split_template(runner, template, question)
     return [Segment(runner.tokenize(before), key="prefix"), *passages, Segment(runner.tokenize(after), key="question")]
+
+
+def template_sink(runner: ModelRunner, n: int = SINK_TOKENS) -> list[int]:
+    """A short fixed sink: the first `n` tokens of the chat template (the same for every question
+    and every template's opening turn), for segments prefilled after it (`ingest --sink template`)."""
+    before, _ = split_template(runner, PromptTemplate(), "?")
+    return runner.tokenize(before)[:n]

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvblend.tuning.machine import describe_machine, gpu_name
+from kvblend.machine import describe_machine, gpu_name
 from kvblend.tuning.probes import evict_page_cache as evict_fd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ OUT_DIR = ROOT / "bench-out"
 
 
 def machine() -> str:
-    """One line: the harness's own machine description (kvblend.tuning.machine), plus the GPU if any."""
+    """One line: the harness's own machine description (kvblend.machine), plus the GPU if any."""
     gpu = gpu_name()
     return describe_machine() + (f", GPU {gpu}" if gpu else ", no GPU")
 

@@ -10,11 +10,19 @@ The format is specified in ``FORMAT.md`` next to this file. Typical use::
 Importing this package does not import torch (only encoding and decoding KV do).
 """
 
-from kvblend.archive.codec import CODECS, decode_layer, decode_safetensors, decompress_layer, encode_layer
+from kvblend.archive.codec import (
+    CODECS,
+    check_codec,
+    decode_layer,
+    decode_safetensors,
+    decompress_layer,
+    encode_layer,
+    is_lossless,
+)
 from kvblend.archive.facade import Archive
 from kvblend.archive.identity import FORMAT_VERSION
 from kvblend.archive.records import DocumentRecord, LayerEntry, SegmentRecord
-from kvblend.archive.keys import segment_key
+from kvblend.archive.keys import codec_settings, segment_key
 from kvblend.archive.maintenance import GcReport, VerifyProblem, VerifyReport
 from kvblend.archive.paths import resolve_archive_path
 from kvblend.archive.rebuild import RebuildReport, rebuild_index
@@ -33,10 +41,13 @@ __all__ = [
     "SegmentRecord",
     "VerifyProblem",
     "VerifyReport",
+    "check_codec",
+    "codec_settings",
     "decode_layer",
     "decode_safetensors",
     "decompress_layer",
     "encode_layer",
+    "is_lossless",
     "rebuild_index",
     "resolve_archive_path",
     "segment_key",

@@ -5,7 +5,7 @@ A payload holds one layer of one segment: ``{"k": [kv_heads, n, head_dim],
 can inspect it after ``zstd -d``, and decoding never runs pickle: tensors come
 back through ``safetensors.torch.load`` and the header is parsed as JSON.
 
-Codecs (both lossless, bit-identical round trip):
+Lossless codecs (bit-identical round trip; ``lossless`` names the default one):
 
 * ``zstd`` — the safetensors bytes, zstd-compressed.
 * ``zstd-shuffle`` — each tensor's raw bytes are split into byte planes (for a
@@ -28,8 +28,31 @@ stored bytes / raw bytes, then encode / decode MB/s of raw data on one core):
 Shuffle stores 8-9% fewer bytes in every case and still decodes at
 0.5-1.4 GB/s per core (loader threads decode layers in parallel). Bytes read
 per query are what the archive is for, so ``zstd-shuffle`` is the default.
-(Without the per-plane zstd blocks of :func:`_compress_blocks`, shuffle gained
-nothing on layers under ~128 KiB: 0.920 vs 0.920.)
+(Without the per-plane zstd blocks of :func:`shuffle.compress_blocks`, shuffle
+gained nothing on layers under ~128 KiB: 0.920 vs 0.920.)
+
+Lossy codecs ``int8`` and ``int4`` (quant.py): K per channel over groups of
+tokens, V per token over groups of channels, asymmetric, scales in the KV
+dtype, a zstd block per tensor. Real SmolLM2 KV of 30 MuSiQue passages
+(5 records × 6; raw fp16 23,040 B/token), stored / raw:
+
+    zstd-shuffle 0.848    int8 (64 tok, 64 ch) 0.509    int4 (32, 32) 0.296
+
+Group sizes and where K is quantized were chosen by blend@0.15 first-token KL
+vs full over 10 MuSiQue records (KV quantized in memory; lossless 0.0968):
+
+    int4 K groups 32, V 32       +0.0050   0.296 (one zstd frame: 0.304;
+                                            a block per tensor: 0.296)
+    int4 K 64, V 32              +0.0083   0.280
+    int4 K 64, V 32, pre-RoPE K  +0.0104   (K error 14% lower, KL not)
+    int4 K 128, V 32             +0.0154   0.276
+    int4 K 64, V 64 (5 records)  +0.0250   V's group size matters most
+    int8 K 64, V 64 (5 records)  -0.0006   (noise: int8 is lossless in effect)
+    symmetric int4 K 64, V 64    +0.0038   but 1.6x / 1.3x the K / V error of
+                                            asymmetric (one record's KL swings ±0.04)
+
+So keys stay post-RoPE (as stored today: no un-rotation at ingest, no
+change in the loader), and int4 takes the smallest groups that fit 0.30x.
 
 torch (and ``safetensors.torch``) is imported inside the functions that touch
 tensors, so listing, verifying or collecting an archive never loads it.
@@ -40,18 +63,22 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zstandard
 
+from kvblend.archive import quant
+from kvblend.archive.shuffle import compress_blocks, plane_bounds, shuffle, unshuffle
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import CorruptBlobError, UsageError
 
 if TYPE_CHECKING:
     import torch
 
-CODECS: tuple[str, ...] = ("zstd", "zstd-shuffle")  # DEFAULT_CODEC (kvblend.defaults) is one of them
+LOSSLESS_CODECS: tuple[str, ...] = ("zstd", "zstd-shuffle")  # DEFAULT_CODEC (kvblend.defaults) is one of them
+CODECS: tuple[str, ...] = (*LOSSLESS_CODECS, *quant.SCHEMES)
+#: Other names a user may give: scripts say "lossless" without knowing which lossless codec is the default.
+CODEC_ALIASES: dict[str, str] = {"lossless": DEFAULT_CODEC}
 
 #: dtype names as written in records and payload metadata (each is also the torch attribute name).
 DTYPE_NAMES: tuple[str, ...] = ("float16", "bfloat16", "float32")
@@ -65,10 +92,20 @@ _tls = threading.local()
 
 
 def check_codec(codec: str) -> str:
-    """Fail early, with the choices, on an unknown codec name (it may come from a CLI flag)."""
-    if codec not in CODECS:
-        raise UsageError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")
-    return codec
+    """The codec's canonical name (aliases resolved); fails early, with the choices, on an unknown name.
+
+    Records and payloads only ever hold canonical names, so a reader compares names, never aliases.
+    """
+    name = CODEC_ALIASES.get(codec, codec)
+    if name not in CODECS:
+        choices = ", ".join([*CODECS, *CODEC_ALIASES])
+        raise UsageError(f"unknown codec {codec!r}; choose one of: {choices}")
+    return name
+
+
+def is_lossless(codec: str) -> bool:
+    """Whether decoding gives back the stored KV bit for bit (else the KV itself differs: see keys.py)."""
+    return check_codec(codec) in LOSSLESS_CODECS
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -107,46 +144,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _shuffle(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes regrouped by byte position: all byte 0s, then all byte 1s, ...
-
-    Done with one strided numpy copy per byte plane (2 for fp16/bf16): numpy's
-    strided copies are ~10x faster than a torch transpose of a ``[n, 2]`` uint8
-    tensor, and bf16 goes through a uint8 view because numpy has no bf16.
-    """
-    import torch
-
-    size = t.element_size()
-    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(-1, size)
-    planes = np.empty((size, raw.shape[0]), dtype=np.uint8)
-    for i in range(size):
-        planes[i] = raw[:, i]
-    return torch.from_numpy(planes.reshape(-1))
-
-
-def _unshuffle(planes: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """Inverse of :func:`_shuffle`."""
-    import torch
-
-    size = torch.empty((), dtype=dtype).element_size()
-    if planes.numel() % size:
-        raise CorruptBlobError("shuffled payload length is not a multiple of the element size")
-    src = planes.numpy().reshape(size, -1)
-    if size == 2:  # fp16/bf16: high << 8 | low in one uint16 pass, ~2x the strided byte copies
-        merged = np.left_shift(src[1], 8, dtype=np.uint16)
-        np.bitwise_or(merged, src[0], out=merged)
-        raw = merged.view(np.uint8)
-    else:
-        raw = np.empty((src.shape[1], size), dtype=np.uint8)
-        for i in range(size):
-            raw[:, i] = src[i]
-    out = torch.from_numpy(raw.reshape(-1)).view(dtype)
-    try:
-        return out.reshape(shape)
-    except RuntimeError:
-        raise CorruptBlobError(f"payload holds {out.numel()} values, shape {shape} needs another count") from None
-
-
 def _check_pair(k: torch.Tensor, v: torch.Tensor) -> None:
     if k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"k and v must be [kv_heads, n_tokens, head_dim]; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -162,66 +159,40 @@ def encode_layer(k: torch.Tensor, v: torch.Tensor, codec: str = DEFAULT_CODEC, l
     written into layer 0's metadata so a lost index can be rebuilt from the
     blob alone (FORMAT.md 3.2).
     """
-    check_codec(codec)
+    codec = check_codec(codec)
     _check_pair(k, v)
     if sys.byteorder != "little":  # safetensors is little-endian; we copy raw native bytes
         raise UsageError("kvblend archives are only supported on little-endian machines")
-    dname = dtype_name(k.dtype)
+    dtype_name(k.dtype)  # refuses a dtype records cannot name, whatever the codec
     k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
     info: dict[str, object] = {"payload": PAYLOAD_VERSION, "codec": codec}
     if segment is not None:
         info["segment"] = segment
-    if codec == "zstd":
-        if k.data_ptr() == v.data_ptr():  # safetensors refuses tensors sharing memory
-            v = v.clone()
-        tensors = {"k": k, "v": v}
-    else:
-        tensors = {"k": _shuffle(k), "v": _shuffle(v)}
-        for name, t in (("k", k), ("v", v)):
-            info[f"{name}_dtype"] = dname
-            info[f"{name}_shape"] = ",".join(str(s) for s in t.shape)
+    tensors = _payload_tensors(k, v, codec, info)
     from safetensors.torch import save
 
     # One metadata key holding sorted JSON: safetensors writes metadata keys in
     # hash order, and identical KV should give identical bytes.
     raw = save(tensors, metadata={META_KEY: json.dumps(info, sort_keys=True, separators=(",", ":"))})
+    if codec == "zstd-shuffle":
+        return compress_blocks(_compressor(level), raw, plane_bounds(raw, k.element_size()))
+    if codec in quant.SCHEMES:  # a block per tensor: codes and fp16 scales have unlike byte statistics
+        return compress_blocks(_compressor(level), raw, plane_bounds(raw, 1))
+    return _compressor(level).compress(raw)
+
+
+def _payload_tensors(k: torch.Tensor, v: torch.Tensor, codec: str, info: dict[str, object]) -> dict:
+    """The safetensors tensors of a payload; fills in the metadata the codec needs to decode them."""
     if codec == "zstd":
-        return _compressor(level).compress(raw)
-    return _compress_blocks(raw, _plane_bounds(raw, k.element_size()), level)
-
-
-def _plane_bounds(raw: bytes, planes_per_tensor: int) -> list[int]:
-    """Byte offsets in a shuffled safetensors file where the header and each byte plane start."""
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    bounds = {0, base, len(raw)}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        step = (end - start) // planes_per_tensor
-        bounds.update(base + start + i * step for i in range(planes_per_tensor))
-    return sorted(b for b in bounds if 0 <= b <= len(raw))
-
-
-def _compress_blocks(raw: bytes, bounds: list[int], level: int) -> bytes:
-    """One zstd frame, but a new block at every byte-plane boundary.
-
-    zstd builds one literal Huffman table per block (at most 128 KiB). If a
-    block mixes the low-entropy high-byte plane with the near-random low-byte
-    plane, the table fits neither and shuffling gains nothing: a 128-token
-    layer compressed to 0.920 of raw either way; with block flushes at plane
-    boundaries it is 0.848, whatever the segment size.
-    """
-    cobj = _compressor(level).compressobj(size=len(raw))
-    view = memoryview(raw)
-    parts = []
-    for a, b in zip(bounds, bounds[1:]):
-        parts.append(cobj.compress(view[a:b]))
-        parts.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
-    parts.append(cobj.flush())
-    return b"".join(parts)
+        if k.data_ptr() == v.data_ptr():  # safetensors refuses tensors sharing memory
+            v = v.clone()
+        return {"k": k, "v": v}
+    for name, t in (("k", k), ("v", v)):
+        info[f"{name}_dtype"] = dtype_name(t.dtype)
+        info[f"{name}_shape"] = ",".join(str(s) for s in t.shape)
+    if codec == "zstd-shuffle":
+        return {"k": shuffle(k), "v": shuffle(v)}
+    return quant.payload_tensors(k, v, quant.SCHEMES[codec], info)
 
 
 def _header_metadata(raw: bytes) -> dict[str, str]:
@@ -306,14 +277,23 @@ def split_frames(data: bytes) -> list[tuple[int, int, bytes]]:
     return frames
 
 
-def decode_layer(data: bytes, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a payload written by :func:`encode_layer` back into ``(k, v)`` CPU tensors, bit-identical."""
-    check_codec(codec)
-    return decode_safetensors(decompress_layer(data), codec)
+def decode_layer(data: bytes, codec: str, lazy: bool = False) -> tuple[Any, Any]:
+    """Decode a payload written by :func:`encode_layer` back into ``(k, v)`` CPU tensors.
+
+    Lossless codecs give the stored KV bit for bit; lossy ones its
+    dequantization in the stored dtype, or with ``lazy`` the
+    :class:`~kvblend.archive.quant.Quantized` codes, for a loader to
+    dequantize straight into the layer it builds.
+    """
+    return decode_safetensors(decompress_layer(data), check_codec(codec), lazy)
 
 
-def decode_safetensors(raw: bytes, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Second half of :func:`decode_layer`: safetensors bytes -> ``(k, v)``."""
+def decode_safetensors(raw: bytes, codec: str, lazy: bool = False) -> tuple[Any, Any]:
+    """Second half of :func:`decode_layer`: safetensors bytes -> ``(k, v)``.
+
+    The payload's own header names its codec; a payload of another codec than
+    the record's is corrupt (never decoded as the wrong one).
+    """
     import torch
     from safetensors.torch import load
 
@@ -328,16 +308,28 @@ def decode_safetensors(raw: bytes, codec: str) -> tuple[torch.Tensor, torch.Tens
         raise CorruptBlobError("payload lacks the k or v tensor")
     if codec == "zstd":
         return tensors["k"], tensors["v"]
+    declared = {name: _declared(meta, name) for name in ("k", "v")}
+    if codec in quant.SCHEMES:
+        k, v = (quant.from_payload(tensors, meta, name, *declared[name], quant.SCHEMES[codec]) for name in ("k", "v"))
+        return (k, v) if lazy else (k.dequantize().to(k.dtype), v.dequantize().to(v.dtype))
     out = []
     for name in ("k", "v"):
-        dtype = torch_dtype(meta.get(f"{name}_dtype", ""))
-        if dtype is None:
-            raise CorruptBlobError(f"payload metadata has no valid {name}_dtype")
         t = tensors[name]
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise CorruptBlobError(f"shuffled {name} must be a flat uint8 tensor")
-        out.append(_unshuffle(t, dtype, _parse_shape(meta.get(f"{name}_shape", ""))))
+        out.append(unshuffle(t, *declared[name]))
     return out[0], out[1]
+
+
+def _declared(meta: dict, name: str) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape a payload's metadata declares for tensor ``name`` (shuffled and lossy codecs)."""
+    dtype = torch_dtype(meta.get(f"{name}_dtype", ""))
+    if dtype is None:
+        raise CorruptBlobError(f"payload metadata has no valid {name}_dtype")
+    shape = _parse_shape(str(meta.get(f"{name}_shape", "")))
+    if len(shape) != 3:
+        raise CorruptBlobError(f"payload metadata has no valid {name}_shape")
+    return dtype, shape
 
 
 def measure(shapes: tuple[tuple[int, int, int], ...] = ((8, 512, 64), (3, 128, 64)),

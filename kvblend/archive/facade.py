@@ -209,7 +209,7 @@ class Archive(SideStores):
         the same transaction, so no crash can leave a segment that retrieval
         cannot see.
         """
-        check_codec(codec)
+        codec = check_codec(codec)  # records hold canonical names ("lossless" is an alias)
         with self.ensure_writer():
             model = Model(self.model_name or self._asked.name, self.model_fingerprint or self._asked.fingerprint)
             records = write_segment_blobs(self.path, items, codec, level, self.get_segment, model, embeddings)
@@ -251,9 +251,12 @@ class Archive(SideStores):
                                    rec.key, layer)
         return data
 
-    def decode(self, record: SegmentRecord, layer: int, data: bytes) -> LayerKV:
-        """Decode a payload from :meth:`read_layer_raw` and check it matches the record's shape and dtype."""
-        return decode_checked(record, layer, data)
+    def decode(self, record: SegmentRecord, layer: int, data: bytes, lazy: bool = False) -> LayerKV:
+        """Decode a payload from :meth:`read_layer_raw` and check it matches the record's shape and dtype.
+
+        ``lazy``: a lossy codec's layer comes back still quantized (see :func:`decode_layer`).
+        """
+        return decode_checked(record, layer, data, lazy)
 
     def read_layer(self, key_or_record: str | SegmentRecord, layer: int) -> LayerKV:
         """Layer ``layer`` of a segment as CPU ``(k, v)`` ``[kv_heads, n_tokens, head_dim]``.

@@ -48,6 +48,7 @@ class VerifyReport:
     temp_files: int = 0  # leftovers of interrupted writes (harmless; `gc` deletes them)
     repaired_segments: list[str] = field(default_factory=list)  # dropped from the index
     repaired_documents: list[str] = field(default_factory=list)  # now marked incomplete
+    codecs: dict[str, int] = field(default_factory=dict)  # segments checked per codec (an archive may mix them)
 
     @property
     def ok(self) -> bool:
@@ -104,6 +105,7 @@ def verify(archive: Archive, repair: bool = False, deep: bool = False) -> Verify
         referenced: set[str] = set()
         for rec in archive.iter_segments():
             report.segments_checked += 1
+            report.codecs[rec.codec] = report.codecs.get(rec.codec, 0) + 1
             present.add(rec.key)
             referenced.add(rec.blob)
             problems = _verify_segment(archive, rec, report, deep)
@@ -261,6 +263,7 @@ def stats(archive: Archive) -> dict[str, Any]:
     """Totals for `kvblend stats`: counts, tokens, bytes stored vs raw fp16, compression, hits."""
     n = tokens = stored = raw = hits = 0
     codecs: dict[str, int] = {}
+    per_codec: dict[str, list[int]] = {}  # codec -> [tokens, stored bytes]
     for rec in archive.iter_segments():
         n += 1
         tokens += rec.n_tokens
@@ -268,6 +271,9 @@ def stats(archive: Archive) -> dict[str, Any]:
         raw += rec.raw_bytes
         hits += rec.hits
         codecs[rec.codec] = codecs.get(rec.codec, 0) + 1
+        sums = per_codec.setdefault(rec.codec, [0, 0])
+        sums[0] += rec.n_tokens
+        sums[1] += rec.stored_bytes
     return {
         "path": str(archive.path),
         "format_version": archive.format_version,
@@ -283,6 +289,8 @@ def stats(archive: Archive) -> dict[str, Any]:
         "compression_ratio": raw / stored if stored else 0.0,
         "hits": hits,
         "codecs": codecs,
+        # An archive may mix codecs (FORMAT.md 3.2): what each one costs per token, to compare them.
+        "bytes_per_token_by_codec": {c: (b / t if t else 0.0) for c, (t, b) in sorted(per_codec.items())},
         "index_bytes": index_bytes(archive.path),
     }
 

@@ -107,7 +107,12 @@ class SegmentRecord:
     @property
     def raw_bytes(self) -> int:
         """Size of this segment's KV as fp16 (K and V, every layer): the uncompressed reference."""
-        return 2 * 2 * self.n_layers * self.kv_heads * self.head_dim * self.n_tokens
+        return self.n_layers * self.raw_layer_bytes
+
+    @property
+    def raw_layer_bytes(self) -> int:
+        """One layer's K and V as fp16: what a loader's read of that layer stands for."""
+        return 2 * 2 * self.kv_heads * self.head_dim * self.n_tokens
 
 
 @dataclass

@@ -98,13 +98,17 @@ def describe(record: SegmentRecord, layers: Sequence[LayerKV], codec: str) -> Se
         created=record.created or now, last_access=record.last_access or now, extra=dict(record.extra))
 
 
-def decode_checked(record: SegmentRecord, layer: int, data: bytes) -> LayerKV:
-    """Decode one layer's payload and check it matches the record's shape and dtype."""
+def decode_checked(record: SegmentRecord, layer: int, data: bytes, lazy: bool = False) -> LayerKV:
+    """Decode one layer's payload and check it matches the record's shape and dtype.
+
+    ``lazy``: lossy codecs return :class:`~kvblend.archive.quant.Quantized`
+    codes (same ``shape``/``dtype``) for the loader to dequantize in place.
+    """
     if record.codec not in CODECS:  # written by a newer kvblend: unreadable here, so recompute
         raise CorruptBlobError(f"segment {record.key} uses codec {record.codec!r}, unknown to this kvblend",
                                record.key, layer)
     try:
-        k, v = decode_layer(data, record.codec)
+        k, v = decode_layer(data, record.codec, lazy)
     except CorruptBlobError as e:
         raise CorruptBlobError(f"segment {record.key} layer {layer}: {e}", record.key, layer) from None
     want = (record.kv_heads, record.n_tokens, record.head_dim)

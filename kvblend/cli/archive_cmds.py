@@ -148,6 +148,8 @@ def stats(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None
             v = f"{v:,.3f}"
         elif isinstance(v, int) and "bytes" in k:
             v = f"{human_bytes(v)} ({v:,} B)"
+        elif isinstance(v, dict):  # codecs: segments each, bytes per token each
+            v = ", ".join(f"{name}: {x:,.0f}" if isinstance(x, float) else f"{name}: {x}" for name, x in v.items())
         table.add_row(k, str(v))
     out.print(table)
 
@@ -199,12 +201,13 @@ def verify(
     if as_json:
         problems = [{"segment": p.key, "layer": p.layer, "reason": p.reason} for p in report.problems]
         print_json({"ok": report.ok, "segments_checked": report.segments_checked, "problems": problems,
-                    "repaired": bool(repair and problems)})
+                    "repaired": bool(repair and problems), "codecs": report.codecs})
     else:
         for key, line in bad.items():
             err.print(f"[red]corrupt[/] segment {escape(key)}: {escape(line)}")
         if report.ok:
-            out.print(f"ok: {report.segments_checked} segments verified")
+            codecs = ", ".join(f"{n} {c}" for c, n in sorted(report.codecs.items()))
+            out.print(f"ok: {report.segments_checked} segments verified" + (f" ({codecs})" if codecs else ""))
         elif repair:
             out.print(f"repaired: dropped {len(bad)} segments from the index")
     if bad and not repair:

@@ -31,6 +31,7 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
+from kvblend.defaults import DEFAULT_SELECT, SELECTIONS
 from kvblend.errors import UsageError
 from kvblend.evaluation.records import (
     DEFAULT_BENCH_MAX_NEW_TOKENS,
@@ -40,6 +41,7 @@ from kvblend.evaluation.records import (
     DEFAULT_VARIANT_RATIO,
     check_ratio,
     load_records,
+    parse_codecs,
     parse_modes,
     parse_ratios,
 )
@@ -62,14 +64,18 @@ def _check_writable_target(path: Optional[Path], flag: str, suffix: str) -> None
 def bench(
     dataset: Path = typer.Argument(..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False),
     limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Benchmark the first N records (default: all).", show_default=False),
+    offset: int = typer.Option(0, "--offset", help="Skip the first N records (e.g. held-out records after a dev set)."),
     chunks: int = typer.Option(DEFAULT_CHUNKS, "--chunks", help="Passages per record (the first N, in order) archived as segments."),
     modes: str = typer.Option(",".join(DEFAULT_BENCH_MODES), "--modes", help="Comma-separated modes; full always runs (it is the reference)."),
     ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS), "--ratios", help="Blend recompute ratios, each in (0, 1]."),
+    codecs: str = typer.Option("lossless", "--codecs", help="Archive codecs to compare, e.g. lossless,int8,int4: reuse and blend run once per codec on the same records (full once)."),
     max_tokens: int = typer.Option(DEFAULT_BENCH_MAX_NEW_TOKENS, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
-    variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
+    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's token selection policy for the main table: {' | '.join(SELECTIONS)}."),
+    variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: every selection policy, HKVD deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
+    pareto: bool = typer.Option(False, "--pareto", help="Also sweep every selection policy over ratios 0.05-0.5 (first-token KL and recompute share only, KV in memory); with --plot, the chart is KL vs recompute share."),
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
     answers: bool = typer.Option(False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib).", show_default=False),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share per policy (and the TTFT chart to NAME-ttft.png).", show_default=False),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
     archive: Optional[Path] = typer.Option(None, "--archive", "-a", help="Archive directory for the passages (default: a scratch temp dir, removed after).", show_default=False),
     model: Optional[str] = ModelOpt,
@@ -80,7 +86,12 @@ def bench(
     # Everything a user can get wrong fails here, before the model loads.
     mode_list = parse_modes(modes)
     ratio_list = parse_ratios(ratios) if "blend" in mode_list else ()
+    codec_list = parse_codecs(codecs)
     check_ratio(variant_ratio, "--variant-ratio")
+    if select not in SELECTIONS:
+        raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {select!r}")
+    if offset < 0:
+        raise UsageError(f"--offset must be at least 0, not {offset}")
     if chunks < 1:
         raise UsageError(f"--chunks must be at least 1, not {chunks}")
     if max_tokens < 1:
@@ -91,7 +102,9 @@ def bench(
         from kvblend.evaluation.plot import check_plot_available
 
         check_plot_available()
-    records = load_records(dataset, limit)
+    records = load_records(dataset, None if limit is None else offset + limit)[offset:]
+    if not records:
+        raise UsageError(f"--offset {offset}: the dataset has no records past it")
     if "full" not in mode_list and not as_json:
         err.print("[dim]note: full also runs: it is the reference for agreement and KL[/]")
     command = "kvblend " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -102,11 +115,18 @@ def bench(
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
         with Engine(target, model, compute) as engine:
             kwargs = dict(chunks=chunks, max_new_tokens=max_tokens, variants=variants,
-                          variant_ratio=variant_ratio, command=command)
+                          variant_ratio=variant_ratio, command=command, codecs=codec_list, select=select)
             with _progress(as_json) as on_progress:
                 report = run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
+                sweep = None
+                if pareto:
+                    from kvblend.evaluation.pareto import run_pareto
+
+                    sweep = run_pareto(engine.runner, records, chunks=chunks, on_progress=on_progress)
 
     data = report.to_dict(answers=answers)
+    if sweep is not None:
+        data["pareto"] = sweep
     if scratch:
         data["settings"]["archive"] = "scratch (temporary)"
     if out_file is not None:
@@ -114,7 +134,14 @@ def bench(
     if plot is not None:
         from kvblend.evaluation.plot import plot_report
 
-        plot_report(data, plot)
+        if sweep is None:
+            plot_report(data, plot)
+        else:
+            from kvblend.evaluation.pareto import plot_pareto
+
+            plot_pareto(sweep, plot, f"{data['model']}: selection policies, {data['records']} records", data["machine"])
+            if data["results"]:
+                plot_report(data, plot.with_name(plot.stem + "-ttft" + plot.suffix))
     for w in data.get("warnings", []):
         err.print(f"[yellow]warning:[/] {escape(w)}")
     if as_json:
@@ -163,8 +190,10 @@ def _print_human(data: dict) -> None:
     )
     con.print(f"[dim]{escape(data['command'])}[/]")
     if data["results"]:
+        several = len(s.get("codecs", [])) > 1  # then name each archived run's codec
         rows = [[
-            r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
+            r["mode"] + (f" [{r['codec']}]" if several and r.get("bytes_per_token") is not None else ""),
+            "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
             _f(r["rouge_l_vs_full"]), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
             f"{r['ttft_median_s']:.3f}", f"{r['ttft_p90_s']:.3f}", f"{r['recompute_share']:.1%}",
         ] for r in data["results"]]
@@ -174,10 +203,14 @@ def _print_human(data: dict) -> None:
             caption="EM, ROUGE-L: agreement with full's answer. KL from full in nats: first token, and answer "
                     "(teacher-forced on full's answer). TTFT in s. recomp.: share of full's compute.",
         ))
+    if len(s.get("codecs", [])) > 1:
+        _print_codecs(con, data["results"])
     for rec in data.get("per_record", []):
         con.print(f"[bold]#{rec['record']}[/] {escape(rec['question'])}  [dim]gold: {escape(' | '.join(rec['gold']))}[/]")
         for run in rec["runs"]:
             con.print(f"   {run['run']:<40} {run['answer']!r}", markup=False)
+    if data.get("pareto"):
+        _print_pareto(con, data["pareto"])
     if data.get("variants"):
         rows, last = [], None
         for r in data["variants"]:
@@ -191,6 +224,32 @@ def _print_human(data: dict) -> None:
             f"fusor variants, blend at ratio {s['variant_ratio']:g}",
             ["group", "variant", "mode", "F1", "EM", "KL 1st", "KL ans", "TTFT p50", "recomp."], rows, text_cols=3,
             caption="sink rows run with the KV in memory: their TTFTs compare with each other, not with the rows above.",
+        ))
+
+
+def _print_pareto(con, points: list[dict]) -> None:
+    """The --pareto sweep: first-token KL and recompute share per policy and ratio."""
+    ratios = sorted({p["ratio"] for p in points})
+    by = {(p["select"], p["ratio"]): p for p in points}
+    rows = [[policy] + [f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})" for r in ratios]
+            for policy in dict.fromkeys(p["select"] for p in points)]
+    con.print(_table("selection policies: first-token KL from full (recompute share), KV in memory",
+                     ["policy"] + [f"r={r:g}" for r in ratios], rows))
+
+
+def _print_codecs(con, results: list[dict]) -> None:
+    """The codecs side by side: what each stores per token, how fast it loads, what it costs in fidelity."""
+    rows = [[
+        r["codec"], r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"), _f(r["bytes_per_token"], 0),
+        _f(r["read_MBps"], 0), _f(r["decode_MBps"], 0), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
+        f"{r['ttft_median_s']:.3f}",
+    ] for r in results if r.get("bytes_per_token") is not None]
+    if rows:
+        con.print(_table(
+            "codecs (same records; full computed once)",
+            ["codec", "run", "B/token", "read MB/s", "decode MB/s", "KL 1st", "KL ans", "TTFT p50"], rows, text_cols=2,
+            caption="B/token: stored bytes per token (all layers). read: stored MB/s; decode: KV MB/s (as fp16) "
+                    "built into the prompt's layers (decompress, dequantize, re-position).",
         ))
 
 

@@ -21,7 +21,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import typer
 from typer.exceptions import TyperException
 
-from kvblend.cli import archive_cmds, bench_cmds, query_cmds, tuning_cmds
+from kvblend.cli import archive_cmds, bench_cmds, query_cmds, serve_cmds, tuning_cmds
 from kvblend.errors import KvblendError
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ archive_cmds.register(app)
 query_cmds.register(app)
 bench_cmds.register(app)
 tuning_cmds.register(app)
+serve_cmds.register(app)
 
 
 def usage_line(exc: Exception) -> str:

@@ -28,7 +28,7 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
-from kvblend.archive import CODECS
+from kvblend.archive import check_codec
 from kvblend.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_CHUNK_TOKENS,
@@ -38,7 +38,11 @@ from kvblend.defaults import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODE,
     DEFAULT_RATIO,
+    DEFAULT_SELECT,
+    DEFAULT_SINK,
     DEFAULT_TOP_K,
+    SELECTIONS,
+    SINKS,
 )
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
@@ -54,9 +58,10 @@ def ingest(
     paths: List[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(DEFAULT_LEVEL, "--level", help="zstd compression level (1-22)."),
-    codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: zstd-shuffle (default) or zstd."),
+    codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own."),
     batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
+    sink: str = typer.Option(DEFAULT_SINK, "--sink", help=f"Prefill each segment alone ({SINKS[0]}) or after the chat template's first tokens, their KV dropped ({SINKS[1]}: no segment grows a false attention sink of its own). Segments get keys of their own; archives built either way answer queries."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -65,9 +70,7 @@ def ingest(
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
     from kvblend.pipeline import Engine
 
-    codec = codec or DEFAULT_CODEC
-    if codec not in CODECS:
-        raise UsageError(f"--codec must be one of {', '.join(CODECS)}")
+    codec = check_codec(codec or DEFAULT_CODEC)  # "lossless" → the default lossless codec
     if not 1 <= level <= 22:
         raise UsageError("--level must be between 1 and 22")
     if batch_tokens < 1:
@@ -75,7 +78,9 @@ def ingest(
     for p in paths:
         if not p.exists():
             raise UsageError(f"no such file or directory: {p}")
-    with Engine(archive, model, compute) as engine:
+    if sink not in SINKS:
+        raise UsageError(f"--sink must be one of {', '.join(SINKS)}, not {sink!r}")
+    with Engine(archive, model, compute, sink=sink) as engine:
         if progress_enabled(as_json):
             with Progress(
                 TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("docs"),
@@ -126,6 +131,7 @@ def query(
     ratio: Optional[float] = typer.Option(None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."),
     check_layers: Optional[str] = typer.Option(None, "--check-layers", help="e.g. 1 or 1,2,3 (gradual filtering)."),
     deviation: Optional[str] = typer.Option(None, "--deviation", help=f"HKVD measure: v, k or kv (default: {DEFAULT_DEVIATION}, chosen by `kvblend bench --variants`).", show_default=False),
+    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's token selection at the check layer: {' | '.join(SELECTIONS)} (see README, 'Selection policies'); every policy recomputes the same budget."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Segments to retrieve."),
     doc: List[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
     segment: List[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
@@ -151,8 +157,14 @@ def query(
     sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     sampling.validate()  # a usage error now, not a traceback after the model loaded
     template = PromptTemplate() if system is None else PromptTemplate(system=system)
+    if select not in SELECTIONS:
+        raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {select!r}")
+    if 0 in (parse_check_layers(check_layers) or ()):
+        raise UsageError("--check-layers 0 cannot tell which tokens matter: a token's layer-0 KV does not depend "
+                         "on the other tokens; use 1 or deeper")
     opts = QueryOptions(
         mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
+        select=select,
         top_k=top_k, docs=list(doc), segment_keys=list(segment), context_texts=_read_context_files(context_file),
         store_context=store, template=template, cache_prefix=prefix_cache, sampling=sampling,
     )
@@ -200,7 +212,7 @@ def demo(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ingest the bundled fixture documents and answer a two-document question with blend and full."""
-    from kvblend.pipeline.demo import run_demo
+    from kvblend.evaluation.demo import run_demo
 
     with archive_dir_or_scratch(keep, "kvblend-demo-") as (target, _scratch):
         run = run_demo(target, compute=compute, on_stage=_show_demo_stage)

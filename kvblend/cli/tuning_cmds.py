@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from kvblend.cli.common import ArchiveOpt, ComputeOpt, JsonOpt, ModelOpt, err, human_bytes, out, parse_size, print_json
+from kvblend.defaults import DEFAULT_SELECT, SELECTIONS
 from kvblend.evaluation.records import parse_ratios
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
@@ -100,6 +101,9 @@ def _profile_table(p: Profile) -> Table:
         t.add_row("read warm", _mbps(p.read_warm_MBps))
     t.add_row("decompress", f"{_mbps(p.decompress_MBps)} compressed in, {_mbps(p.decompress_raw_MBps)} raw out "
                             f"({p.codec}, {p.compression_ratio:.2f}x)")
+    for name, c in p.codecs.items():  # every codec on the same KV: what `tune` weighs
+        t.add_row(f"codec {name}", f"{c['stored_fraction']:.3f}× fp16; decode {_mbps(c['decompress_MBps'])} in, "
+                                   f"{_mbps(c['decompress_raw_MBps'])} KV out")
     t.add_row("KV per token-layer", f"{p.kv_bytes_per_token_layer:.0f} B stored, {p.kv_raw_bytes_per_token_layer} B raw fp16")
     t.add_row("layer cost fit", f"cost(L) = {cost.a_s_per_token * 1e6:.3f} µs·L + {cost.b_s_per_token2 * 1e9:.4f} ns·L²")
     t.add_row("cost per token", f"{p.layer_cost_s_per_token * 1e6:.2f} µs per token-layer at L = {p.layer_cost_ref_tokens}")
@@ -159,6 +163,7 @@ def tune(
     kl_bound: float = typer.Option(DEFAULT_KL_BOUND, "--kl-bound", help="Largest mean first-token KL from full accepted, as a fraction of reuse's KL on the same records (reuse = no recompute)."),
     ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_TUNE_RATIOS), "--ratios", help="Ratios to test for the quality floor."),
     r_quality: Optional[float] = typer.Option(None, "--r-quality", help="Skip calibration and use this quality floor.", show_default=False),
+    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's selection policy to calibrate: {' | '.join(SELECTIONS)} (queries use the default unless told)."),
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help=f"Prompt length to tune for (default: top-6 × the archive's mean segment, else {TYPICAL_PROMPT_TOKENS}).", show_default=False),
     storage_costs: str = typer.Option(DEFAULT_STORAGE_COSTS, "--storage-costs", help="$/GB-month per storage label; profiled labels are compared."),
     archive_size: Optional[str] = typer.Option(None, "--archive-size", help="Size to price, e.g. 100GB (default: this archive's size).", show_default=False),
@@ -173,7 +178,7 @@ def tune(
     req = TuneRequest(archive=archive, model=model, compute=compute, calibration=calibration, limit=limit,
                       tolerance=tolerance, kl_bound=kl_bound, ratios=tuple(sorted(parse_ratios(ratios))),
                       r_quality=r_quality, context_tokens=context_tokens, costs=parse_costs(storage_costs),
-                      archive_bytes=parse_size(archive_size) if archive_size else None)
+                      archive_bytes=parse_size(archive_size) if archive_size else None, select=select)
     req.check()  # before the model loads
     result = run_tune(req, log=_logger(as_json, "tune"))
     if as_json:

@@ -5,6 +5,7 @@
 * :mod:`~kvblend.evaluation.harness`: runs every mode on every record, scored against full.
 * :mod:`~kvblend.evaluation.summary`: :class:`BenchReport`, means and percentiles per run.
 * :mod:`~kvblend.evaluation.report` / :mod:`~kvblend.evaluation.plot`: markdown tables, the Pareto plot.
+* :mod:`~kvblend.evaluation.demo`: `kvblend demo` — ingest the bundled documents, blend vs full.
 
 Nothing is imported here: the CLI reads the records module at start-up without torch.
 """

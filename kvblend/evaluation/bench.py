@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Sequence
 
-from kvblend.defaults import DEFAULT_RATIO
+from kvblend.defaults import DEFAULT_CODEC, DEFAULT_RATIO, DEFAULT_SELECT
 from kvblend.errors import UsageError
 from kvblend.evaluation.harness import ProgressFn, RecordRunner, blend_config
 from kvblend.evaluation.records import (
@@ -24,6 +24,7 @@ from kvblend.evaluation.records import (
     DEFAULT_VARIANT_RATIO,
     QARecord,
     check_ratio,
+    parse_codecs,
     parse_modes,
     parse_ratios,
 )
@@ -32,17 +33,19 @@ from kvblend.evaluation.summary import BenchReport, mean, rounded, summarize
 from kvblend.generation import SamplingConfig
 from kvblend.pipeline import QueryOptions
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate
-from kvblend.tuning.machine import describe_machine
+from kvblend.machine import describe_machine
 
 
-def _warm_up(engine, record: QARecord, template: PromptTemplate) -> None:
-    """Untimed: load model and embedder, and run the archive path once on a one-passage prompt."""
+def _warm_up(engine, record: QARecord, template: PromptTemplate, codecs: Sequence[str] = (DEFAULT_CODEC,)) -> None:
+    """Untimed: load model and embedder, and run the archive path once on a one-passage prompt
+    (blend once per codec, so no codec's first run pays for first-use set-up)."""
     engine.warm_up()
-    keys = [s.key for s in engine.store_texts(record.passage_texts(1))]
-    for mode in ("full", "blend"):
-        engine.query(record.question, QueryOptions(mode=mode, ratio=DEFAULT_RATIO if mode == "blend" else None,
-                                                   segment_keys=keys, template=template,
-                                                   sampling=SamplingConfig(max_new_tokens=2)))
+    for i, codec in enumerate(dict.fromkeys([DEFAULT_CODEC, *codecs])):
+        keys = [s.key for s in engine.store_texts(record.passage_texts(1), codec=codec)]
+        for mode in ("full", "blend") if i == 0 else ("blend",):
+            engine.query(record.question, QueryOptions(mode=mode, ratio=DEFAULT_RATIO if mode == "blend" else None,
+                                                       segment_keys=keys, template=template,
+                                                       sampling=SamplingConfig(max_new_tokens=2)))
 
 
 def _check_settings(chunks: int, max_new_tokens: int, answer_kl_tokens: int, variant_ratio: float) -> None:
@@ -72,25 +75,29 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
               max_new_tokens: int = DEFAULT_BENCH_MAX_NEW_TOKENS, answer_kl_tokens: int = ANSWER_KL_TOKENS,
               variants: bool = False, variant_ratio: float = DEFAULT_VARIANT_RATIO, main: bool = True,
               template: PromptTemplate = MUSIQUE_TEMPLATE, command: str = "", on_progress: ProgressFn | None = None,
-              warm_up: bool = True) -> BenchReport:
+              warm_up: bool = True, codecs: Sequence[str] = (DEFAULT_CODEC,),
+              select: str = DEFAULT_SELECT) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
     With `variants`, the fusor-choice comparison runs in the same pass; with
     ``main=False`` only the variants (full still runs: it is the reference).
+    ``codecs``: reuse and blend run once per codec on the same records (each
+    codec's passages archived under their own keys); full runs once.
     """
     if not records:
         raise UsageError("no records to benchmark")
     _check_settings(chunks, max_new_tokens, answer_kl_tokens, variant_ratio)
     modes = parse_modes(modes)
     ratios = parse_ratios(ratios) if "blend" in modes else ()
-    mains = main_specs(modes, ratios) if main else [FULL]
+    codecs = parse_codecs(codecs)
+    mains = main_specs(modes, ratios, codecs, select) if main else [FULL]
     vrows = variant_specs(variant_ratio) if variants else []
     specs = list(dict.fromkeys([*mains, *(s for _, _, s in vrows)]))
     for s in specs:  # fail before any work on a bad check layer
         if s.mode == "blend":
             blend_config(s, engine.runner.n_layers)
     if warm_up:
-        _warm_up(engine, records[0], template)
+        _warm_up(engine, records[0], template, codecs)
 
     rr = RecordRunner(engine.runner, template, max_new_tokens, answer_kl_tokens, chunks, engine=engine)
     total, done = len(records) * len(specs), 0
@@ -118,7 +125,9 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
         "answer_kl_tokens": answer_kl_tokens,
         "modes": list(modes),
         "ratios": list(ratios),
+        "codecs": list(codecs),
         "variant_ratio": variant_ratio if variants else None,
+        "select": select,
         "archive": str(engine.archive_path),
         "compute": engine.runner.device.type,
         "dtype": str(engine.runner.dtype).replace("torch.", ""),

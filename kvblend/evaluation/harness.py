@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from kvblend.archive import SegmentRecord
+from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import UsageError
 from kvblend.evaluation.metrics import kl_divergence, mean_token_kl
 from kvblend.evaluation.records import ANSWER_KL_TOKENS, DEFAULT_BENCH_MAX_NEW_TOKENS, QARecord
@@ -50,7 +52,14 @@ from kvblend.fusion import BlendConfig, FusionResult, fuse
 from kvblend.generation import SamplingConfig, generate
 from kvblend.model.prefill import precompute_kv
 from kvblend.pipeline import QueryOptions
-from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate, assemble_prompt, segment_text_for_kv, split_template
+from kvblend.prompt import (
+    MUSIQUE_TEMPLATE,
+    PromptTemplate,
+    assemble_prompt,
+    segment_text_for_kv,
+    split_template,
+    template_sink,
+)
 from kvblend.types import Segment
 
 ProgressFn = Callable[[int, int, str], None]
@@ -67,7 +76,7 @@ def blend_config(spec: RunSpec, n_layers: int) -> BlendConfig:
     Gradual filtering over one check layer is the single-layer configuration
     (its ratio schedule is just ``(ratio,)``), so one constructor serves both.
     """
-    cfg = BlendConfig.gradual(spec.ratio, spec.check_layers, spec.deviation)
+    cfg = BlendConfig.gradual(spec.ratio, spec.check_layers, spec.deviation, spec.select)
     cfg.validate(n_layers)
     return cfg
 
@@ -94,6 +103,7 @@ class Answer:
     ttft_s: float
     recompute_share: float
     prompt_tokens: int
+    stream: Any = None  # the archive feed's StreamStats, when KV streamed from the archive
 
 
 class RecordRunner:
@@ -112,19 +122,21 @@ class RecordRunner:
         self.warnings: list[str] = []  # the engine's (e.g. a blob recomputed): they change what was measured
 
     # ── set-up ──
-    def store(self, record: QARecord) -> list[str]:
-        """Archive the record's passages; the keys, in passage order."""
+    def store(self, record: QARecord, codec: str = DEFAULT_CODEC) -> list[SegmentRecord]:
+        """Archive the record's passages with `codec` (a lossy codec's segments have keys of their own)."""
         texts = record.passage_texts(self.chunks)
-        stored = self.engine.store_texts(texts)
+        stored = self.engine.store_texts(texts, codec=codec)
         if len(stored) != len(texts) or any(s is None for s in stored):
             raise RuntimeError("store_texts did not return a segment for every passage")
-        return [s.key for s in stored]
+        return stored
 
     def memory_segments(self, record: QARecord, sink: str) -> list[Segment]:
         """The record's passages with KV prefilled under `sink`, like the archive stores it (fp16/bf16, CPU)."""
         ids = [self.runner.tokenize(segment_text_for_kv(t)) for t in record.passage_texts(self.chunks)]
         prefix: list[int] = []
-        if sink == "shared-prefix":
+        if sink == "template":
+            prefix = template_sink(self.runner)  # what `ingest --sink template` prefills after
+        elif sink == "shared-prefix":
             before, _ = split_template(self.runner, self.template, record.question)
             prefix = self.runner.tokenize(before)  # the prompt's instruction prefix: fixed across records
         kvs = precompute_kv(self.runner, ids, sink_prefix=prefix or None)
@@ -135,7 +147,7 @@ class RecordRunner:
     def options(self, spec: RunSpec, keys: list[str]) -> QueryOptions:
         return QueryOptions(mode=spec.mode, ratio=spec.ratio,
                             check_layers=spec.check_layers if spec.mode == "blend" else None,
-                            deviation=spec.deviation, segment_keys=list(keys), template=self.template,
+                            deviation=spec.deviation, select=spec.select, segment_keys=list(keys), template=self.template,
                             sampling=self.sampling)
 
     def answer(self, question: str, spec: RunSpec, keys: list[str], memory: MemoryKV) -> Answer:
@@ -144,7 +156,7 @@ class RecordRunner:
             res = self.engine.query(question, self.options(spec, keys))
             self.warnings.extend(f"{spec.label}: {w}" for w in res.warnings)
             return Answer(res.answer, res.generation.token_ids, res.fusion, res.ttft_s, res.recompute_share,
-                          res.prompt_tokens)
+                          res.prompt_tokens, getattr(res.fusion, "stream", None))
         cfg = blend_config(spec, self.runner.n_layers) if spec.mode == "blend" else None
         t0 = time.perf_counter()
         prompt = assemble_prompt(self.runner, self.template, question, list(memory[spec.sink]))
@@ -176,7 +188,7 @@ class RecordRunner:
                          self.forced_logits(ans.fusion, forced), ans.text)
 
     def _score(self, index: int, record: QARecord, ref: Reference, spec: RunSpec, ans: Answer,
-               steps: torch.Tensor | None = None) -> RunRecord:
+               steps: torch.Tensor | None = None, stored: Sequence[SegmentRecord] = ()) -> RunRecord:
         if list(ans.fusion.token_ids) != ref.ids:
             raise RuntimeError(f"{spec.label} ran on a different prompt than full "
                                f"({ans.prompt_tokens} vs {len(ref.ids)} tokens)")
@@ -185,8 +197,10 @@ class RecordRunner:
             answer_kl = kl
         else:
             answer_kl = mean_token_kl(ref.steps, steps if steps is not None else self.forced_logits(ans.fusion, ref.forced))
+        reads = spec.mode in ("reuse", "blend") and spec.source == "archive"  # the passages' KV came from disk
         return RunRecord(index, spec, ans.text, list(record.answers), ans.ttft_s, ans.recompute_share, kl, answer_kl,
-                         ans.prompt_tokens)
+                         ans.prompt_tokens, sum(r.stored_bytes for r in stored) if reads else 0,
+                         sum(r.n_tokens for r in stored) if reads else 0, ans.stream if reads else None)
 
     def run(self, index: int, record: QARecord, specs: Sequence[RunSpec],
             on_run: Callable[[RunSpec], None] | None = None, reference: Reference | None = None,
@@ -200,7 +214,8 @@ class RecordRunner:
             todo = list(dict.fromkeys([self.reference_spec, *specs]))
         else:
             todo = [s for s in dict.fromkeys(specs) if s != reference.spec]
-        keys = self.store(record) if any(s.source == "archive" for s in todo) else []
+        stored = {c: self.store(record, c) for c in dict.fromkeys(s.codec for s in todo if s.source == "archive")}
+        keys = {c: [r.key for r in recs] for c, recs in stored.items()}
         memory = {} if memory is None else memory
         for s in todo:  # untimed set-up first, so the timed runs of a record follow each other
             if s.source == "memory" and s.sink not in memory:
@@ -210,14 +225,15 @@ class RecordRunner:
         pending: list[tuple[RunSpec, Answer]] = []  # runs finished before the reference: scored once it exists
         out: list[RunRecord] = []
         for spec in order:
-            ans = self.answer(record.question, spec, keys, memory)
+            ans = self.answer(record.question, spec, keys.get(spec.codec, []), memory)
             if reference is None and spec == self.reference_spec:
                 reference = self._reference(spec, ans)
                 out.append(self._score(index, record, reference, spec, ans, steps=reference.steps))
-                out.extend(self._score(index, record, reference, s, a) for s, a in pending)
+                out.extend(self._score(index, record, reference, s, a, stored=stored.get(s.codec, ()))
+                           for s, a in pending)
                 pending.clear()
             elif reference is not None:
-                out.append(self._score(index, record, reference, spec, ans))
+                out.append(self._score(index, record, reference, spec, ans, stored=stored.get(spec.codec, ())))
             else:
                 pending.append((spec, ans))  # keeps its fused KV until the reference has run
             del ans

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvblend.archive.codec import check_codec
 from kvblend.defaults import DEFAULT_RATIO, MODES
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
@@ -104,6 +105,17 @@ def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise UsageError("--modes lists a mode twice")
     return tuple(items)
+
+
+def parse_codecs(text: str | Sequence[str]) -> tuple[str, ...]:
+    """'lossless,int8,int4' → ('zstd-shuffle', 'int8', 'int4'): canonical names, in order, repeats dropped."""
+    items = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
+    if not items:
+        raise UsageError("--codecs needs at least one codec")
+    try:
+        return tuple(dict.fromkeys(check_codec(c) for c in items))
+    except UsageError as e:
+        raise UsageError(f"--codecs: {e}") from None
 
 
 def check_ratio(r: float, flag: str) -> float:

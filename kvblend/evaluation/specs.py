@@ -8,15 +8,25 @@ variants) run once and are reported under each name. No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_DEVIATION, DEVIATIONS, MODES
+from kvblend.archive.codec import check_codec
+from kvblend.defaults import (
+    DEFAULT_CHECK_LAYERS,
+    DEFAULT_CODEC,
+    DEFAULT_DEVIATION,
+    DEFAULT_SELECT,
+    DEVIATIONS,
+    MODES,
+    SELECTIONS,
+)
 from kvblend.errors import UsageError
 from kvblend.evaluation.records import DEFAULT_VARIANT_RATIO
 
-#: How the cached chunks were prefilled: alone (what the archive stores), or after the
-#: prompt's shared instruction prefix (its KV dropped; compared in memory only).
-SINK_POLICIES = ("alone", "shared-prefix")
+#: How the cached chunks were prefilled: alone (what the archive stores by default), after the chat
+#: template's first tokens (`ingest --sink template`), or after the prompt's whole instruction prefix;
+#: the sink's KV dropped. Compared in memory.
+SINK_POLICIES = ("alone", "template", "shared-prefix")
 SOURCES = ("archive", "memory")
 
 
@@ -34,18 +44,26 @@ class RunSpec:
     check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
     sink: str = "alone"
     source: str = "archive"
+    codec: str = DEFAULT_CODEC  # how the passages' KV is archived (canonical name; aliases resolved)
+    select: str = DEFAULT_SELECT  # blend's selection policy
 
     def __post_init__(self) -> None:
+        # full reads no passage KV and prefix only the (lossless) instruction prefix: one run serves every codec
+        lossy_irrelevant = self.mode in ("full", "prefix") or self.source == "memory"
+        object.__setattr__(self, "codec", DEFAULT_CODEC if lossy_irrelevant else check_codec(self.codec))
         if self.mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.mode != "blend":  # the blend knobs do not apply: normalise so equal runs compare equal
             object.__setattr__(self, "ratio", None)
             object.__setattr__(self, "deviation", DEFAULT_DEVIATION)
             object.__setattr__(self, "check_layers", DEFAULT_CHECK_LAYERS)
+            object.__setattr__(self, "select", DEFAULT_SELECT)
         elif self.ratio is None:
             raise UsageError("a blend run needs a ratio")
         if self.deviation not in DEVIATIONS:
             raise UsageError(f"deviation must be one of {', '.join(DEVIATIONS)}")
+        if self.select not in SELECTIONS:
+            raise UsageError(f"selection policy must be one of {', '.join(SELECTIONS)}, not {self.select!r}")
         if self.sink not in SINK_POLICIES:
             raise UsageError(f"sink policy must be one of {', '.join(SINK_POLICIES)}")
         if self.source not in SOURCES:
@@ -58,8 +76,12 @@ class RunSpec:
         text = self.mode if self.ratio is None else f"{self.mode}@{self.ratio:g}"
         if self.mode == "blend" and (self.deviation != DEFAULT_DEVIATION or self.check_layers != DEFAULT_CHECK_LAYERS):
             text += f" dev={self.deviation} L={','.join(map(str, self.check_layers))}"
+        if self.mode == "blend" and self.select != DEFAULT_SELECT:
+            text += f" select={self.select}"
         if self.source == "memory":
             text += f" [{self.sink}, in memory]"
+        if self.codec != DEFAULT_CODEC:
+            text += f" [{self.codec}]"
         return text
 
 
@@ -79,24 +101,32 @@ class RunRecord:
     kl_vs_full: float
     answer_kl_vs_full: float
     prompt_tokens: int = 0
+    stored_bytes: int = 0  # the record's passages as archived with the spec's codec (0: none read)
+    stored_tokens: int = 0
+    stream: Any = None  # the archive feed's StreamStats (bytes read, read / build seconds), if it streamed
 
 
-def main_specs(modes: Sequence[str], ratios: Sequence[float]) -> list[RunSpec]:
-    """The runs of the main table: each mode, blend once per ratio; full always (it is the reference)."""
+def main_specs(modes: Sequence[str], ratios: Sequence[float], codecs: Sequence[str] = (DEFAULT_CODEC,),
+               select: str = DEFAULT_SELECT) -> list[RunSpec]:
+    """The runs of the main table: each mode, blend once per ratio, per codec; full always (it is the
+    reference) and once (as prefix: neither reads the passages' KV)."""
     specs = [FULL]
-    for m in modes:
-        if m == "blend":
-            specs.extend(RunSpec("blend", r) for r in ratios)
-        elif m != "full":
-            specs.append(RunSpec(m))
-    return specs
+    for codec in codecs:
+        for m in modes:
+            if m == "blend":
+                specs.extend(RunSpec("blend", r, codec=codec, select=select) for r in ratios)
+            elif m != "full":
+                specs.append(RunSpec(m, codec=codec))
+    return list(dict.fromkeys(specs))
 
 
 def variant_specs(ratio: float = DEFAULT_VARIANT_RATIO) -> list[tuple[str, str, RunSpec]]:
     """(group, name, spec) for the fusor-choice comparison, all at `ratio`."""
     rows: list[tuple[str, str, RunSpec]] = []
-    for dev in DEVIATIONS:
-        rows.append(("deviation", dev, RunSpec("blend", ratio, deviation=dev)))
+    for policy in SELECTIONS:
+        rows.append(("select", policy, RunSpec("blend", ratio, select=policy)))
+    for dev in DEVIATIONS:  # the measure of the HKVD baseline
+        rows.append(("deviation", f"hkvd {dev}", RunSpec("blend", ratio, deviation=dev, select="hkvd")))
     for layers in ((1,), (2,), (1, 2, 3)):
         name = ",".join(map(str, layers)) + (" (gradual)" if len(layers) > 1 else "")
         rows.append(("check_layers", name, RunSpec("blend", ratio, check_layers=layers)))

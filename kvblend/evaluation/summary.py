@@ -87,6 +87,28 @@ def summarize_spec(runs: Sequence[RunRecord], full_answers: dict[int, str]) -> d
         "ttft_median_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
         "recompute_share": mean([r.recompute_share for r in runs]),
+        "codec": spec.codec,
+        **storage_summary(runs),
+    }
+
+
+def storage_summary(runs: Sequence[RunRecord]) -> dict:
+    """What the spec's archived KV cost: bytes per token as stored, and how fast it streamed.
+
+    ``read_MBps``: stored bytes per second of pread + checksum; ``decode_MBps``:
+    KV (as fp16) per second of building layers from them (decompress,
+    dequantize, widen, re-position); ``load_MBps``: both together. None where
+    the runs read no passage KV (full, prefix).
+    """
+    stored, tokens = sum(r.stored_bytes for r in runs), sum(r.stored_tokens for r in runs)
+    streams = [r.stream for r in runs if r.stream is not None]
+    read_b, raw_b = sum(s.bytes_read for s in streams), sum(s.raw_bytes for s in streams)
+    read_s, build_s = sum(s.read_s for s in streams), sum(s.build_s for s in streams)
+    return {
+        "bytes_per_token": stored / tokens if tokens else None,
+        "read_MBps": read_b / read_s / 1e6 if read_s else None,
+        "decode_MBps": raw_b / build_s / 1e6 if build_s else None,
+        "load_MBps": raw_b / (read_s + build_s) / 1e6 if read_s + build_s else None,
     }
 
 

@@ -62,7 +62,9 @@ class StreamStats:
     wait_s: float = 0.0
     read_s: float = 0.0
     decompress_s: float = 0.0
+    build_s: float = 0.0  # decode + dequantize + widen + re-position: stored bytes → prompt-wide layer
     bytes_read: int = 0
+    raw_bytes: int = 0  # what bytes_read stands for as uncompressed KV in the stored dtype
     layers_loaded: int = 0
     high_water: int = 0
     build: str = "overlap"  # where decompress + re-position ran: "overlap" or "on-demand"
@@ -215,12 +217,13 @@ class ArchiveFeed:
                 raise SegmentUnavailable(seg.key, f"unreadable blob ({exc.strerror or exc})") from exc
             self.stats.read_s += time.perf_counter() - t0
             self.stats.bytes_read += len(raw[i])
+            self.stats.raw_bytes += self.records[seg.key].raw_layer_bytes
         return raw
 
     def _decode(self, seg: Segment, index: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         try:
-            k, v = self.archive.decode(self.records[seg.key], index, raw)
+            k, v = self.archive.decode(self.records[seg.key], index, raw, lazy=True)  # lossy: still codes
         except CorruptBlobError as exc:
             raise SegmentUnavailable(seg.key, str(exc)) from exc
         self.stats.decompress_s += time.perf_counter() - t0
@@ -234,10 +237,14 @@ class ArchiveFeed:
         Ahead of the fusor, segments decode in parallel on the loader pool (zstd releases
         the GIL). On demand, all in this thread: the fusor's torch threads are idle then,
         and a pool measured slower (its threads' torch ops start OpenMP teams of their own).
+        A lossy codec's codes are dequantized by assemble_layer as it writes them into place.
         """
+        t0 = time.perf_counter()
         if self.overlap:
             decoded = dict(zip(raw, self._pool.map(lambda i: self._decode(self.segments[i], index, raw[i]), raw)))
         else:
             decoded = {i: self._decode(self.segments[i], index, data) for i, data in raw.items()}
-        return assemble_layer(self.runner, self.segments, self.offsets, self.total, index,
-                              lambda i, _seg, _layer: decoded.get(i))
+        layer = assemble_layer(self.runner, self.segments, self.offsets, self.total, index,
+                               lambda i, _seg, _layer: decoded.get(i))
+        self.stats.build_s += time.perf_counter() - t0
+        return layer

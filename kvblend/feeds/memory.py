@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvblend.archive.quant import Quantized
 from kvblend.errors import UsageError
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV, Segment
@@ -81,9 +82,28 @@ def assemble_layer(
         k, v = stored
         if k.shape[-2] != n:
             raise UsageError(f"segment {seg.key or i}: cached KV has {k.shape[-2]} tokens, expected {n}")
-        # Cross the bus in the stored (16-bit) dtype; widen while writing into place.
+        # Cross the bus as stored (16-bit, or a lossy codec's codes); widen while writing into place.
         k = k.to(device=device, non_blocking=True)
         v = v.to(device=device, non_blocking=True)
-        runner.reposition(k, offsets[i] - seg.base_position, out=k_out[0, :, rows])
-        v_out[0, :, rows].copy_(v)
+        place_segment(runner, k, v, offsets[i] - seg.base_position, k_out[0, :, rows], v_out[0, :, rows])
     return k_out, v_out
+
+
+def place_segment(runner: ModelRunner, k, v, delta: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+    """Write one segment's stored K (moved `delta` positions) and V into their rows of the layer.
+
+    Quantized KV (kvblend.archive.quant) is dequantized by the same pass that
+    writes it: V straight into place, K into place when it needs no rotation,
+    else into a temporary that the rotation reads (the rotation cannot run in place).
+    """
+    if isinstance(k, Quantized):
+        if delta == 0:
+            k.dequantize(out=k_dst)
+        else:
+            runner.reposition(k.dequantize(), delta, out=k_dst)
+    else:
+        runner.reposition(k, delta, out=k_dst)
+    if isinstance(v, Quantized):
+        v.dequantize(out=v_dst)
+    else:
+        v_dst.copy_(v)

@@ -1,4 +1,4 @@
-"""BlendConfig: where blend checks KV deviation, and how many cached tokens each check keeps."""
+"""BlendConfig: where blend selects tokens, how many cached tokens each check keeps, and by what policy."""
 
 from __future__ import annotations
 
@@ -6,33 +6,54 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_DEVIATION, DEFAULT_RATIO, DEVIATIONS
+from kvblend.defaults import (
+    DEFAULT_CHECK_LAYERS,
+    DEFAULT_DEVIATION,
+    DEFAULT_RATIO,
+    DEFAULT_SELECT,
+    DEVIATIONS,
+    SELECTIONS,
+)
 from kvblend.errors import UsageError
 
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """Check layers and their ratios (fractions of *cached* tokens kept active)."""
+    """Check layers, their ratios (fractions of *approximate cached* tokens kept active), and the
+    selection policy (kvblend.fusion.policies) with its deviation measure."""
 
     check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
     ratios: tuple[float, ...] = (DEFAULT_RATIO,)
     deviation: str = DEFAULT_DEVIATION
+    select: str = DEFAULT_SELECT
 
     @classmethod
     def single(
-        cls, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYERS[0], deviation: str = DEFAULT_DEVIATION
+        cls, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYERS[0], deviation: str = DEFAULT_DEVIATION,
+        select: str = DEFAULT_SELECT,
     ) -> "BlendConfig":
-        return cls((check_layer,), (ratio,), deviation)
+        return cls((check_layer,), (ratio,), deviation, select)
+
+    @property
+    def selects(self) -> bool:
+        """Does any check keep fewer than every cached token? (All ratios 1.0 is exactly `full`.)"""
+        return self.ratios[-1] < 1.0
+
+    @property
+    def probes(self) -> bool:
+        """Does this configuration run the probe pass (kvblend.fusion.probe) before the layer loop?"""
+        return self.select == "probe" and self.selects
 
     @classmethod
-    def gradual(cls, ratio: float, check_layers: Sequence[int], deviation: str = DEFAULT_DEVIATION) -> "BlendConfig":
+    def gradual(cls, ratio: float, check_layers: Sequence[int], deviation: str = DEFAULT_DEVIATION,
+                select: str = DEFAULT_SELECT) -> "BlendConfig":
         """The paper's gradual filtering: ratios shrink toward `ratio` at the last check layer.
 
         r_j = ratio · (1 + 0.5·(n−1−j)/n), e.g. 3 layers at 0.15 → 0.20, 0.175, 0.15.
         """
         n = len(check_layers)
         ratios = tuple(min(1.0, ratio * (1 + 0.5 * (n - 1 - j) / n)) for j in range(n))
-        return cls(tuple(check_layers), ratios, deviation)
+        return cls(tuple(check_layers), ratios, deviation, select)
 
     def validate(self, n_layers: int) -> None:
         """Refuse settings the fusor cannot honour, with the flag's vocabulary in the message."""
@@ -46,9 +67,14 @@ class BlendConfig:
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise UsageError("check layers must be distinct and ascending")
         for layer in self.check_layers:
-            if not 0 <= layer < n_layers:
+            if layer == 0:
+                raise UsageError("check layer 0 cannot tell which tokens matter: a token's layer-0 KV does not "
+                                 "depend on the other tokens (prefilled alone or not, it is the same); use 1 or deeper")
+            if not 0 < layer < n_layers:
                 raise UsageError(f"check layer {layer} is beyond the model's depth (layers 0..{n_layers - 1})")
         if list(self.ratios) != sorted(self.ratios, reverse=True):
             raise UsageError("gradual filtering needs non-increasing ratios across check layers")
         if self.deviation not in DEVIATIONS:
             raise UsageError(f"deviation must be one of {', '.join(DEVIATIONS)}")
+        if self.select not in SELECTIONS:
+            raise UsageError(f"selection policy must be one of {', '.join(SELECTIONS)}, not {self.select!r}")

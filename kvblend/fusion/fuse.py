@@ -10,9 +10,9 @@ because they differ only in which tokens' hidden states flow through each layer
     prefix   all tokens after a cached first segment          cached, as loaded
     reuse    uncached tokens + the last token                 cached, as loaded
     blend    all but the exact prefix up to the check layer;  cached, patched with the
-             there the top-r cached tokens by KV deviation    active tokens' fresh KV
-             (HKVD) stay active, with uncached + last always  (at a check layer: every
-             on top                                           scored token's fresh KV)
+             there the top-r cached tokens by the selection   active tokens' fresh KV
+             policy stay active, with uncached + last always  (at a check layer: every
+             on top (kvblend.fusion.policies)                 scored token's fresh KV)
 
 No mode but `full` recomputes the *exact prefix* (kvblend.fusion.plan says why).
 Active tokens attend over the whole (patched) KV with a causal mask on absolute
@@ -31,11 +31,14 @@ from typing import Protocol, Sequence
 
 import torch
 
+from kvblend.defaults import HEAD_TOKENS
 from kvblend.errors import UsageError
 from kvblend.feeds.memory import InMemoryFeed
 from kvblend.fusion.config import BlendConfig
-from kvblend.fusion.plan import feed_schedule, never_recomputed, plan_prompt
-from kvblend.fusion.selection import select_hkvd
+from kvblend.fusion.plan import Plan, effective_cached, feed_schedule, never_recomputed, plan_prompt
+from kvblend.fusion.policies import Check, head_mask, question_rows, select
+from kvblend.fusion.probe import KeptLayers, probe_pass
+from kvblend.fusion.selection import budget
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV, Segment
 
@@ -46,6 +49,7 @@ class CachedKVFeed(Protocol):
     `layer(i)` returns (K, V) shaped [1, kv_heads, T, hd] in the compute dtype on the
     compute device; rows of uncached tokens are arbitrary (the fusor overwrites them).
     The tensors are the fusor's to keep and patch in place: return a fresh pair per call.
+    The fusor asks for exactly the layers of kvblend.fusion.feed_schedule, in order.
     Implementations may prefetch ahead (see kvblend.feeds.archive) and report how long
     the fusor waited.
     """
@@ -65,7 +69,7 @@ class FusionResult:
     token_ids: list[int]
     mode: str
     active_per_layer: list[int]
-    recomputed_token_layers: int
+    recomputed_token_layers: int  # every token-layer computed, the probe pass's included
     total_token_layers: int
     cached_tokens: int
     exact_prefix_tokens: int = 0  # cached tokens never recomputed: their KV is already exact
@@ -73,6 +77,8 @@ class FusionResult:
     compute_s: float = 0.0
     selected: torch.Tensor | None = None  # positions kept active after the last check layer
     stream: object | None = None  # the archive feed's StreamStats, when the KV was streamed
+    select: str | None = None  # blend's selection policy
+    probe_token_layers: int = 0  # the probe pass's share of recomputed_token_layers
 
     @property
     def recompute_share(self) -> float:
@@ -98,36 +104,43 @@ def fuse(
     device = runner.device
     cached_mask = plan.cached_mask.to(device)
     n_cached = int(cached_mask.sum())
+    if n_cached:
+        runner.check_reusable_rope()
+    schedule = feed_schedule(segments, plan, mode, blend, runner.n_layers)
     if n_cached and feed is None:
-        schedule = feed_schedule(segments, plan, mode, blend, runner.n_layers)
         feed = InMemoryFeed(runner, segments, plan.offsets, schedule)
     mode_effective = mode if n_cached else "full"
     exact = never_recomputed(plan, mode_effective, blend)
 
     start = time.perf_counter()
-    hidden = runner.embed(torch.tensor([plan.token_ids], device=device))  # [1, active, D]
+    ids = torch.tensor([plan.token_ids], device=device)
+    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact)
+    if mode_effective == "blend" and blend.selects:
+        loop.set_selection(blend, plan, _approximate(segments, mode, exact), exact)
+    hidden = runner.embed(ids)
     active = _first_active(mode_effective, cached_mask, exact, T)  # None means every position
     if active is not None:
         hidden = hidden[:, active]
-    checks = dict(zip(blend.check_layers, blend.ratios)) if mode_effective == "blend" else {}
-    kv, active_counts, hidden, active = _run_layers(
-        runner, feed, hidden, active, T, checks, ~cached_mask, n_cached - exact, blend.deviation
-    )
+    if loop.probing:
+        loop.probe(ids)
+    hidden, active = loop.run(hidden, active)
     last_logits = runner.logits(hidden[:, -1:])[0, -1]
     compute_s = time.perf_counter() - start
     return FusionResult(
-        kv=kv,
+        kv=loop.kv,
         last_logits=last_logits,
         token_ids=plan.token_ids,
         mode=mode,
-        active_per_layer=active_counts,
-        recomputed_token_layers=sum(active_counts),
+        active_per_layer=loop.active_counts,
+        recomputed_token_layers=sum(loop.active_counts) + loop.probe_cost,
         total_token_layers=T * runner.n_layers,
         cached_tokens=n_cached,
         exact_prefix_tokens=exact,
         load_wait_s=feed.wait_s if feed is not None else 0.0,
         compute_s=compute_s,
         selected=active.cpu() if active is not None else None,
+        select=blend.select if mode == "blend" else None,
+        probe_token_layers=loop.probe_cost,
     )
 
 
@@ -140,51 +153,88 @@ def _first_active(mode: str, cached_mask: torch.Tensor, exact: int, T: int) -> t
     return None
 
 
-def _run_layers(
-    runner: ModelRunner,
-    feed: CachedKVFeed | None,
-    hidden: torch.Tensor,
-    active: torch.Tensor | None,
-    T: int,
-    checks: dict[int, float],
-    always: torch.Tensor,
-    n_approx: int,
-    deviation: str,
-) -> tuple[list[LayerKV], list[int], torch.Tensor, torch.Tensor | None]:
-    """Every layer: fresh QKV for the active tokens, the rest from the feed, HKVD at check layers.
+def _approximate(segments: Sequence[Segment], mode: str, exact: int) -> list[bool]:
+    """Which segments' cached KV is an approximation in this prompt (all cached but an exact prefix)."""
+    return [c and not (i == 0 and exact) for i, c in enumerate(effective_cached(segments, mode))]
+
+
+class _LayerLoop:
+    """Every layer: fresh QKV for the active tokens, the rest from the feed, selection at check layers.
 
     `always` marks the tokens always recomputed (uncached, incl. the last); `n_approx`
     counts the cached tokens whose KV is approximate (blend's ratio is a share of them).
-    Returns the per-layer KV, the active count per layer, the last hidden states and
-    the final active set.
     """
-    cos_all, sin_all = runner.rope(torch.arange(T, device=runner.device)[None])
-    kv_out: list[LayerKV] = []
-    active_counts: list[int] = []
-    for layer in range(runner.n_layers):
-        active_counts.append(T if active is None else int(active.numel()))
-        cos, sin = (cos_all, sin_all) if active is None else (cos_all[:, active], sin_all[:, active])
-        q, k, v = runner.project_qkv(layer, hidden, cos, sin)
-        computed = active  # positions whose fresh K/V this layer has (None: all)
-        cached_k = cached_v = None
-        if active is not None or layer in checks:
-            cached_k, cached_v = feed.layer(layer)
-        if layer in checks:
-            active, keep_rows = select_hkvd(
-                active, T, k, v, cached_k, cached_v, always, checks[layer], n_approx, deviation
-            )
-            # Only the survivors' queries go on; but every token scored here keeps its fresh
-            # K/V in this layer (already paid for, and closer to full than the cached KV).
-            q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
-            if active.numel() == T:  # ratio 1.0: exactly the full computation from here on
-                active = None
-        if computed is None:
-            layer_k, layer_v = k, v
-        else:
-            layer_k, layer_v = cached_k, cached_v  # the feed hands over fresh tensors: patch in place
-            layer_k[:, :, computed] = k.to(layer_k.dtype)
-            layer_v[:, :, computed] = v.to(layer_v.dtype)
-        attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
-        kv_out.append((layer_k, layer_v))
-        hidden = runner.finish_layer(layer, hidden, attn)
-    return kv_out, active_counts, hidden, active
+
+    def __init__(self, runner: ModelRunner, feed: CachedKVFeed | None, schedule: dict[int, list[bool]], T: int,
+                 always: torch.Tensor, n_approx: int):
+        self.runner, self.feed, self.schedule, self.T = runner, feed, schedule, T
+        self.always, self.n_approx = always, n_approx
+        self.checks: dict[int, float] = {}
+        self.blend: BlendConfig | None = None
+        self.heads = self.candidates = self.probe_scores = None
+        self.probe_cost = 0
+        self.probing = False
+        self.cos_all, self.sin_all = runner.rope(torch.arange(T, device=runner.device)[None])
+        self.kv: list[LayerKV] = []
+        self.active_counts: list[int] = []
+
+    def set_selection(self, blend: BlendConfig, plan: Plan, approximate: list[bool], exact: int) -> None:
+        self.blend, self.checks, self.probing = blend, dict(zip(blend.check_layers, blend.ratios)), blend.probes
+        lengths = [b - a for a, b in zip(plan.offsets, [*plan.offsets[1:], self.T])]
+        device = self.runner.device
+        self.heads = head_mask(plan.offsets, lengths, approximate, self.T, HEAD_TOKENS, device)
+        self.candidates = ~self.always
+        self.candidates[:exact] = False
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """The probe pass (kvblend.fusion.probe); the main loop then reads the layers it kept."""
+        positions = torch.arange(self.T, device=ids.device)
+        rows = positions[self.always]
+        first_scored = positions[question_rows(positions, self.always, self.candidates)][0]
+        score_from = int(torch.searchsorted(rows, first_scored))  # the question: a suffix of the rows
+        self.probe_scores, kept = probe_pass(self.runner, self.feed, ids, rows, score_from, self.candidates,
+                                             self.cos_all, self.sin_all)
+        self.probe_cost = int(rows.numel()) * self.runner.n_layers
+        self.feed = KeptLayers(kept)
+
+    def run(self, hidden: torch.Tensor, active: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All layers; returns the last hidden states and the final active set."""
+        runner, T = self.runner, self.T
+        for layer in range(runner.n_layers):
+            self.active_counts.append(T if active is None else int(active.numel()))
+            cos, sin = (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
+            q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+            computed = active  # positions whose fresh K/V this layer has (None: all)
+            ratio = self.checks.get(layer, 1.0)
+            cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
+            current = active if active is not None else torch.arange(T, device=runner.device)
+            stale = (cached_k[:, :, current], cached_v[:, :, current]) if ratio < 1.0 else None
+            if computed is None:
+                layer_k, layer_v = k, v
+            else:
+                layer_k, layer_v = cached_k, cached_v  # the feed hands over fresh tensors: patch in place
+                layer_k[:, :, computed] = k.to(layer_k.dtype)
+                layer_v[:, :, computed] = v.to(layer_v.dtype)
+            if stale is not None:
+                check = Check(runner, layer, current, self.always[current], q, k, v, *stale, layer_k,
+                              self.heads[current], self.probe_scores, self.blend.deviation)
+                n_keep = budget(ratio, self.n_approx, self.probe_cost,
+                                runner.n_layers - self.blend.check_layers[0] - 1)
+                active, keep_rows = select(self.blend.select, check, n_keep)
+                # Only the survivors' queries go on; but every token scored here keeps its fresh
+                # K/V in this layer (already paid for, and closer to full than the cached KV).
+                q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
+                if active.numel() == T:  # everything kept: exactly the full computation from here on
+                    active = None
+            attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
+            self.kv.append((layer_k, layer_v))
+            hidden = runner.finish_layer(layer, hidden, attn)
+        return hidden, active
+
+    def _read(self, layer: int, needed: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Exactly the schedule's layers are read (a streaming feed hands each once, in order)."""
+        if layer not in self.schedule:
+            if needed:
+                raise RuntimeError(f"the fusor needs cached layer {layer}, which the feed schedule leaves out")
+            return None, None
+        return self.feed.layer(layer)

@@ -83,19 +83,30 @@ def never_recomputed(plan: Plan, mode: str, blend: BlendConfig) -> int:
 def feed_schedule(
     segments: Sequence[Segment], plan: Plan, mode: str, blend: BlendConfig, n_layers: int
 ) -> dict[int, list[bool]]:
-    """The layers whose cached KV the fusor asks a feed for, in order, and which segments' KV
+    """The layers whose cached KV the fusor reads from a feed, in order, and which segments' KV
     each needs (the others' rows are recomputed, so loading them would be wasted).
 
+    The fusor reads exactly these layers, so a streaming feed and the fusor never disagree.
     `blend` needs only the exact prefix before its first check layer (every other token is
-    computed there), then every cached segment; `prefix`/`reuse` need their cached
-    segments at every layer; `full` needs nothing.
+    computed there), then every cached segment while a selection is in effect (after a check
+    that keeps everything, and with no exact prefix, every token is computed: nothing to read);
+    with the probe policy it reads every layer first (kvblend.fusion.probe);
+    `prefix`/`reuse` need their cached segments at every layer; `full` needs nothing.
     """
     use = effective_cached(segments, mode)
     if mode == "full" or not any(use):
         return {}
-    if mode != "blend":
+    if mode != "blend" or blend.probes:
         return {layer: use for layer in range(n_layers)}
-    first_check = blend.check_layers[0]
+    exact = bool(never_recomputed(plan, mode, blend))
     only_exact = [i == 0 for i in range(len(segments))]
-    early = range(first_check) if never_recomputed(plan, mode, blend) else range(0)
-    return {**{layer: only_exact for layer in early}, **{layer: use for layer in range(first_check, n_layers)}}
+    schedule: dict[int, list[bool]] = {}
+    ratio = 1.0  # the ratio in effect: that of the last check layer at or below this layer
+    checks = dict(zip(blend.check_layers, blend.ratios))
+    for layer in range(n_layers):
+        ratio = checks.get(layer, ratio)
+        if layer >= blend.check_layers[0] and ratio < 1.0:
+            schedule[layer] = use
+        elif exact:
+            schedule[layer] = only_exact
+    return schedule

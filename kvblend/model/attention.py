@@ -112,3 +112,26 @@ def sparse_queries(
         for b in blocks
     ]
     return torch.cat(outs, dim=2)
+
+
+def causal_bias(query_positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
+    """[Tq, Tk] fp32 additive mask: 0 where a query at its absolute position may see a key, -inf elsewhere."""
+    delta = query_positions[:, None] - torch.arange(n_keys, device=query_positions.device)[None]
+    hidden = delta < 0
+    if window is not None:
+        hidden |= delta >= window
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention probabilities of a few queries over every key, in fp32, under an additive `bias`
+    (causal_bias). q: [B, heads, Tq, hd]; k: [B, kv_heads, Tk, hd] → [B, heads, Tq, Tk].
+
+    For scoring (which tokens the question reads) and small query sets: it materialises
+    the whole matrix.
+    """
+    b, heads, tq, hd = q.shape
+    kv_heads = k.shape[1]
+    grouped = (q.float() * scale).reshape(b, kv_heads, heads // kv_heads * tq, hd)  # GQA: query heads stacked
+    scores = torch.matmul(grouped, k.float().transpose(-1, -2)).view(b, heads, tq, -1)
+    return torch.softmax(scores.add_(bias), dim=-1)

@@ -89,10 +89,39 @@ def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
 
 
 def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
-    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not ~20 s."""
-    target = model_cache_dir() / f"{source.name}-{fingerprint}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not ~20 s.
+
+    The copy goes to the model cache; a user whose cache cannot be written (no home, a
+    read-only home) gets it under the system temp directory instead of an error.
+    """
+    name = f"{source.name}-{fingerprint}"
+    for base in _cache_candidates():
+        target = base / name
+        if (target / "config.json").is_file() and (target / "model.safetensors").is_file() \
+                and _own_or_configured(base):
+            return target
+    for base in _cache_candidates():
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(base, os.W_OK | os.X_OK) and _own_or_configured(base):
+            return _convert_gguf(source, base / name)
+    raise ModelNotFoundError(f"no writable directory for the converted model (tried {model_cache_dir()})")
+
+
+def _cache_candidates() -> list[Path]:
+    """The model cache, then a per-user directory under the system temp directory."""
+    return [model_cache_dir(), Path(tempfile.gettempdir()) / f"kvblend-models-{os.getuid()}"]
+
+
+def _own_or_configured(base: Path) -> bool:
+    """The temp fallback must be ours: a directory another user made there could hold anything."""
+    return base == model_cache_dir() or base.stat().st_uid == os.getuid()
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> Path:
+    """De-quantise the GGUF into an HF checkpoint at `target` (staged, then renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvblend.errors import UsageError
-from kvblend.model.attention import QueryBlockPlanner, dense_causal, dense_suffix, is_short_suffix, sparse_queries
+from kvblend.model.attention import (
+    QueryBlockPlanner,
+    attention_probs,
+    causal_bias,
+    dense_causal,
+    dense_suffix,
+    is_short_suffix,
+    sparse_queries,
+)
 from kvblend.model.rope import Rotations, apply_rope, rotate_k
 from kvblend.model.source import check_architecture
 from kvblend.types import LayerKV
@@ -56,8 +64,12 @@ class ModelRunner:
         self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
         # The fusor reuses one query set for many layers: its sparse-attention masks are memoised.
         self._blocks = QueryBlockPlanner(self.dtype)
+        self._bias_memo: dict = {}
         scaling = float(getattr(self.decoder.rotary_emb, "attention_scaling", 1.0) or 1.0)
-        self._rotations = Rotations(self.rope, scaling)
+        # Re-rotation tables come from fp32 cos/sin: taken in a 16-bit compute dtype they would be
+        # rounded before the fp32 rotation (bf16 keeps 8 bits: errors of 1e-2 on K).
+        self._rotations = Rotations(lambda positions: self.rope(positions, torch.float32), scaling)
+        self.rope_type = _rope_type(self.decoder.rotary_emb)
 
     def _sliding_window(self, layer: int) -> int | None:
         attn = self.layers[layer].self_attn
@@ -95,10 +107,24 @@ class ModelRunner:
         """[B, T] ids → [B, T, D] hidden states."""
         return self.decoder.embed_tokens(token_ids)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for [B, T] absolute positions from the model's own rotary embedding."""
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for [B, T] absolute positions from the model's own rotary embedding (in `dtype`,
+        default the compute dtype: the embedding computes in fp32 and casts to its input's dtype)."""
+        probe = torch.empty(0, device=self.device, dtype=dtype or self.dtype)
         return self.decoder.rotary_emb(probe, positions)
+
+    def check_reusable_rope(self) -> None:
+        """Refuse RoPE whose frequencies depend on the sequence length (dynamic NTK, longrope).
+
+        A segment prefilled alone is short; in the prompt it is part of a long sequence, where
+        such RoPE uses other frequencies: no rotation by Δ turns one into the other, so reused
+        K would be silently wrong. Only `full` (which reuses nothing) can run such models.
+        """
+        if any("dynamic" in t or t == "longrope" for t in self.rope_type):
+            raise UsageError(
+                f"{self.name}: its RoPE ({', '.join(sorted(set(self.rope_type)))}) changes frequencies with the "
+                "sequence length, so KV prefilled alone cannot be re-positioned exactly; use --mode full"
+            )
 
     def project_qkv(
         self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -144,6 +170,19 @@ class ModelRunner:
                 query_positions = torch.arange(n_keys, device=q.device)
             out = sparse_queries(q, k, v, self._blocks.plan(query_positions, n_keys, window), scale)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def attention_weights(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                          query_positions: torch.Tensor) -> torch.Tensor:
+        """The probabilities `attend` would use: [B, heads, Tq, Tk] in fp32 (few queries only)."""
+        scale = getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
+        window = self._windows[layer]
+        memo = self._bias_memo  # the probe asks with one query set for every layer: masks built once
+        if memo.get("positions") is not query_positions or memo.get("keys") != k.shape[2]:
+            memo.clear()
+            memo.update(positions=query_positions, keys=k.shape[2])
+        if window not in memo:
+            memo[window] = causal_bias(query_positions, k.shape[2], window)
+        return attention_probs(q, k, memo[window], scale)
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual."""
@@ -195,3 +234,9 @@ class ModelRunner:
                 out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
             hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
         return out
+
+
+def _rope_type(rotary_emb: torch.nn.Module) -> tuple[str, ...]:
+    """The rotary embedding's rope type(s) (per layer type in models that mix them)."""
+    kind = getattr(rotary_emb, "rope_type", "default") or "default"
+    return tuple(kind.values()) if isinstance(kind, dict) else (str(kind),)

@@ -4,7 +4,6 @@
     ingest.py   documents → segments → prefilled alone → archived KV + embeddings
     query.py    question → retrieve → assemble → stream + fuse → generate
     results.py  QueryOptions, QueryResult, IngestReport, SegmentInfo
-    demo.py     the `kvblend demo` run (ingest the bundled docs, blend vs full)
 """
 
 from kvblend.pipeline.engine import Engine

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from kvblend.archive import Archive, SegmentRecord, resolve_archive_path, segment_key
+from kvblend.archive import Archive, SegmentRecord, codec_settings, resolve_archive_path, segment_key
 from kvblend.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_CHECK_LAYERS,
@@ -20,7 +20,11 @@ from kvblend.defaults import (
     DEFAULT_CODEC,
     DEFAULT_LEVEL,
     DEFAULT_RATIO,
+    DEFAULT_SINK,
+    SINK_TOKENS,
+    SINKS,
 )
+from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig
 from kvblend.model.loading import load_model
 from kvblend.model.prefill import storage_dtype
@@ -29,8 +33,9 @@ from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.pipeline import ingest as ingest_workflow
 from kvblend.pipeline import query as query_workflow
 from kvblend.pipeline.results import IngestReport, QueryOptions, QueryResult
+from kvblend.prompt import template_sink
 from kvblend.retrieval import get_embedder
-from kvblend.tuning.keys import tuned_key
+from kvblend.archive.names import tuned_key
 
 
 class Engine:
@@ -43,7 +48,12 @@ class Engine:
         compute: str | None = None,
         dtype: str | None = None,
         runner: ModelRunner | None = None,
+        sink: str = DEFAULT_SINK,
     ):
+        if sink not in SINKS:
+            raise UsageError(f"--sink must be one of {', '.join(SINKS)}, not {sink!r}")
+        self.sink = sink  # how new segments are prefilled (ingest, --store); reading honours each record's own
+        self._sink_ids: list[int] | None = None
         self.archive_path = resolve_archive_path(str(archive) if archive else None)
         self.model_spec = model
         self.compute = compute
@@ -97,14 +107,34 @@ class Engine:
         get_embedder()
 
     # ── keys ──
-    def kv_settings(self) -> dict:
-        """Everything besides model and tokens that changes the stored KV."""
-        return {"sink": "alone", "dtype": str(storage_dtype(self.runner)).replace("torch.", "")}
+    def kv_settings(self, codec: str = DEFAULT_CODEC) -> dict:
+        """Everything besides model and tokens that changes the KV a query reads back
+        (a lossy codec does; see kvblend.archive.keys.codec_settings)."""
+        dtype = str(storage_dtype(self.runner)).replace("torch.", "")
+        return {"sink": self.sink_setting(), "dtype": dtype, **codec_settings(codec)}
 
-    def key_of(self, token_ids: Sequence[int]) -> str:
+    def sink_ids(self) -> list[int]:
+        """The tokens new segments are prefilled after (their KV dropped): none, or with
+        `template` the chat template's first SINK_TOKENS tokens, the same in every prompt.
+
+        A chunk prefilled alone makes its own first token an attention sink, which it is
+        not in the prompt; a short fixed sink takes that role instead (APE, CacheFocus).
+        """
+        if self.sink == "none":
+            return []
+        if self._sink_ids is None:
+            self._sink_ids = template_sink(self.runner, SINK_TOKENS)
+        return self._sink_ids
+
+    def sink_setting(self) -> str:
+        """The sink's part of a segment key: "alone" (keys of archives made before sinks existed), or the sink's tokens."""
+        ids = self.sink_ids()
+        return "alone" if not ids else "tokens:" + ",".join(map(str, ids))
+
+    def key_of(self, token_ids: Sequence[int], codec: str = DEFAULT_CODEC) -> str:
         """The archive key of these tokens' KV under this model and settings: one scheme for
         ingested segments, stored context files and the instruction prefix alike."""
-        return segment_key(self.fingerprint, token_ids, self.kv_settings())
+        return segment_key(self.fingerprint, token_ids, self.kv_settings(codec))
 
     def refresh(self) -> None:
         """Forget what was cached from the index, so documents another process ingested
@@ -152,9 +182,9 @@ class Engine:
         ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio() or DEFAULT_RATIO
         layers = tuple(opts.check_layers or DEFAULT_CHECK_LAYERS)
         if len(layers) == 1:
-            cfg = BlendConfig.single(ratio, layers[0], opts.deviation)
+            cfg = BlendConfig.single(ratio, layers[0], opts.deviation, opts.select)
         else:
-            cfg = BlendConfig.gradual(ratio, layers, opts.deviation)
+            cfg = BlendConfig.gradual(ratio, layers, opts.deviation, opts.select)
         cfg.validate(self.runner.n_layers)
         return cfg, ratio
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from kvblend.archive import Archive, DocumentRecord, SegmentRecord, check_codec, codec_settings
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.documents import iter_documents
 from kvblend.errors import UsageError
@@ -110,6 +110,7 @@ def ingest_paths(
     """Segment, prefill and archive documents; unchanged segments are not recomputed."""
     if chunk_tokens < MIN_CHUNK_TOKENS:
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
+    codec = check_codec(codec)
     started, load_before = time.perf_counter(), engine.model_load_s
     docs, skipped = iter_documents([Path(p) for p in paths])
     if not docs:
@@ -122,12 +123,14 @@ def ingest_paths(
         for doc in docs:
             report.documents += 1
             previous = archive.get_document(doc.path)
-            if previous is not None and previous.content_hash == doc.content_hash and not previous.incomplete:
+            if (previous is not None and previous.content_hash == doc.content_hash and not previous.incomplete
+                    and stored_as(archive, previous, codec, engine.sink_setting())):
                 report.documents_unchanged += 1
                 report.segments_reused += len(previous.segment_keys)
                 report.tokens_total += previous.n_tokens
             else:
-                pending.documents.append(_segment_document(engine, archive, doc, chunk_tokens, pending, behind, report))
+                pending.documents.append(_segment_document(engine, archive, doc, chunk_tokens, codec, pending, behind,
+                                                           report))
                 if pending.tokens() >= batch_tokens:
                     _flush(engine, archive, pending, codec, level, batch_tokens, report, behind)
             _progress(on_progress, report, doc.path, len(docs))
@@ -137,14 +140,28 @@ def ingest_paths(
     return report
 
 
-def _segment_document(engine: Engine, archive: Archive, doc, chunk_tokens: int, pending: _Pending,
+def stored_as(archive: Archive, doc: DocumentRecord, codec: str, sink: str = "alone") -> bool:
+    """Whether the document's segments hold the KV `codec` gives back (one lossless one is as good as
+    another); re-ingesting with a lossy codec, or back, re-does the document under the new keys."""
+    want = codec_settings(codec)
+    for key in doc.segment_keys:
+        rec = archive.get_segment(key)
+        try:
+            if rec is None or codec_settings(rec.codec) != want or rec.extra.get("sink", "alone") != sink:
+                return False
+        except UsageError:  # a codec of a newer kvblend
+            return False
+    return True
+
+
+def _segment_document(engine: Engine, archive: Archive, doc, chunk_tokens: int, codec: str, pending: _Pending,
                       behind: StoreBehind, report: IngestReport) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
     runner = engine.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
     keys, n_tokens = [], 0
     for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
         ids = runner.tokenize(segment_text_for_kv(text))
-        key = engine.key_of(ids)
+        key = engine.key_of(ids, codec)
         keys.append(key)
         n_tokens += len(ids)
         if key in pending.keys or key in behind.keys or (archive.has_segment(key) and archive.has_embedding(key)):
@@ -174,9 +191,12 @@ def _flush(engine: Engine, archive: Archive, pending: _Pending, codec: str, leve
     if segments:
         runner, settings = engine.runner, engine.kv_settings()
         t0 = time.perf_counter()
-        kvs = precompute_kv(runner, [ids for _, _, ids in segments], batch_tokens=batch_tokens)
+        sink = engine.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
+        kvs = precompute_kv(runner, [ids for _, _, ids in segments], sink_prefix=sink or None,
+                            batch_tokens=batch_tokens)
         report.prefill_seconds += time.perf_counter() - t0
-        items = [(new_record(runner, key, text, ids, settings), kv) for (key, text, ids), kv in zip(segments, kvs)]
+        items = [(new_record(runner, key, text, ids, settings, len(sink)), kv)
+                 for (key, text, ids), kv in zip(segments, kvs)]
         embeddings = get_embedder().embed([text for _, text, _ in segments])
     store = functools.partial(_store, archive, items, embeddings, docs, codec, level, report)
     if behind is None:
@@ -200,8 +220,10 @@ def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], e
         archive.replace_document(doc)
 
 
-def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict) -> SegmentRecord:
-    """The index record of a segment prefilled alone at position 0 under `settings` (Engine.kv_settings)."""
+def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict,
+               base_position: int = 0) -> SegmentRecord:
+    """The index record of a segment prefilled at `base_position` (after a sink of that many tokens,
+    or alone at 0) under `settings` (Engine.kv_settings)."""
     return SegmentRecord(
         key=key,
         n_tokens=len(ids),
@@ -212,7 +234,7 @@ def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], setting
         n_layers=runner.n_layers,
         kv_heads=runner.n_kv_heads,
         head_dim=runner.head_dim,
-        base_position=0,
+        base_position=base_position,
         extra={"sink": settings["sink"]},
     )
 
@@ -226,10 +248,11 @@ def store_texts(engine: Engine, texts: Sequence[str], codec: str = DEFAULT_CODEC
                 level: int = DEFAULT_LEVEL) -> list[SegmentRecord]:
     """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
     archive = engine.archive(create=True)
+    codec = check_codec(codec)
     items = []
     for text in texts:
         ids = engine.runner.tokenize(segment_text_for_kv(text))
-        items.append((engine.key_of(ids), text, ids))
+        items.append((engine.key_of(ids, codec), text, ids))
     todo = _Pending()
     for key, text, ids in {key: (key, text, ids) for key, text, ids in items}.values():  # one per key
         if not archive.has_segment(key):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvblend.defaults import DEFAULT_DEVIATION, DEFAULT_MODE, DEFAULT_PREFETCH_DEPTH, DEFAULT_TOP_K
+from kvblend.defaults import DEFAULT_DEVIATION, DEFAULT_MODE, DEFAULT_PREFETCH_DEPTH, DEFAULT_SELECT, DEFAULT_TOP_K
 from kvblend.fusion import FusionResult
 from kvblend.generation import Generation, SamplingConfig
 from kvblend.prompt import PromptTemplate
@@ -106,6 +106,7 @@ class QueryOptions:
     ratio: float | None = None  # None: tuned ratio if any, else DEFAULT_RATIO
     check_layers: tuple[int, ...] | None = None
     deviation: str = DEFAULT_DEVIATION
+    select: str = DEFAULT_SELECT  # blend's selection policy (kvblend.fusion.policies)
     top_k: int = DEFAULT_TOP_K
     docs: list[str] = field(default_factory=list)
     segment_keys: list[str] = field(default_factory=list)

@@ -3,9 +3,10 @@
 The model and the archive are opened before uvicorn starts, so a bad --model
 or --archive is one error line and an exit, not a server that never becomes
 healthy; /health answers only once the model is loaded. uvicorn handles
-SIGTERM and Ctrl-C: it stops accepting, lets requests in flight finish (up to
-GRACE_S, then cancels them at their next token), and only then does the
-worker's model thread finish and the archive close, so no write is cut short.
+SIGTERM and Ctrl-C: it stops accepting, waiting requests get a 503, the one
+in flight may finish within GRACE_S (then it stops at its next token and its
+stream ends with an error event), and only then does the worker's model thread
+finish and the archive close, so no write is cut short.
 """
 
 from __future__ import annotations
@@ -25,8 +26,22 @@ from kvblend.serve.app import create_app
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.worker import ModelWorker
 
-GRACE_S = 10  # seconds requests in flight get to finish after SIGTERM / Ctrl-C
+GRACE_S = 10  # seconds the request in flight gets to finish after SIGTERM / Ctrl-C
 log = logging.getLogger("kvblend.serve")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, telling the worker as soon as shutdown begins: waiting requests are
+    refused and the running one is cut after GRACE_S with an error event, so every stream
+    ends well-formed before uvicorn's own (later) deadline would drop the connection."""
+
+    def __init__(self, config: uvicorn.Config, worker: ModelWorker):
+        super().__init__(config)
+        self.worker = worker
+
+    async def shutdown(self, sockets=None) -> None:
+        self.worker.begin_shutdown(GRACE_S)
+        await super().shutdown(sockets)
 
 
 def log_config() -> dict:
@@ -60,9 +75,10 @@ def run_server(host: str, port: int, archive: Path | None, model: str | None, co
         engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
         log.info("model loaded in %.1fs on %s", engine.model_load_s, engine.runner.device)
-        app = create_app(ModelWorker(engine, max_queue), Metrics(), engine.model_name, engine.archive_path)
+        worker = ModelWorker(engine, max_queue)
+        app = create_app(worker, Metrics(), engine.model_name, engine.archive_path)
         config = uvicorn.Config(app, host=host, port=port, log_config=log_config(), lifespan="on",
-                                timeout_graceful_shutdown=GRACE_S)
-        uvicorn.Server(config).run()
+                                timeout_graceful_shutdown=2 * GRACE_S)
+        Server(config, worker).run()
     finally:
         engine.close()

@@ -7,7 +7,9 @@ asyncio queue; when `max_queue` already wait, a new one is refused at once
 (429) rather than left to time out. A request's progress (tokens, then the
 result or an error) comes back as events on its own asyncio queue. A client
 that goes away sets its job's `cancelled` flag: a job still queued is skipped,
-a running one stops at its next token (the token callback raises).
+a running one stops at its next token (the token callback raises). Shutdown
+refuses what waits (503) and gives the running request a grace period, after
+which it is cut the same way and its client gets an error event, not a torn stream.
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ class Job:
         self.cancelled = threading.Event()
         self.enqueued = time.perf_counter()
         self.queue_wait_s = 0.0
+        self.abort: ApiError | None = None  # why the server cut it (None: its client left)
 
     def emit(self, kind: str, value: Any = None) -> None:
         """Hand an event to the request's handler (thread-safe): token, done, error or cancelled."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
-    def cancel(self) -> None:
+    def cancel(self, abort: ApiError | None = None) -> None:
+        """Stop at the next token; `abort` is the error its client gets, if still listening."""
+        self.abort = self.abort or abort
         self.cancelled.set()
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", "shutting_down", type="server_error")
 
 
 def query_options(req: ChatRequest) -> QueryOptions:
@@ -90,6 +99,7 @@ class ModelWorker:
         self.engine = engine
         self.max_queue = max_queue
         self.busy = False
+        self.stopping = False
         self.current: Job | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-model")
         self._queue: asyncio.Queue[Job] | None = None
@@ -107,8 +117,8 @@ class ModelWorker:
 
     def submit(self, request: ChatRequest) -> Job:
         """Queue a request, or refuse it with a 429 when `max_queue` requests already wait."""
-        if self._queue is None:
-            raise ApiError(503, "the server is not ready", "not_ready", type="server_error")
+        if self._queue is None or self.stopping:
+            raise shutting_down()
         if self._queue.qsize() >= self.max_queue:
             raise ApiError(429, f"the server is busy: {self.max_queue} requests already wait for the model; "
                                 "retry shortly", "rate_limit_exceeded", type="requests")
@@ -135,21 +145,33 @@ class ModelWorker:
         try:
             result = answer(self.engine, job)
         except Cancelled:
-            job.emit("cancelled")
+            if job.abort is not None:
+                job.emit("error", job.abort)
+            else:
+                job.emit("cancelled")
         except Exception as exc:  # reported to the client by app.error_for; a bug is logged there
             job.emit("error", exc)
         else:
             job.emit("done", result)
 
-    async def stop(self) -> None:
-        """Shutdown: cancel what is left, then wait for the model thread to finish its step,
-        so no archive write is cut short (each one is a transaction that completes or never was)."""
+    def begin_shutdown(self, grace_s: float) -> None:
+        """SIGTERM / Ctrl-C: refuse what waits now; the running request gets `grace_s` to finish."""
+        self.stopping = True
         if self._queue is not None:
             while not self._queue.empty():
-                self._queue.get_nowait().emit("error", ApiError(503, "the server is shutting down", "shutting_down",
-                                                                type="server_error"))
+                self._queue.get_nowait().emit("error", shutting_down())
+        asyncio.get_running_loop().call_later(grace_s, self._cut_current)
+
+    def _cut_current(self) -> None:
         if self.current is not None:
-            self.current.cancel()
+            self.current.cancel(shutting_down())
+
+    async def stop(self) -> None:
+        """After shutdown: wait for the model thread to finish its step, so no archive write is
+        cut short (each is a transaction that completes or never was)."""
+        if not self.stopping:
+            self.begin_shutdown(0)
+        self._cut_current()
         if self._task is not None:
             self._task.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)

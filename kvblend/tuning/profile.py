@@ -23,8 +23,8 @@ from kvblend.errors import KvblendError, UsageError
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.tuning.delay import CostModel, LoadModel
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.tuning.keys import normalize_path
-from kvblend.tuning.machine import Machine, machine_info, same_machine
+from kvblend.archive.names import normalize_path
+from kvblend.machine import Machine, machine_info, same_machine
 
 PROFILE_VERSION = 1
 
@@ -161,15 +161,25 @@ class Profile:
     quick: bool = False
     load_avg: LoadAvg | None = None
     seconds: float = 0.0
+    # Every codec on the same sample KV: {codec: {stored_fraction (of fp16), decompress_MBps (compressed
+    # in), decompress_raw_MBps}}, so `tune` can price re-ingesting with another codec (empty: not measured).
+    codecs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def cost_model(self) -> CostModel:
         return self.layer_cost.model
 
-    def load_model(self, cold: bool = True) -> LoadModel:
-        """Loading from this location, from a cold (default) or warm page cache."""
+    def load_model(self, cold: bool = True, codec: str | None = None) -> LoadModel:
+        """Loading from this location, from a cold (default) or warm page cache.
+
+        ``codec``: as if the archive were stored with that codec (its bytes and
+        decode rate as profiled); default, or unprofiled: the archive as it is.
+        """
         read = self.read_cold_MBps if cold else self.read_warm_MBps
-        return LoadModel(self.kv_bytes_per_token_layer, read, self.decompress_MBps)
+        rates = self.codecs.get(codec) if codec and codec != self.codec else None
+        if rates is None or not self.kv_raw_bytes_per_token_layer:
+            return LoadModel(self.kv_bytes_per_token_layer, read, self.decompress_MBps)
+        return LoadModel(self.kv_raw_bytes_per_token_layer * rates["stored_fraction"], read, rates["decompress_MBps"])
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvblend.archive import Archive, resolve_archive_path
+from kvblend.archive import CODECS, Archive, decode_layer, encode_layer, resolve_archive_path
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import UsageError
 from kvblend.model import load_model
 from kvblend.tuning import probes
-from kvblend.tuning.keys import normalize_path, profile_name
-from kvblend.tuning.machine import filesystem_of, guess_disk_label, loadavg, machine_info
+from kvblend.archive.names import normalize_path, profile_name
+from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.tuning.profile import (
     DISK_LABELS,
     DEVICE_LABELS,
@@ -31,7 +31,7 @@ from kvblend.tuning.profile import (
     StorageInfo,
     today,
 )
-from kvblend.tuning.sample import sample_segments
+from kvblend.tuning.sample import SampleKV, sample_segments
 
 #: Context lengths (tokens) whose per-layer prefill cost `profile` times.
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
@@ -115,6 +115,8 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
     log(f"codec: {sample.codec}")
     dec = probes.measure_decompress([p for seg in sample.segments[:4] for p in seg], sample.codec,
                                     settings.decompress_seconds)
+    log(f"codecs: {', '.join(CODECS)} on the same KV")
+    codecs = measure_codecs(sample, DEFAULT_LEVEL if level is None else level, settings.decompress_seconds)
     log(f"compute: {runner.device.type}, lengths {', '.join(map(str, settings.lengths))}")
     cost = probes.measure_layer_cost(runner, settings.lengths, settings.repeats)
 
@@ -148,7 +150,23 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
         quick=settings == ProfileSettings.quick(),
         load_avg=LoadAvg(load_before, loadavg(), os.cpu_count()),
         seconds=time.perf_counter() - started,
+        codecs=codecs,
     )
+
+
+def measure_codecs(sample: SampleKV, level: int, seconds: float, segments: int = 2) -> dict[str, dict[str, float]]:
+    """Every codec on the same KV (the sample's first segments): its size as a fraction of fp16, and
+    its decode rate as the loader decodes, so `tune` can weigh fewer bytes against decode time."""
+    payloads = [p for seg in sample.segments[:segments] for p in seg]
+    layers = [decode_layer(p, sample.codec) for p in payloads]
+    raw = sum(2 * (k.numel() + v.numel()) for k, v in layers)
+    rates = {}
+    for codec in CODECS:
+        encoded = payloads if codec == sample.codec else [encode_layer(k, v, codec, level) for k, v in layers]
+        dec = probes.measure_decompress(encoded, codec, seconds)
+        rates[codec] = {"stored_fraction": dec.compressed_bytes / raw, "decompress_MBps": dec.decompress_MBps,
+                        "decompress_raw_MBps": dec.decompress_raw_MBps}
+    return rates
 
 
 def run_profile(archive: str | os.PathLike[str] | None, model: str | None = None, compute: str | None = None,

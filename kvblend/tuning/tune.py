@@ -4,7 +4,7 @@ The workflow (:func:`run_tune`): find the profile of the archive's own location
 on this machine, pick the context length to tune for, measure (or take) the
 quality floor, decide the ratio from the delay model, price the profiled
 storage, and store the result as a :class:`TunedSetting` under
-:func:`~kvblend.tuning.keys.tuned_key`, where `kvblend query` finds it.
+:func:`~kvblend.archive.names.tuned_key`, where `kvblend query` finds it.
 The CLI only parses options and renders the :class:`TuneResult`.
 """
 
@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from kvblend.archive import Archive, resolve_archive_path
-from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_SELECT, DEFAULT_TOP_K, SELECTIONS
 from kvblend.errors import UsageError
 from kvblend.model import load_model
 from kvblend.model.loading import pick_compute_device
 from kvblend.model.source import resolve_model_source, source_fingerprint
+from kvblend.tuning.codecs import CodecDecision, choose_codec
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
     DEFAULT_KL_BOUND,
@@ -34,8 +35,8 @@ from kvblend.tuning.delay import (
     recompute_time,
 )
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.tuning.keys import normalize_path, tuned_key
-from kvblend.tuning.machine import machine_info
+from kvblend.archive.names import normalize_path, tuned_key
+from kvblend.machine import machine_info
 from kvblend.tuning.profile import Profile, applicable_profiles, busy_warning, location_profile, today
 from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
 from kvblend.tuning.storage import DEFAULT_STORAGE_COSTS, StorageDecision, cheapest_storage, parse_costs
@@ -129,6 +130,7 @@ class TunedSetting:
     storage: StorageDecision
     archive_bytes: int | None
     notes: list[str] = field(default_factory=list)
+    codec: CodecDecision | None = None  # the archive's codec, and a smaller one if storage sets the pace
 
     def to_dict(self) -> dict[str, Any]:
         d = {"version": TUNED_VERSION, **asdict(self)}
@@ -144,6 +146,7 @@ class TunedSetting:
             "model": from_fields(ModelRef, d.get("model") or {}),
             "quality": QualitySweep.from_dict(d["quality"]) if d.get("quality") else None,
             "storage": StorageDecision.from_dict(d.get("storage") or {}),
+            "codec": CodecDecision.from_dict(d["codec"]) if d.get("codec") else None,
         })
 
 
@@ -166,8 +169,11 @@ class TuneRequest:
     context_tokens: int | None = None
     costs: Mapping[str, float] = field(default_factory=lambda: parse_costs(DEFAULT_STORAGE_COSTS))
     archive_bytes: int | None = None  # None: the archive's size
+    select: str = DEFAULT_SELECT  # blend's selection policy the quality floor is measured for
 
     def check(self) -> None:
+        if self.select not in SELECTIONS:
+            raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {self.select!r}")
         if self.tolerance < 0 or self.kl_bound < 0:
             raise UsageError("--tolerance and --kl-bound must be >= 0")
         if self.r_quality is not None and not 0 < self.r_quality <= 1:
@@ -217,7 +223,7 @@ def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str
     records = load_calibration(req.calibration, req.limit)
     log(f"calibration: {len(records)} records × ratios {', '.join(f'{r:g}' for r in req.ratios)} vs full")
     quality = measure_quality(load_model(req.model, req.compute), records, req.ratios, tolerance=req.tolerance,
-                              kl_bound_vs_reuse=req.kl_bound, log=log)
+                              kl_bound_vs_reuse=req.kl_bound, log=log, select=req.select)
     floor = quality_floor(quality.by_ratio, req.tolerance, quality.kl_bound)
     if floor is not None:
         return quality, floor, "calibration", []
@@ -257,14 +263,15 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             quality, rq, rq_source, more = _quality_floor(req, log)
             notes += more
         decision = decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)
-        decision.notes = notes + decision.notes
+        codec = choose_codec(here, rq, L, here.cost_model)
+        decision.notes = notes + decision.notes + ([codec.note] if codec.note else [])
         storage = cheapest_storage(profiles, req.costs, decision.ratio, L, cost_model=here.cost_model,
                                    archive_bytes=size)
         setting = TunedSetting(
             decision.ratio, decision.r_quality, rq_source, decision.r_hide, decision.L, L_source, decision.t_load_s,
             decision.t_recompute_s, decision.bottleneck, decision.table, today(), time.time(), here.name,
             ModelRef(source.name, fingerprint), compute, normalize_path(path), req.tolerance, req.kl_bound, quality,
-            storage, size, decision.notes)
+            storage, size, decision.notes, codec)
         key = tuned_key(source.name, compute, path)
         ar.put_tuned(key, setting.to_dict())
     return TuneResult(setting, key, decision)

@@ -9,6 +9,7 @@ from support import CALIBRATION, run_cli
 
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
                "ttft_median_s", "ttft_p90_s", "recompute_share"}
+CODEC_KEYS = {"codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps"}  # storage side of each row
 
 
 def test_bench_end_to_end_on_two_calibration_records(tmp_path):
@@ -24,7 +25,7 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     rows = {(r["mode"], r["ratio"]): r for r in report["results"]}
     assert list(rows) == [("full", None), ("reuse", None), ("blend", 0.15)]
     for r in report["results"]:
-        assert set(r) == RESULT_KEYS
+        assert set(r) == RESULT_KEYS | CODEC_KEYS
         for k in RESULT_KEYS - {"mode", "ratio"}:
             assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (r["mode"], k, r[k])
         assert r["ttft_median_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"]

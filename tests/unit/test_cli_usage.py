@@ -24,6 +24,7 @@ COMMANDS = {
     "profile": [],
     "tune": [],
     "bench": ["data.json"],
+    "serve": [],
 }
 
 

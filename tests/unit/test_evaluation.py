@@ -16,7 +16,8 @@ from kvblend.tuning.quality import calibration_file, load_calibration
 from support import CALIBRATION, one_line_error, run_cli
 
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
-               "ttft_median_s", "ttft_p90_s", "recompute_share"}
+               "ttft_median_s", "ttft_p90_s", "recompute_share",
+               "codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps"}
 
 
 def _run(record: int, spec: RunSpec, answer: str, golds, ttft: float, share: float, kl: float, akl: float):
@@ -60,10 +61,11 @@ def test_specs_full_always_first_blend_per_ratio_and_identical_runs_shared():
     # non-blend modes ignore blend knobs, so equal runs compare (and are run) once
     assert RunSpec("reuse", 0.3, deviation="k") == RunSpec("reuse")
     variants = variant_specs(0.15)
-    assert {g for g, _, _ in variants} == {"deviation", "check_layers", "sink"}
+    assert {g for g, _, _ in variants} == {"select", "deviation", "check_layers", "sink"}
     unique = set(s for _, _, s in variants)
-    assert RunSpec("blend", 0.15) in unique  # the default deviation, layer 1: the main blend@0.15 run
-    assert len(unique) == len(variants) - 1  # the default deviation and check layer 1 are the same run
+    assert RunSpec("blend", 0.15) in unique  # the default policy, layer 1: the main blend@0.15 run
+    # the default policy is check layer 1's run; hkvd is the HKVD baseline's default deviation
+    assert len(unique) == len(variants) - 2
     with pytest.raises(UsageError):
         RunSpec("blend", 0.15, sink="shared-prefix")  # the archive only holds chunks prefilled alone
     assert RunSpec("full", source="memory").label == "full [alone, in memory]"

@@ -112,7 +112,7 @@ def streamed_prompt(prompt: list[Segment]) -> list[Segment]:
 def test_archive_feed_streams_exactly_the_in_memory_layers(runner, prompt, archive, overlap, cached_prefix):
     segs = with_cached_prefix(runner, prompt) if cached_prefix else prompt
     records = store(runner, archive, segs)
-    cfg = BlendConfig.single(0.3)
+    cfg = BlendConfig.single(0.3, select="hkvd")  # the probe policy reads every layer (test_policies)
     plan = plan_prompt(segs, "blend")
     schedule = feed_schedule(segs, plan, "blend", cfg, runner.n_layers)
     assert list(schedule) == (list(range(runner.n_layers)) if cached_prefix else list(range(1, runner.n_layers)))

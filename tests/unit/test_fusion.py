@@ -102,7 +102,7 @@ def test_blend_never_recomputes_an_exact_prefix(runner):
     segs = rag_prompt(runner, n_chunks=3)
     prefix_len = len(segs[0].token_ids)
     cached_prefix = [Segment(segs[0].token_ids, kv=runner.prefill_batch([segs[0].token_ids])[0]), *segs[1:]]
-    cfg = BlendConfig.single(0.3)
+    cfg = BlendConfig.single(0.3, select="hkvd")  # HKVD: a choice independent of the prefix
     computed = fuse(runner, segs, "blend", cfg)
     reused = fuse(runner, cached_prefix, "blend", cfg)
     assert reused.exact_prefix_tokens == prefix_len and computed.exact_prefix_tokens == 0
@@ -121,7 +121,7 @@ def test_blend_never_recomputes_an_exact_prefix(runner):
 def test_feed_schedule_loads_only_what_the_fusor_reads(runner):
     segs = rag_prompt(runner, n_chunks=2)
     cached_prefix = [Segment(segs[0].token_ids, kv=runner.prefill_batch([segs[0].token_ids])[0]), *segs[1:]]
-    cfg, L = BlendConfig.single(0.15, check_layer=1), runner.n_layers
+    cfg, L = BlendConfig.single(0.15, check_layer=1, select="hkvd"), runner.n_layers
     plain = feed_schedule(segs, plan_prompt(segs, "blend"), "blend", cfg, L)
     assert list(plain) == list(range(1, L)) and plain[1] == [False, True, True, False]
     exact = feed_schedule(cached_prefix, plan_prompt(cached_prefix, "blend"), "blend", cfg, L)
@@ -155,7 +155,7 @@ def test_blend_is_closer_to_full_than_reuse_and_counts_compute(runner):
     segs = rag_prompt(runner, n_chunks=4)
     full = fuse(runner, segs, "full")
     reuse = fuse(runner, segs, "reuse")
-    blend = fuse(runner, segs, "blend", BlendConfig.single(0.5))
+    blend = fuse(runner, segs, "blend", BlendConfig.single(0.5, select="hkvd"))
     # The fused KV is what blend repairs: over all layers it must sit closer to full's.
     assert mean_kv_diff(blend.kv, full.kv) < 0.8 * mean_kv_diff(reuse.kv, full.kv)
     if runner._windows[-1] is None:
@@ -173,9 +173,9 @@ def test_blend_is_closer_to_full_than_reuse_and_counts_compute(runner):
 
 def test_gradual_filtering_narrows_within_previous_selection(runner):
     segs = rag_prompt(runner, n_chunks=4)
-    cfg = BlendConfig(check_layers=(1, 2), ratios=(0.6, 0.3))
+    cfg = BlendConfig(check_layers=(1, 2), ratios=(0.6, 0.3), select="hkvd")
     fused = fuse(runner, segs, "blend", cfg)
-    one = fuse(runner, segs, "blend", BlendConfig.single(0.6))
+    one = fuse(runner, segs, "blend", BlendConfig.single(0.6, select="hkvd"))
     T, n_cached = len(fused.token_ids), fused.cached_tokens
     assert fused.active_per_layer[2] == T - n_cached + math.ceil(0.6 * n_cached)
     assert fused.active_per_layer[3] == T - n_cached + math.ceil(0.3 * n_cached)
@@ -185,7 +185,7 @@ def test_gradual_filtering_narrows_within_previous_selection(runner):
 @pytest.mark.parametrize("deviation", ["k", "v", "kv"])
 def test_deviation_measures_pick_the_forced_tokens(runner, deviation):
     segs = rag_prompt(runner)
-    fused = fuse(runner, segs, "blend", BlendConfig.single(0.2, deviation=deviation))
+    fused = fuse(runner, segs, "blend", BlendConfig.single(0.2, deviation=deviation, select="hkvd"))
     T = len(fused.token_ids)
     selected = set(fused.selected.tolist())
     uncached = set(range(7)) | set(range(T - 9, T))

@@ -9,7 +9,7 @@ import pytest
 
 from kvblend.errors import KvblendError
 from kvblend.tuning.delay import RatioQuality
-from kvblend.tuning.machine import Machine, machine_info
+from kvblend.machine import Machine, machine_info
 from kvblend.tuning.profile import (
     PROFILE_VERSION,
     LengthTiming,
@@ -20,7 +20,7 @@ from kvblend.tuning.profile import (
     location_profile,
     profile_flags,
 )
-from kvblend.tuning.keys import normalize_path
+from kvblend.archive.names import normalize_path
 from kvblend.tuning.quality import QualitySweep
 from kvblend.tuning.storage import StorageDecision, cheapest_storage
 from kvblend.tuning.tune import TUNED_VERSION, ModelRef, TunedSetting, decide

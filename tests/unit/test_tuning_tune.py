@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvblend.tuning.keys import normalize_path, tuned_key
-from kvblend.tuning.machine import machine_info
+from kvblend.archive.names import normalize_path, tuned_key
+from kvblend.machine import machine_info
 from kvblend.tuning.tune import TunedSetting
 from support import one_line_error, run_cli
 from tuning_helpers import synthetic_profile

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kvblend.tuning.delay import CostModel
-from kvblend.tuning.machine import Machine
+from kvblend.machine import Machine
 from kvblend.tuning.profile import LayerCost, ModelInfo, Profile, StorageInfo
 
 CTX = 4096  # the paper's example context

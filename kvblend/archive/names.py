@@ -1,4 +1,4 @@
-"""Names under which profiles and tuned settings are stored in the archive's side-stores.
+"""Names under which profiles and tuned settings are stored in the archive's side-stores (no torch).
 
 No torch here: `kvblend query` looks its tuned ratio up by :func:`tuned_key`
 before any model is loaded, and the CLI imports this module at start-up.

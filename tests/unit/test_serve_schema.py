@@ -1,0 +1,125 @@
+"""`kvblend serve` request parsing: client chunks, the kvblend object, and every refusal as a 400
+in OpenAI's error shape. Pure functions: no model, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblend.serve.chunks import CHUNK_SEPARATOR, conversation, segments_report, split_blocks
+from kvblend.serve.schema import ApiError, parse_body, parse_chat_request
+
+
+def user(content) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def refused(body: dict, param: str | None = None, code: str | None = None) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(body)
+    err = info.value
+    assert err.status == 400
+    assert set(err.body()["error"]) == {"message", "type", "code", "param"}
+    if param is not None:
+        assert err.param == param
+    if code is not None:
+        assert err.code == code
+    return err
+
+
+def test_plain_question_has_no_chunks():
+    req = parse_chat_request(user("  Who built the Skua-7?  "))
+    assert req.question == "Who built the Skua-7?" and req.chunks == []
+    assert req.temperature == 0.0 and req.stream is False and req.store is True and req.top_k is None
+
+
+def test_separator_blocks_are_chunks_and_the_last_is_the_question():
+    text = f"Passage one.\n{CHUNK_SEPARATOR}\nPassage two.\n{CHUNK_SEPARATOR}\n\nWho?"
+    req = parse_chat_request(user(text))
+    assert req.chunks == ["Passage one.", "Passage two."] and req.question == "Who?"
+
+
+def test_content_parts_are_chunks_and_the_last_part_is_the_question():
+    parts = [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}, {"type": "text", "text": "Q?"}]
+    req = parse_chat_request(user(parts))
+    assert req.chunks == ["A.", "B."] and req.question == "Q?"
+
+
+def test_system_and_developer_messages_become_the_system_prompt():
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "No lists."},
+                         {"role": "user", "content": "A.<<<chunk>>>Q?"}]}
+    req = parse_chat_request(body)
+    assert req.system == "Be brief.\n\nNo lists." and req.chunks == ["A."]
+
+
+def test_every_user_message_contributes_parts_in_order():
+    body = {"messages": [{"role": "user", "content": "A."}, {"role": "user", "content": "Q?"}]}
+    req = parse_chat_request(body)
+    assert req.chunks == ["A."] and req.question == "Q?"
+
+
+def test_split_blocks_drops_empty_blocks():
+    assert split_blocks(f"{CHUNK_SEPARATOR} a {CHUNK_SEPARATOR}{CHUNK_SEPARATOR} b ") == ["a", "b"]
+    with pytest.raises(ValueError):
+        conversation([], ["  ", CHUNK_SEPARATOR])
+
+
+def test_sampling_and_kvblend_options():
+    body = {**user("Q?"), "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "n": 1, "logprobs": False, "tools": None, "user": "u1",
+            "kvblend": {"mode": "full", "ratio": 0.2, "top_k": 2, "docs": ["a.md"], "store": False}}
+    req = parse_chat_request(body)
+    assert (req.max_tokens, req.temperature, req.top_p, req.seed) == (7, 0.5, 0.9, 3)
+    assert req.stream and req.include_usage
+    assert (req.mode, req.ratio, req.top_k, req.docs, req.store) == ("full", 0.2, 2, ["a.md"], False)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert parse_chat_request({**user("Q?"), "max_tokens": 9, "max_completion_tokens": 3}).max_tokens == 3
+
+
+@pytest.mark.parametrize("name,value", [("n", 2), ("tools", [{"type": "function"}]), ("logprobs", True),
+                                        ("stop", ["\n"]), ("presence_penalty", 0.5), ("response_format",
+                                                                                     {"type": "json_object"})])
+def test_unsupported_parameters_are_refused_by_name(name, value):
+    refused({**user("Q?"), name: value}, param=name, code="unsupported_parameter")
+
+
+@pytest.mark.parametrize("name,value", [("max_tokens", 0), ("max_tokens", "5"), ("max_tokens", True),
+                                        ("temperature", 3), ("temperature", float("nan")), ("top_p", 0),
+                                        ("seed", -1), ("stream", "yes"), ("model", 5)])
+def test_bad_values_are_refused(name, value):
+    refused({**user("Q?"), name: value}, param=name)
+
+
+@pytest.mark.parametrize("options", [{"mode": "fast"}, {"ratio": 2}, {"top_k": -1}, {"docs": "a.md"},
+                                     {"docs": [1]}, {"store": "no"}, {"nope": 1}])
+def test_bad_kvblend_options_are_refused(options):
+    refused({**user("Q?"), "kvblend": options})
+
+
+@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "assistant", "content": "x"},
+                                                        {"role": "user", "content": "Q?"}],
+                                      [{"role": "user", "content": "Q?"}, {"role": "system", "content": "S"}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                                      [{"role": "user", "content": 5}], [{"role": "user", "content": "   "}]])
+def test_bad_messages_are_refused(messages):
+    refused({"messages": messages}, param="messages")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_malformed_bodies_are_400_invalid_json(raw):
+    with pytest.raises(ApiError) as info:
+        parse_body(raw)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+    assert json.loads(json.dumps(info.value.body()))["error"]["type"] == "invalid_request_error"
+
+
+def test_segments_report_names_hits_and_computed_passages():
+    class Info:
+        def __init__(self, cached, stored):
+            self.key, self.document, self.tokens, self.cached, self.stored = "k", None, 5, cached, stored
+
+    sources = [s["source"] for s in segments_report([Info(True, False), Info(True, True), Info(False, False)])]
+    assert sources == ["hit", "computed", "computed"]
