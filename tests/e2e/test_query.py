@@ -90,7 +90,9 @@ def test_streaming_holds_at_most_the_prefetch_depth(engine, depth):
     opts.prefetch_depth = depth
     first = engine.query(QUESTION, opts)
     assert not first.prefix_cached
-    assert first.fusion.stream.layers_loaded == engine.runner.n_layers - 1  # blend loads layers 1..L-1
+    # hkvd recomputes every token at layer 0, so it loads layers 1..L-1; the probe pass reads layer 0 too
+    probes = first.fusion.select == "probe"
+    assert first.fusion.stream.layers_loaded == engine.runner.n_layers - (0 if probes else 1)
     result = engine.query(QUESTION, opts)
     assert result.prefix_cached
     stream = result.fusion.stream
@@ -144,10 +146,13 @@ def test_corrupt_blob_falls_back_to_recompute(engine, damage, overlap):
     assert generate(engine.runner, expected, SHORT).token_ids == damaged.generation.token_ids
 
 
-def test_instruction_prefix_is_archived_once_then_reused(engine):
+@pytest.mark.parametrize("select", ["hkvd", "probe"])
+def test_instruction_prefix_is_archived_once_then_reused(engine, select):
     """The prefix's KV is exact at position 0: reusing it saves prefix × layers of compute and
-    changes the answer only by its 16-bit storage rounding."""
+    changes the answer only by its 16-bit storage rounding. (The probe pass also stops running
+    the prefix's rows; its budget then returns those token-layers to the selection.)"""
     opts = pinned(engine, 3)
+    opts.select = select
     segments_before = engine.archive().count_segments()
     first = engine.query(QUESTION, opts)
     assert not first.prefix_cached
@@ -161,11 +166,17 @@ def test_instruction_prefix_is_archived_once_then_reused(engine):
     assert second.prefix_cached and second.fusion.exact_prefix_tokens == len(prefix_ids)
     assert engine.archive().count_segments() == segments_before + 1
     saved = first.fusion.recomputed_token_layers - second.fusion.recomputed_token_layers
-    assert saved == len(prefix_ids) * engine.runner.n_layers
-    assert second.answer == first.answer
-    first_p = torch.log_softmax(first.fusion.last_logits, -1)
-    second_p = torch.log_softmax(second.fusion.last_logits, -1)
-    assert float((first_p.exp() * (first_p - second_p)).sum()) < 1e-4
+    prefix_token_layers = len(prefix_ids) * engine.runner.n_layers
+    if select == "hkvd":
+        assert saved == prefix_token_layers
+    else:
+        assert first.fusion.probe_token_layers - second.fusion.probe_token_layers == prefix_token_layers
+        assert second.fusion.recompute_share <= first.fusion.recompute_share
+    if select == "hkvd":  # same selection both times (the probe's budget, and so its choice, moved)
+        assert second.answer == first.answer
+        first_p = torch.log_softmax(first.fusion.last_logits, -1)
+        second_p = torch.log_softmax(second.fusion.last_logits, -1)
+        assert float((first_p.exp() * (first_p - second_p)).sum()) < 1e-4
     # Opting out neither reads nor writes it; `full` never uses it.
     off = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "cache_prefix": False}))
     assert not off.prefix_cached and off.fusion.exact_prefix_tokens == 0
@@ -200,6 +211,7 @@ def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
     runner = engine.runner
     engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.archive_path), {"ratio": 0.4})
     opts = pinned(engine, 2)
+    opts.select = "hkvd"  # the plain budget: ⌈ratio · cached⌉ kept (the probe pays its pass out of it)
     opts.sampling = SamplingConfig(max_new_tokens=1)
     tuned = engine.query(QUESTION, opts)
     cached = tuned.fusion.cached_tokens
