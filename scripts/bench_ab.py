@@ -18,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine, write_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -51,12 +54,20 @@ def main() -> None:
             for label, tree in trees.items():
                 for k, v in headline(script, run_bench(tree, script)).items():
                     values[label].setdefault(k, []).append(v)
-    print(f"| measure (median of {args.rounds} alternating runs) | before | after | after/before |")
-    print("|---|---:|---:|---:|")
-    for k in values["before"]:
-        b, a = statistics.median(values["before"][k]), statistics.median(values["after"][k])
-        print(f"| {k} | {b:.3f} | {a:.3f} | {a / b:.3f} |")
+    rows = {k: {"before": statistics.median(values["before"][k]), "after": statistics.median(values["after"][k])}
+            for k in values["before"]}
+    result = {"machine": machine(), "rounds": args.rounds, "before": str(trees["before"]), "rows": rows,
+              "command": "python scripts/bench_ab.py " + " ".join(sys.argv[1:])}
+    write_result("restructure_ab", result)
+    print(markdown(result))
 
+
+def markdown(r: dict) -> str:
+    lines = [f"| measure (median of {r['rounds']} alternating runs) | before | after | after/before |",
+             "|---|---:|---:|---:|"]
+    for k, v in r["rows"].items():
+        lines.append(f"| {k} | {v['before']:.3f} | {v['after']:.3f} | {v['after'] / v['before']:.3f} |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -18,12 +18,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_ab  # noqa: E402
 import bench_archive  # noqa: E402
+import bench_codecs  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_query  # noqa: E402
+import bench_serve  # noqa: E402
+import bench_startup  # noqa: E402
 from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 
-SECTIONS = ["engine", "archive", "query", "bench"]  # bench also writes the variants section
+# bench also writes the variants section; restructure_ab needs an old checkout (scripts/bench_ab.py) and
+# serve takes ~15 min, so both run only when named in --only (their last results are kept and rendered)
+SECTIONS = ["startup", "engine", "archive", "query", "bench", "pareto", "codecs", "codecs_ttft"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
 
 
@@ -60,6 +66,21 @@ def run_section(name: str) -> None:
         r = run_cli_json("bench", ["bench", data, "--limit", "20", "--json",
                                    "--plot", str(ROOT / "docs" / "bench-musique.png")])
         name = "bench"
+    elif name == "pareto":  # every selection policy over ratios 0.05-0.5, KV in memory
+        data = str(SHARED_DATA / "musique_dev.json")
+        (ROOT / "docs").mkdir(exist_ok=True)
+        r = run_cli_json("pareto", ["bench", data, "--limit", "20", "--modes", "full", "--pareto", "--json",
+                                    "--plot", str(ROOT / "docs" / "pareto-musique.png")])
+    elif name == "codecs":  # fidelity and size per codec, from the archive
+        data = str(SHARED_DATA / "musique_dev.json")
+        r = run_cli_json("codecs", ["bench", data, "--limit", "20", "--modes", "full,reuse,blend",
+                                    "--codecs", "lossless,int8,int4", "--json"])
+    elif name == "codecs_ttft":
+        r = bench_codecs.main()
+    elif name == "startup":
+        r = bench_startup.main()
+    elif name == "serve":
+        r = bench_serve.main([str(Path(sys.executable).parent / "kvblend")], 2, 2, 256)
     elif name == "variants":  # the variants alone (full is still run: it is the reference)
         data = str(SHARED_DATA / "musique_dev.json")
         r = run_cli_json("variants", ["bench", data, "--limit", "20", "--modes", "full", "--variants", "--json"])
@@ -75,7 +96,12 @@ def load(name: str) -> dict | None:
 
 
 def render() -> str:
-    from kvblend.evaluation.report import markdown_results, markdown_variants  # the harness renders its own tables
+    from kvblend.evaluation.report import (  # the harness renders its own tables
+        markdown_codecs,
+        markdown_pareto,
+        markdown_results,
+        markdown_variants,
+    )
 
     parts = [
         "# Benchmarks",
@@ -87,6 +113,14 @@ def render() -> str:
     ]
     notes = (ROOT / "docs" / "benchmark-notes.md")
     sections = [
+        ("startup", "Startup: commands that need no model (issue 12)",
+         "`python scripts/bench_startup.py` — each command run 10 times as a fresh process through the installed "
+         "`kvblend` script; torch must not be imported.",
+         lambda r: bench_startup.markdown(r)),
+        ("restructure_ab", "Before/after the restructure (issue 12)",
+         "`python scripts/bench_ab.py OLD` — the engine and query benchmarks of the pre-restructure tree (a9cc035, "
+         "a git worktree) and of this one, alternating, same interpreter.",
+         lambda r: bench_ab.markdown(r)),
         ("engine", "Engine: TTFT with the KV already in memory (issue 2)",
          "`python scripts/bench_engine.py` — 6 MuSiQue passages (~600 tokens each) + question, default model, the instruction prefix cached as `query` has it after first use (`full` computes it; `blend, prefix computed` is the same blend without that cache); target blend ≥ 4× (ideal ≈ 4.65× at its 21.5% compute share).",
          lambda r: bench_engine.markdown(r)),
@@ -97,7 +131,16 @@ def render() -> str:
          "`python scripts/bench_query.py` — 6 archived passages per question, 3 questions × 3 interleaved repetitions (medians); targets ≥ 4× warm, ≥ 3× cold, load wait ≤ 10% of TTFT. On this 2-core host the loader fetches ahead and builds each layer when the fusor asks (see notes), so its build time is counted as load wait.",
          lambda r: bench_query.markdown(r)),
         ("bench", "Quality vs latency on MuSiQue (issue 5)", None, lambda r: markdown_results(r)),
-        ("variants", "Fusor variants on MuSiQue (issue 5)", None, lambda r: markdown_variants(r)),
+        ("variants", "Selection policies and fusor variants on MuSiQue (issues 5, 13)", None,
+         lambda r: markdown_variants(r)),
+        ("pareto", "Selection policies: first-token KL vs recompute share (issue 13)", None,
+         lambda r: markdown_pareto(r.get("pareto") or [])),
+        ("codecs", "Codecs: size vs fidelity on MuSiQue (issue 15)", None, lambda r: markdown_codecs(r)),
+        ("codecs_ttft", "Codecs: blend TTFT from each codec's archive (issue 15)",
+         "`python scripts/bench_codecs.py` — 3 MuSiQue questions × 6 passages archived once per codec, "
+         "5 interleaved repetitions (medians), warm and cold page cache.",
+         lambda r: bench_codecs.markdown(r)),
+        ("serve", "Server: requests/s and TTFT under concurrent clients (issue 14)", "", bench_serve.markdown),
     ]
     for name, title, how, fmt in sections:
         r = load(name)
@@ -105,12 +148,19 @@ def render() -> str:
         if r is None:
             parts += ["(not run yet)", ""]
             continue
-        parts.append(f"Command: {how or '`' + r.get('command', '') + '`'}  ")
-        parts.append(f"Machine: {r.get('machine', '?')}  ")
-        parts.append(f"Date: {r.get('date', '?')}")
-        parts += ["", fmt(r), ""]
+        if how != "":  # "": the section writes its own command / machine / date lines
+            parts.append(f"Command: {how or '`' + r.get('command', '') + '`'}  ")
+            parts.append(f"Machine: {r.get('machine', '?')}  ")
+            parts.append(f"Date: {r.get('date', '?')}")
+            parts.append("")
+        parts += [fmt(r), ""]
         if name == "bench" and (ROOT / "docs" / "bench-musique.png").exists():
             parts += ["![quality vs TTFT](docs/bench-musique.png)", ""]
+        if name == "pareto" and (ROOT / "docs" / "pareto-musique.png").exists():
+            parts += ["![first-token KL vs recompute share](docs/pareto-musique.png)", ""]
+        extra = ROOT / "docs" / f"benchmark-notes-{name}.md"  # per-section commentary, kept across re-runs
+        if extra.exists():
+            parts += [extra.read_text(), ""]
     if notes.exists():
         parts += [notes.read_text()]
     return "\n".join(parts) + "\n"

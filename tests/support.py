@@ -92,3 +92,24 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1, proc.stderr
     return lines[0]
+
+
+def run_in_threads(work, n: int = 4) -> list[BaseException]:
+    """Run `work()` in `n` threads at once; return what any of them raised (assertions included),
+    so a failure inside a thread fails the test instead of being printed and lost."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            work()
+        except BaseException as e:  # surfaced to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -56,7 +56,7 @@ class Scheme:
 
 #: The lossy codecs. Group sizes chosen by measurement (codec.py): smaller groups
 #: cost scale bytes, larger ones cost fidelity.
-SCHEMES: dict[str, Scheme] = {"int8": Scheme(8, 64, 64), "int4": Scheme(4, 32, 32)}
+SCHEMES: dict[str, Scheme] = {"int8": Scheme(8, 64, 64), "int4": Scheme(4, 64, 32)}
 
 #: Which axis a tensor's scale groups run along: K per channel (groups of tokens), V per token.
 AXES = {"k": "tokens", "v": "channels"}

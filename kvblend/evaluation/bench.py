@@ -131,6 +131,8 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
         "archive": str(engine.archive_path),
         "compute": engine.runner.device.type,
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        # what a codec's bytes/token compares with: K and V of every layer in fp16
+        "raw_bytes_per_token": 2 * 2 * engine.runner.n_layers * engine.runner.n_kv_heads * engine.runner.head_dim,
         "mean_prompt_tokens": round(mean([r.prompt_tokens for r in runs if r.spec == FULL]), 1),
     }
     return BenchReport(

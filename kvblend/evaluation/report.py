@@ -89,3 +89,39 @@ def markdown_variants(data: dict) -> str:
         "archive stores) vs after the prompt's shared instruction prefix (its KV dropped); these rows hold the KV in "
         "memory, so their TTFTs compare with each other only." + (f" Note: {data['note']}." if data.get("note") else ""),
     ])
+
+
+def markdown_codecs(data: dict) -> str:
+    """The codec rows of a `kvblend bench --codecs … --json` report: size, load speed and fidelity side by side."""
+    rows_in = [r for r in data.get("results") or [] if r.get("bytes_per_token") is not None]
+    if not rows_in:
+        return "(no codec rows)"
+    raw = data.get("settings", {}).get("raw_bytes_per_token")
+    rows = [[
+        r["codec"], r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"), f"{r['bytes_per_token']:,.0f}",
+        "—" if not raw else f"{r['bytes_per_token'] / raw:.3f}×", _num(r.get("read_MBps"), 0),
+        _num(r.get("decode_MBps"), 0), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
+        _num(r["em_vs_full"]), _num(r["ttft_median_s"]),
+    ] for r in rows_in]
+    return "\n".join([
+        _settings_line(data),
+        "",
+        _table(["codec", "run", "bytes/token", "vs raw fp16", "read MB/s", "decode MB/s", "KL 1st token", "answer KL",
+                "EM vs full", "TTFT p50 (s)"], rows, 2),
+        "",
+        "bytes/token: stored bytes per prompt token over all layers (K and V). read: stored MB/s off the archive; "
+        "decode: KV MB/s (as fp16) built into the prompt's layers (decompress, dequantize, re-position). "
+        "KL from full, which is computed once per record.",
+    ])
+
+
+def markdown_pareto(points: list[dict]) -> str:
+    """The `--pareto` sweep: first-token KL from full (recompute share) per policy and ratio."""
+    if not points:
+        return "(no sweep)"
+    ratios = sorted({p["ratio"] for p in points})
+    by = {(p["select"], p["ratio"]): p for p in points}
+    rows = [[policy] + [f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})"
+                        if (policy, r) in by else "—" for r in ratios]
+            for policy in dict.fromkeys(p["select"] for p in points)]
+    return _table(["policy"] + [f"r={r:g}" for r in ratios], rows, 1)

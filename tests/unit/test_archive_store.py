@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from archive_helpers import DIM, HEADS, N_LAYERS, TOKENS, ar, layers, put, same 
 from kvblend.archive import CODECS, Archive, DocumentRecord, SegmentRecord, resolve_archive_path, segment_key
 from kvblend.archive import blobs as blobs_mod
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveModelMismatchError, ArchiveVersionError
-from support import REPO
+from support import REPO, run_in_threads
 
 # ---------------------------------------------------------------- round trips
 
@@ -98,23 +97,14 @@ def test_rejects_inconsistent_input(ar):
 def test_concurrent_reader_threads(ar):
     for i in range(3):
         put(ar, f"dd{i}", seed=i)
-    errors = []
 
     def read_all():
-        try:
-            for _ in range(3):
-                for i in range(3):
-                    for layer in range(N_LAYERS):
-                        assert same(ar.read_layer(f"dd{i}", layer)[1], layers(i)[layer][1])
-        except BaseException as e:
-            errors.append(e)
+        for _ in range(3):
+            for i in range(3):
+                for layer in range(N_LAYERS):
+                    assert same(ar.read_layer(f"dd{i}", layer)[1], layers(i)[layer][1])
 
-    threads = [threading.Thread(target=read_all) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(read_all)
 
 
 def test_disk_full_leaves_index_unchanged(ar, monkeypatch):

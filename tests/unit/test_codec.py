@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 import zstandard
 from safetensors.torch import load
 
+from support import run_in_threads
 from kvblend.archive import codec as C
 from kvblend.errors import CorruptBlobError, UsageError
 
@@ -113,21 +113,13 @@ def test_threads_share_nothing_and_agree():
     k, v = _kv(torch.float16, n=64)
     expected = C.encode_layer(k, v, "zstd-shuffle")
     results: list[bytes] = []
-    errors: list[BaseException] = []
 
     def work() -> None:
-        try:
-            for _ in range(5):
-                data = C.encode_layer(k, v, "zstd-shuffle")
-                k2, _ = C.decode_layer(data, "zstd-shuffle")
-                assert torch.equal(_bits(k2), _bits(k))
-                results.append(data)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+        for _ in range(5):
+            data = C.encode_layer(k, v, "zstd-shuffle")
+            k2, _ = C.decode_layer(data, "zstd-shuffle")
+            assert torch.equal(_bits(k2), _bits(k))
+            results.append(data)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work)
     assert not errors and len(results) == 20 and all(r == expected for r in results)
