@@ -69,7 +69,7 @@ def run_section(name: str) -> None:
     elif name == "pareto":  # every selection policy over ratios 0.05-0.5, KV in memory
         data = str(SHARED_DATA / "musique_dev.json")
         (ROOT / "docs").mkdir(exist_ok=True)
-        r = run_cli_json("pareto", ["bench", data, "--limit", "20", "--modes", "full", "--pareto", "--json",
+        r = run_cli_json("pareto", ["bench", data, "--limit", "10", "--modes", "full", "--pareto", "--json",
                                     "--plot", str(ROOT / "docs" / "pareto-musique.png")])
     elif name == "codecs":  # fidelity and size per codec, from the archive
         data = str(SHARED_DATA / "musique_dev.json")

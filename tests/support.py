@@ -113,3 +113,23 @@ def run_in_threads(work, n: int = 4) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """`n` token ids of the tiny models' vocabulary, reproducible from `seed`."""
+    import torch
+
+    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cached_prompt(runner, chunk_lengths: list[int]) -> list:
+    """[uncached 6-token prefix] + one cached chunk per length (prefilled alone, 16-bit as archived)
+    + [uncached 8-token question]: the shape of every blended prompt."""
+    from kvblend.model.prefill import precompute_kv
+    from kvblend.types import Segment
+
+    chunks = [random_tokens(n, 40 + i) for i, n in enumerate(chunk_lengths)]
+    kvs = precompute_kv(runner, chunks)
+    segs = [Segment(random_tokens(6, 1), key="prefix")]
+    segs += [Segment(c, kv=kv, key=f"chunk{i}") for i, (c, kv) in enumerate(zip(chunks, kvs))]
+    return segs + [Segment(random_tokens(8, 2), key="question")]

@@ -23,9 +23,19 @@ from kvblend.fusion import BlendConfig, fuse
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate, assemble_prompt
 
 PARETO_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+#: Beside the policies (checked at layer 1): the probe choosing before layer 0 (its scores need no fresh layer).
+PROBE_AT_0 = "probe@layer0"
+PARETO_SERIES = (*SELECTIONS, PROBE_AT_0)
 
 
-def run_pareto(runner, records: Sequence[QARecord], policies: Sequence[str] = SELECTIONS,
+def series_config(series: str, ratio: float) -> BlendConfig:
+    """The blend settings one line of the chart stands for."""
+    if series == PROBE_AT_0:
+        return BlendConfig.single(ratio, check_layer=0, select="probe")
+    return BlendConfig.single(ratio, select=series)
+
+
+def run_pareto(runner, records: Sequence[QARecord], policies: Sequence[str] = PARETO_SERIES,
                ratios: Sequence[float] = PARETO_RATIOS, chunks: int | None = None,
                template: PromptTemplate = MUSIQUE_TEMPLATE,
                on_progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
@@ -39,7 +49,7 @@ def run_pareto(runner, records: Sequence[QARecord], policies: Sequence[str] = SE
         prompt = assemble_prompt(runner, template, record.question, passages)
         reference = fuse(runner, prompt, "full").last_logits.float().cpu()
         for policy, ratio in kls:
-            fused = fuse(runner, prompt, "blend", BlendConfig.single(ratio, select=policy))
+            fused = fuse(runner, prompt, "blend", series_config(policy, ratio))
             kls[policy, ratio].append(kl_divergence(reference, fused.last_logits.float().cpu()))
             shares[policy, ratio].append(fused.recompute_share)
             del fused

@@ -127,7 +127,7 @@ def variant_specs(ratio: float = DEFAULT_VARIANT_RATIO) -> list[tuple[str, str, 
         rows.append(("select", policy, RunSpec("blend", ratio, select=policy)))
     for dev in DEVIATIONS:  # the measure of the HKVD baseline
         rows.append(("deviation", f"hkvd {dev}", RunSpec("blend", ratio, deviation=dev, select="hkvd")))
-    for layers in ((1,), (2,), (1, 2, 3)):
+    for layers in ((0,), (1,), (2,), (1, 2, 3)):  # 0: the probe chooses before layer 0 (the default policy only)
         name = ",".join(map(str, layers)) + (" (gradual)" if len(layers) > 1 else "")
         rows.append(("check_layers", name, RunSpec("blend", ratio, check_layers=layers)))
     for sink in SINK_POLICIES:

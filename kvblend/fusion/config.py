@@ -67,9 +67,14 @@ class BlendConfig:
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise UsageError("check layers must be distinct and ascending")
         for layer in self.check_layers:
+            if layer == 0 and self.select == "probe":
+                continue  # the probe's scores come from its own pass: it may choose before layer 0
             if layer == 0:
-                raise UsageError("check layer 0 cannot tell which tokens matter: a token's layer-0 KV does not "
-                                 "depend on the other tokens (prefilled alone or not, it is the same); use 1 or deeper")
+                raise UsageError(
+                    "check layer 0 cannot tell which tokens matter: a token's layer-0 KV does not depend on the "
+                    f"other tokens (prefilled alone or not, it is the same), so --select {self.select} has nothing "
+                    "to score there; use 1 or deeper (only the probe, which scores in its own pass, may select "
+                    "before layer 0)")
             if not 0 < layer < n_layers:
                 raise UsageError(f"check layer {layer} is beyond the model's depth (layers 0..{n_layers - 1})")
         if list(self.ratios) != sorted(self.ratios, reverse=True):

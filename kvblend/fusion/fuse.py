@@ -38,7 +38,7 @@ from kvblend.fusion.config import BlendConfig
 from kvblend.fusion.plan import Plan, effective_cached, feed_schedule, never_recomputed, plan_prompt
 from kvblend.fusion.policies import Check, head_mask, question_rows, select
 from kvblend.fusion.probe import KeptLayers, probe_pass
-from kvblend.fusion.selection import budget
+from kvblend.fusion.selection import budget, keep_top
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV, Segment
 
@@ -201,11 +201,13 @@ class _LayerLoop:
         """All layers; returns the last hidden states and the final active set."""
         runner, T = self.runner, self.T
         for layer in range(runner.n_layers):
+            if layer == 0 and 0 in self.checks:
+                active, hidden = self._preselect(active, hidden)
             self.active_counts.append(T if active is None else int(active.numel()))
             cos, sin = (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
             q, k, v = runner.project_qkv(layer, hidden, cos, sin)
             computed = active  # positions whose fresh K/V this layer has (None: all)
-            ratio = self.checks.get(layer, 1.0)
+            ratio = self.checks.get(layer, 1.0) if layer else 1.0  # a layer-0 check was made before it
             cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
             current = active if active is not None else torch.arange(T, device=runner.device)
             stale = (cached_k[:, :, current], cached_v[:, :, current]) if ratio < 1.0 else None
@@ -230,6 +232,15 @@ class _LayerLoop:
             self.kv.append((layer_k, layer_v))
             hidden = runner.finish_layer(layer, hidden, attn)
         return hidden, active
+
+    def _preselect(self, active: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A check at layer 0 (the probe's only, see BlendConfig.validate): the probe's scores need no
+        fresh layer, so the kept set is chosen before any layer runs and every layer runs only it.
+        A token's layer-0 KV does not depend on the others, so the cached layer 0 is already exact."""
+        current = active if active is not None else torch.arange(self.T, device=self.runner.device)
+        n_keep = budget(self.checks[0], self.n_approx, self.probe_cost, self.runner.n_layers)
+        kept, rows = keep_top(current, self.always[current], self.probe_scores[current], n_keep)
+        return kept, hidden[:, rows]
 
     def _read(self, layer: int, needed: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Exactly the schedule's layers are read (a streaming feed hands each once, in order)."""

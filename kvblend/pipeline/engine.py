@@ -179,7 +179,7 @@ class Engine:
     # ── blend settings ──
     def blend_config(self, opts: QueryOptions) -> tuple[BlendConfig, float]:
         """The blend settings a query runs with, and the ratio it reports."""
-        ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio() or DEFAULT_RATIO
+        ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio(opts.select) or DEFAULT_RATIO
         layers = tuple(opts.check_layers or DEFAULT_CHECK_LAYERS)
         if len(layers) == 1:
             cfg = BlendConfig.single(ratio, layers[0], opts.deviation, opts.select)
@@ -188,11 +188,16 @@ class Engine:
         cfg.validate(self.runner.n_layers)
         return cfg, ratio
 
-    def tuned_ratio(self) -> float | None:
-        """The ratio `kvblend tune` stored for this model, compute device and archive location."""
+    def tuned_ratio(self, select: str) -> float | None:
+        """The ratio `kvblend tune` stored for this model, compute device and archive location, if it was
+        measured for the selection policy `select` (a floor found for one policy says nothing of another)."""
         if self._archive is None and not Archive.exists(self.archive_path):
             return None  # no archive yet: nothing was tuned, and asking must not create one
         entry = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.archive_path))
         if not entry:
             return None
-        return float(entry["ratio"] if isinstance(entry, dict) else entry.ratio)  # stored dict or TunedSetting
+        if not isinstance(entry, dict):  # a TunedSetting
+            entry = {"ratio": entry.ratio, "select": entry.select}
+        if entry.get("select", "hkvd") != select:  # stored before policies existed: measured with hkvd
+            return None
+        return float(entry["ratio"])

@@ -131,6 +131,9 @@ class TunedSetting:
     archive_bytes: int | None
     notes: list[str] = field(default_factory=list)
     codec: CodecDecision | None = None  # the archive's codec, and a smaller one if storage sets the pace
+    # the selection policy the quality floor was measured for; a query with another policy does not take
+    # this ratio (settings stored before policies existed were measured with hkvd)
+    select: str = "hkvd"
 
     def to_dict(self) -> dict[str, Any]:
         d = {"version": TUNED_VERSION, **asdict(self)}
@@ -271,7 +274,7 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             decision.ratio, decision.r_quality, rq_source, decision.r_hide, decision.L, L_source, decision.t_load_s,
             decision.t_recompute_s, decision.bottleneck, decision.table, today(), time.time(), here.name,
             ModelRef(source.name, fingerprint), compute, normalize_path(path), req.tolerance, req.kl_bound, quality,
-            storage, size, decision.notes, codec)
+            storage, size, decision.notes, codec, req.select)
         key = tuned_key(source.name, compute, path)
         ar.put_tuned(key, setting.to_dict())
     return TuneResult(setting, key, decision)

@@ -42,8 +42,16 @@ def test_engine_uses_tuned_ratio_and_ratio_flag_overrides(tmp_path):
         # a tuned entry for another location is not ours
         archive.put_tuned(tuned_key(runner.name, runner.device.type, tmp_path / "other"), {"ratio": 0.5})
         assert engine.blend_config(QueryOptions())[1] == DEFAULT_RATIO
-        archive.put_tuned(tuned_key(runner.name, runner.device.type, engine.archive_path), {"ratio": 0.3})
-        cfg, ratio = engine.blend_config(QueryOptions())
+        ours = tuned_key(runner.name, runner.device.type, engine.archive_path)
+        archive.put_tuned(ours, {"ratio": 0.3, "select": "probe"})
+        cfg, ratio = engine.blend_config(QueryOptions(select="probe"))
         assert ratio == 0.3 and cfg.ratios == (0.3,)
+        # a floor measured for one policy is not another's
+        assert engine.blend_config(QueryOptions(select="hkvd"))[1] == DEFAULT_RATIO
+        # settings stored before policies existed were measured with hkvd
+        archive.put_tuned(ours, {"ratio": 0.25})
+        assert engine.blend_config(QueryOptions(select="hkvd"))[1] == 0.25
+        assert engine.blend_config(QueryOptions(select="probe"))[1] == DEFAULT_RATIO
+        archive.put_tuned(ours, {"ratio": 0.3, "select": "probe"})
         cfg, ratio = engine.blend_config(QueryOptions(ratio=0.2))
         assert ratio == 0.2 and cfg.ratios == (0.2,)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import tiny_runner
+from support import cached_prompt, random_tokens, tiny_runner
 from kvblend.archive import Archive, SegmentRecord
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.feeds.memory import InMemoryFeed
@@ -17,10 +17,6 @@ from kvblend.types import Segment
 ATOL = 1e-4
 
 
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module")
 def runner():
     return tiny_runner("qwen2")
@@ -29,11 +25,7 @@ def runner():
 @pytest.fixture(scope="module")
 def prompt(runner) -> list[Segment]:
     """[uncached prefix] + three cached chunks (16-bit, as archived) + [uncached question]."""
-    chunks = [random_tokens(30 + 9 * i, 40 + i) for i in range(3)]
-    kvs = precompute_kv(runner, chunks)
-    segs = [Segment(random_tokens(6, 1), key="prefix")]
-    segs += [Segment(c, kv=kv, key=f"chunk{i}") for i, (c, kv) in enumerate(zip(chunks, kvs))]
-    return segs + [Segment(random_tokens(8, 2), key="question")]
+    return cached_prompt(runner, [30, 39, 48])
 
 
 def offsets_of(segs: list[Segment]) -> list[int]:

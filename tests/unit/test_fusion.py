@@ -8,18 +8,13 @@ import pytest
 import torch
 import transformers as tf
 
-from support import ARCHS, tiny_runner
+from support import ARCHS, random_tokens, tiny_runner
 from kvblend.errors import UnsupportedModelError, UsageError
 from kvblend.fusion import BlendConfig, feed_schedule, fuse, plan_prompt
 from kvblend.model.runner import ModelRunner
 from kvblend.types import Segment
 
 ATOL = 1e-4
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 290, (n,), generator=g).tolist()
 
 
 def rag_prompt(runner, n_chunks: int = 3, chunk_len: int = 40):

@@ -111,11 +111,14 @@ def test_kv_deviation_normalises_over_the_candidates_only():
     assert kept.tolist() == [0, 2, 3]
 
 
-def test_check_layer_zero_is_refused():
+def test_check_layer_zero_is_refused_for_scores_read_off_a_layer():
+    """Layer 0's KV does not depend on context: deviation and question attention there are noise.
+    (The probe scores from its own pass, so it may select before layer 0: test_policies.)"""
     runner = tiny_runner("llama")
     chunk = list(range(3, 40))
     segs = [Segment([5, 6]), Segment(chunk, kv=runner.prefill_batch([chunk])[0]), Segment([7, 8, 9])]
-    for cfg in (BlendConfig.single(0.15, check_layer=0), BlendConfig.gradual(0.15, (0, 2))):
+    for cfg in (BlendConfig.single(0.15, check_layer=0, select="hkvd"),
+                BlendConfig.gradual(0.15, (0, 2), select="question")):
         with pytest.raises(UsageError, match="check layer 0"):
             fuse(runner, segs, "blend", cfg)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import ARCHS, tiny_runner
+from support import ARCHS, random_tokens, tiny_runner
 from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import DecodeState, SamplingConfig, generate
@@ -27,10 +27,6 @@ class StubTokenizer:
 
     def convert_tokens_to_ids(self, token: str):
         return None
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(params=ARCHS)

@@ -9,17 +9,14 @@ import math
 import pytest
 import torch
 
-from support import ARCHS, tiny_runner
+from support import ARCHS, random_tokens, tiny_runner
 from kvblend.defaults import HEAD_TOKENS, SELECTIONS
+from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.fusion import policies
 from kvblend.fusion.selection import budget
 
 ATOL = 1e-4
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def rag_prompt(runner, n_chunks: int = 4, cached_prefix: bool = True):
@@ -73,6 +70,23 @@ def test_each_policy_spends_exactly_its_budget(runner, cached_prefix):
     # and less by under one kept row per layer (rounding).
     assert spent["hkvd"] - (L - 2) < spent["probe"] <= spent["hkvd"]
     assert len({v for k, v in spent.items() if k != "probe"}) == 1
+
+
+@pytest.mark.parametrize("cached_prefix", [True, False])
+def test_probe_preselecting_at_layer_zero_runs_only_the_kept_set(runner, cached_prefix):
+    """A layer-0 check (the probe's only): every layer runs the same kept set, chosen before layer 0,
+    and the budget spreads the probe's cost over all L layers."""
+    segs = rag_prompt(runner, cached_prefix=cached_prefix)
+    ratio, L = 0.3, runner.n_layers
+    fused = fuse(runner, segs, "blend", BlendConfig.single(ratio, check_layer=0, select="probe"))
+    T, exact = len(fused.token_ids), fused.exact_prefix_tokens
+    always = T - fused.cached_tokens
+    n_keep = budget(ratio, fused.cached_tokens - exact, always * L, L)
+    assert fused.active_per_layer == [always + n_keep] * L
+    assert fused.recomputed_token_layers == L * (always + n_keep) + always * L
+    assert len(fused.selected) == always + n_keep
+    with pytest.raises(UsageError, match="check layer 0"):
+        fuse(runner, segs, "blend", BlendConfig.single(ratio, check_layer=0, select="hkvd"))
 
 
 def test_chunk_heads_are_selected(runner):

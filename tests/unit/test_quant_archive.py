@@ -9,22 +9,18 @@ import json
 import pytest
 import torch
 
-from support import one_line_error, run_cli, tiny_runner
+from support import cached_prompt, one_line_error, random_tokens, run_cli, tiny_runner
 from kvblend.archive import SegmentRecord
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.feeds.archive import ArchiveFeed
 from kvblend.feeds.memory import InMemoryFeed
 from kvblend.fusion import BlendConfig, feed_schedule, fuse, plan_prompt
-from kvblend.model.prefill import precompute_kv, storage_dtype
+from kvblend.model.prefill import storage_dtype
 from kvblend.pipeline import Engine, QueryOptions
 from kvblend.pipeline.query import fuse_streaming
 from kvblend.types import Segment
 
 CODEC_OF = {"chunk0": "lossless", "chunk1": "int8", "chunk2": "int4"}
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +30,8 @@ def runner():
 
 @pytest.fixture(scope="module")
 def prompt(runner) -> list[Segment]:
-    """[uncached prefix] + three cached 70-90 token chunks + [uncached question]."""
-    chunks = [tokens(70 + 9 * i, 50 + i) for i in range(3)]
-    kvs = precompute_kv(runner, chunks)
-    segs = [Segment(tokens(6, 1), key="prefix")]
-    segs += [Segment(c, kv=kv, key=f"chunk{i}") for i, (c, kv) in enumerate(zip(chunks, kvs))]
-    return segs + [Segment(tokens(8, 2), key="question")]
+    """[uncached prefix] + three cached 70-88 token chunks + [uncached question]."""
+    return cached_prompt(runner, [70, 79, 88])
 
 
 @pytest.fixture
@@ -101,7 +93,7 @@ def test_mixed_codec_archive_streams_each_segment_with_its_own_codec(runner, pro
 
 
 def test_lossy_codecs_get_keys_of_their_own(engine):
-    ids = tokens(20, 3)
+    ids = random_tokens(20, 3)
     keys = {c: engine.key_of(ids, c) for c in ("lossless", "zstd", "zstd-shuffle", "int8", "int4")}
     assert keys["lossless"] == keys["zstd"] == keys["zstd-shuffle"] == engine.key_of(ids)  # same bits, same key
     assert len({keys["lossless"], keys["int8"], keys["int4"]}) == 3
