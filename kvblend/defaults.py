@@ -23,7 +23,9 @@ SELECTIONS = ("hkvd", "heads", "question", "question+hkvd", "probe")
 DEFAULT_SELECT = "probe"
 HEAD_TOKENS = 4  # `heads`: leading tokens of every cached segment forced into the budget
 # ── sink-aware precompute ──
-SINKS = ("none", "template")  # `template`: segments prefilled after the chat template's first tokens
+# `template`: segments prefilled after the chat template's first tokens; `prefix`: after the default
+# template's whole instruction prefix (system prompt + user turn up to the passages)
+SINKS = ("none", "template", "prefix")
 DEFAULT_SINK = "none"
 SINK_TOKENS = 4
 

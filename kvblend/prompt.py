@@ -78,8 +78,11 @@ def assemble_prompt(
     return [Segment(runner.tokenize(before), key="prefix"), *passages, Segment(runner.tokenize(after), key="question")]
 
 
-def template_sink(runner: ModelRunner, n: int = SINK_TOKENS) -> list[int]:
-    """A short fixed sink: the first `n` tokens of the chat template (the same for every question
-    and every template's opening turn), for segments prefilled after it (`ingest --sink template`)."""
+def template_sink(runner: ModelRunner, n: int | None = SINK_TOKENS) -> list[int]:
+    """A fixed sink: the first `n` tokens of the default template's instruction prefix (the same for
+    every question and every template's opening turn), for segments prefilled after it
+    (`ingest --sink template`); with `n` None the whole prefix (`ingest --sink prefix`): a passage
+    prefilled after it has, when it comes first in a default-template prompt, exactly its KV there."""
     before, _ = split_template(runner, PromptTemplate(), "?")
-    return runner.tokenize(before)[:n]
+    ids = runner.tokenize(before)
+    return ids if n is None else ids[:n]

@@ -11,6 +11,7 @@ same interpreter and virtualenv, and prints one table of their medians. Usage:
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import statistics
@@ -45,9 +46,13 @@ def headline(script: str, r: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("old", type=Path)
+    ap.add_argument("--new", type=Path, default=ROOT,
+                    help="the tree to compare with OLD (default: this one); e.g. the refactor's own commit, so "
+                         "later algorithm changes do not mix into a refactor's before/after")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    trees = {"before": args.old.resolve(), "after": ROOT}
+    trees = {"before": args.old.resolve(), "after": args.new.resolve()}
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     values: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     for _ in range(args.rounds):
         for script in ("bench_engine", "bench_query"):
@@ -56,7 +61,8 @@ def main() -> None:
                     values[label].setdefault(k, []).append(v)
     rows = {k: {"before": statistics.median(values["before"][k]), "after": statistics.median(values["after"][k])}
             for k in values["before"]}
-    result = {"machine": machine(), "rounds": args.rounds, "before": str(trees["before"]), "rows": rows,
+    result = {"machine": machine(), "date": started, "rounds": args.rounds, "before": str(trees["before"]),
+              "after": str(trees["after"]), "rows": rows,
               "command": "python scripts/bench_ab.py " + " ".join(sys.argv[1:])}
     write_result("restructure_ab", result)
     print(markdown(result))

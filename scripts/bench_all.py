@@ -71,6 +71,7 @@ def run_section(name: str) -> None:
         (ROOT / "docs").mkdir(exist_ok=True)
         r = run_cli_json("pareto", ["bench", data, "--limit", "10", "--modes", "full", "--pareto", "--json",
                                     "--plot", str(ROOT / "docs" / "pareto-musique.png")])
+        (ROOT / "docs" / "pareto-musique-ttft.png").unlink(missing_ok=True)  # full alone: nothing to compare
     elif name == "codecs":  # fidelity and size per codec, from the archive
         data = str(SHARED_DATA / "musique_dev.json")
         r = run_cli_json("codecs", ["bench", data, "--limit", "20", "--modes", "full,reuse,blend",
@@ -117,10 +118,7 @@ def render() -> str:
          "`python scripts/bench_startup.py` — each command run 10 times as a fresh process through the installed "
          "`kvblend` script; torch must not be imported.",
          lambda r: bench_startup.markdown(r)),
-        ("restructure_ab", "Before/after the restructure (issue 12)",
-         "`python scripts/bench_ab.py OLD` — the engine and query benchmarks of the pre-restructure tree (a9cc035, "
-         "a git worktree) and of this one, alternating, same interpreter.",
-         lambda r: bench_ab.markdown(r)),
+        ("restructure_ab", "Before/after the restructure (issue 12)", None, lambda r: bench_ab.markdown(r)),
         ("engine", "Engine: TTFT with the KV already in memory (issue 2)",
          "`python scripts/bench_engine.py` — 6 MuSiQue passages (~600 tokens each) + question, default model, the instruction prefix cached as `query` has it after first use (`full` computes it; `blend, prefix computed` is the same blend without that cache); target blend ≥ 4× (ideal ≈ 4.65× at its 21.5% compute share).",
          lambda r: bench_engine.markdown(r)),

@@ -61,7 +61,7 @@ def ingest(
     codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own."),
     batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
-    sink: str = typer.Option(DEFAULT_SINK, "--sink", help=f"Prefill each segment alone ({SINKS[0]}) or after the chat template's first tokens, their KV dropped ({SINKS[1]}: no segment grows a false attention sink of its own). Segments get keys of their own; archives built either way answer queries."),
+    sink: str = typer.Option(DEFAULT_SINK, "--sink", help=f"Prefill each segment alone ({SINKS[0]}), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens ({SINKS[1]}) or the default template's whole instruction prefix ({SINKS[2]}: best fidelity, see README). Segments get keys of their own; archives built either way answer queries."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -129,7 +129,7 @@ def query(
     question: str = typer.Argument(..., help="The question."),
     mode: str = typer.Option(DEFAULT_MODE, "--mode", help="blend | full | reuse | prefix"),
     ratio: Optional[float] = typer.Option(None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."),
-    check_layers: Optional[str] = typer.Option(None, "--check-layers", help="e.g. 1 or 1,2,3 (gradual filtering)."),
+    check_layers: Optional[str] = typer.Option(None, "--check-layers", help="Layers where blend selects tokens, e.g. 1 (default) or 1,2,3 (gradual filtering); 0 only with --select probe (chooses before any layer runs)."),
     deviation: Optional[str] = typer.Option(None, "--deviation", help=f"HKVD measure: v, k or kv (default: {DEFAULT_DEVIATION}, chosen by `kvblend bench --variants`).", show_default=False),
     select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's token selection at the check layer: {' | '.join(SELECTIONS)} (see README, 'Selection policies'); every policy recomputes the same budget."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Segments to retrieve."),
@@ -159,9 +159,9 @@ def query(
     template = PromptTemplate() if system is None else PromptTemplate(system=system)
     if select not in SELECTIONS:
         raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {select!r}")
-    if 0 in (parse_check_layers(check_layers) or ()):
-        raise UsageError("--check-layers 0 cannot tell which tokens matter: a token's layer-0 KV does not depend "
-                         "on the other tokens; use 1 or deeper")
+    if 0 in (parse_check_layers(check_layers) or ()) and select != "probe":  # before the model loads
+        raise UsageError(f"--check-layers 0 cannot tell which tokens matter for --select {select}: a token's "
+                         "layer-0 KV does not depend on the other tokens; use 1 or deeper (or --select probe)")
     opts = QueryOptions(
         mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
         select=select,

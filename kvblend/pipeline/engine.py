@@ -115,7 +115,8 @@ class Engine:
 
     def sink_ids(self) -> list[int]:
         """The tokens new segments are prefilled after (their KV dropped): none, or with
-        `template` the chat template's first SINK_TOKENS tokens, the same in every prompt.
+        `template` the chat template's first SINK_TOKENS tokens, the same in every prompt, or
+        with `prefix` the default template's whole instruction prefix.
 
         A chunk prefilled alone makes its own first token an attention sink, which it is
         not in the prompt; a short fixed sink takes that role instead (APE, CacheFocus).
@@ -123,7 +124,7 @@ class Engine:
         if self.sink == "none":
             return []
         if self._sink_ids is None:
-            self._sink_ids = template_sink(self.runner, SINK_TOKENS)
+            self._sink_ids = template_sink(self.runner, SINK_TOKENS if self.sink == "template" else None)
         return self._sink_ids
 
     def sink_setting(self) -> str:

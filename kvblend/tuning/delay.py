@@ -145,7 +145,11 @@ def choose_ratio(r_quality: float | None, r_hide: float | None) -> float:
 #: `kvblend tune`'s calibration settings when not told (the CLI shows them in --help).
 DEFAULT_CALIBRATION_LIMIT = 4  # calibration records run
 DEFAULT_TOLERANCE = 0.02  # largest F1 drop vs full accepted
-DEFAULT_KL_BOUND = 0.5  # largest mean first-token KL from full, as a fraction of reuse's on the same records
+# Largest mean first-token KL from full, as a fraction of reuse's on the same records. Calibrated for the
+# default policy (probe) on musique_dev: its KL is 0.17x reuse's at r = 0.15 (the issue-13 target, KL <= 0.035,
+# is 0.18x) and 0.30x at r = 0.05, so 0.2 puts the floor where the default meets that target. (At the old
+# 0.5, calibrated for hkvd, whose r = 0.15 sits at 0.40x, the probe would pass at any ratio tested.)
+DEFAULT_KL_BOUND = 0.2
 DEFAULT_TUNE_RATIOS = (0.05, 0.1, DEFAULT_RATIO, 0.2, 0.3)
 
 

@@ -167,6 +167,15 @@ def test_bad_sampling_values_are_usage_errors_before_the_model_loads(flags, tmp_
     assert not (tmp_path / "none").exists()
 
 
+def test_check_layer_zero_is_a_usage_error_except_for_the_probe(tmp_path):
+    proc = run_cli("query", "q?", "--check-layers", "0", "--select", "hkvd", "--archive", tmp_path / "none", timeout=120)
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "--check-layers 0" in line and "--select probe" in line, line
+    # the probe passes this check and reaches the archive (there is none)
+    proc = run_cli("query", "q?", "--check-layers", "0", "--archive", tmp_path / "none", timeout=120)
+    assert "--check-layers" not in one_line_error(proc)
+
+
 def test_sampling_flags_have_help():
     text = run_cli("query", "--help", check=True).stdout
     for flag, words in (("--top-p", "Nucleus"), ("--seed", "Random seed"), ("--temperature", "greedy")):

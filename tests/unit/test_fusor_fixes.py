@@ -66,8 +66,9 @@ def test_gradual_filtering_from_the_archive_when_an_early_check_keeps_everything
             assert result.fusion.selected.numel() < result.prompt_tokens  # layer 3 selected from the archive
 
 
-def test_sink_precomputed_and_plain_archives_both_answer_with_their_own_keys(tmp_path):
-    with engine_for(tmp_path, "plain") as plain, engine_for(tmp_path, "sink", sink="template") as sunk:
+@pytest.mark.parametrize("sink", ["template", "prefix"])
+def test_sink_precomputed_and_plain_archives_both_answer_with_their_own_keys(tmp_path, sink):
+    with engine_for(tmp_path, "plain") as plain, engine_for(tmp_path, "sink", sink=sink) as sunk:
         plain_recs, sink_recs = plain.store_texts(PASSAGES), sunk.store_texts(PASSAGES)
         assert sunk.sink_ids() and all(r.base_position == len(sunk.sink_ids()) for r in sink_recs)
         assert all(r.base_position == 0 for r in plain_recs)
@@ -84,6 +85,17 @@ def test_sink_precomputed_and_plain_archives_both_answer_with_their_own_keys(tmp
                                                   base_position=first.base_position), Segment([5, 6, 7])]
         full, reuse = fuse(runner, segs, "full"), fuse(runner, segs, "reuse")
         assert torch.allclose(full.last_logits, reuse.last_logits, atol=1e-2)
+
+
+def test_prefix_sink_is_the_whole_instruction_prefix_and_keys_differ_from_the_template_sink(tmp_path):
+    """`--sink prefix`: the first passage of a default-template prompt is prefilled in its real context."""
+    from kvblend.prompt import PromptTemplate, split_template
+
+    with engine_for(tmp_path, "t", sink="template") as short, engine_for(tmp_path, "p", sink="prefix") as long:
+        prefix = long.runner.tokenize(split_template(long.runner, PromptTemplate(), "any question?")[0])
+        assert long.sink_ids() == prefix and short.sink_ids() == prefix[: len(short.sink_ids())]
+        assert len(short.sink_ids()) < len(prefix)
+        assert long.key_of([5, 6, 7]) != short.key_of([5, 6, 7])
 
 def test_rerotation_takes_fp32_cos_sin_in_a_16_bit_model():
     runner = tiny_runner("llama")
