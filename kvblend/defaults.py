@@ -1,23 +1,20 @@
 """Defaults, each spelled once. Every module and command reads them from here.
 
 Plain constants only (no imports beyond the standard library): the CLI reads
-them to render `--help` without importing torch.
+them to render `--help` without importing torch. The choices these defaults are
+drawn from are the enums of kvblend.options.
 """
 
 from __future__ import annotations
 
 # ── fusion ──
-MODES = ("full", "prefix", "reuse", "blend")
 DEFAULT_MODE = "blend"
 # Share of approximate cached tokens recomputed after the check layer (CacheBlend's r).
 DEFAULT_RATIO = 0.15
 DEFAULT_CHECK_LAYERS: tuple[int, ...] = (1,)
-DEVIATIONS = ("k", "v", "kv")
 # HKVD measure. V beat K on every fidelity measure on MuSiQue (first-token KL 0.078 vs 0.085,
 # answer KL 0.054 vs 0.064, ROUGE-L vs full 0.85 vs 0.77 at r=0.15; BENCHMARKS.md, variants).
 DEFAULT_DEVIATION = "v"
-# Token-selection policies at the check layer (kvblend.fusion.policies; all spend the same budget).
-SELECTIONS = ("hkvd", "heads", "question", "question+hkvd", "probe")
 # The probe (the question's attention over the stale cached KV, through every layer) had the best
 # fidelity at <= 22% compute on musique_dev.json (BENCHMARKS.md, "selection policies").
 DEFAULT_SELECT = "probe"
@@ -25,7 +22,6 @@ HEAD_TOKENS = 4  # `heads`: leading tokens of every cached segment forced into t
 # ── sink-aware precompute ──
 # `template`: segments prefilled after the chat template's first tokens; `prefix`: after the default
 # template's whole instruction prefix (system prompt + user turn up to the passages)
-SINKS = ("none", "template", "prefix")
 DEFAULT_SINK = "none"
 SINK_TOKENS = 4
 

@@ -9,42 +9,15 @@ per-step concatenation (9 tok/s → see BENCHMARKS.md on a 3k-token prompt).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from kvblend.defaults import DEFAULT_MAX_NEW_TOKENS
-from kvblend.errors import UsageError
 from kvblend.fusion.fuse import FusionResult
 from kvblend.model.runner import ModelRunner
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Greedy by default (temperature 0); temperature/top_p for sampling."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def validate(self) -> None:
-        """Refuse values the sampler cannot use, before any model loads.
-
-        NaN compares false with everything, so each check is written to fail
-        for it; inf would make the softmax all NaN (a traceback mid-decode).
-        """
-        if self.max_new_tokens < 1:
-            raise UsageError("max new tokens must be at least 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), not {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise UsageError(f"--top-p must be in (0, 1], not {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise UsageError(f"--seed must be between 0 and 2^63-1, not {self.seed}")
+from kvblend.options import SamplingConfig
 
 
 @dataclass

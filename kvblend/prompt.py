@@ -10,39 +10,21 @@ included) runs on exactly the same ids, so comparisons are fair.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvblend.defaults import SINK_TOKENS
 from kvblend.errors import UsageError
-from kvblend.model.runner import ModelRunner
+from kvblend.options import MUSIQUE_TEMPLATE, PromptTemplate
 from kvblend.types import Segment
+
+if TYPE_CHECKING:  # annotations only: assembling a prompt needs a tokenizer, not torch
+    from kvblend.model.runner import ModelRunner
+
+__all__ = ["MUSIQUE_TEMPLATE", "PromptTemplate", "assemble_prompt", "segment_text_for_kv", "split_template",
+           "template_sink"]
 
 CONTEXT_MARKER = "\u2063KVBLEND_PASSAGES\u2063"
 SEGMENT_SEPARATOR = "\n\n"
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    """Where passages and question go. `{question}` is filled into `after_passages`."""
-
-    system: str = "You are a helpful assistant. Answer using only the passages you are given."
-    before_passages: str = "Read the passages, then answer the question.\nPassages:\n"
-    after_passages: str = "\nQuestion: {question}\nAnswer in a few words."
-
-
-# The paper's MuSiQue layout (design §5, shared/data/README.md), inside the chat template.
-MUSIQUE_TEMPLATE = PromptTemplate(
-    system="You are a helpful assistant.",
-    before_passages=(
-        "You will be asked a question after reading several passages. Please directly answer the "
-        "question based on the given passages. Do NOT repeat the question. The answer should be "
-        "within 5 words.\nPassages:\n"
-    ),
-    after_passages=(
-        "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. "
-        "The answer should be within 5 words. \nQuestion: {question}\nAnswer:"
-    ),
-)
 
 
 def segment_text_for_kv(text: str) -> str:

@@ -22,7 +22,7 @@ from kvblend.archive.codec import (
 from kvblend.archive.facade import Archive
 from kvblend.archive.identity import FORMAT_VERSION
 from kvblend.archive.records import DocumentRecord, LayerEntry, SegmentRecord
-from kvblend.archive.keys import codec_settings, segment_key
+from kvblend.archive.keys import KeyScheme, codec_settings, segment_key
 from kvblend.archive.maintenance import GcReport, VerifyProblem, VerifyReport
 from kvblend.archive.paths import resolve_archive_path
 from kvblend.archive.rebuild import RebuildReport, rebuild_index
@@ -36,6 +36,7 @@ __all__ = [
     "Archive",
     "DocumentRecord",
     "GcReport",
+    "KeyScheme",
     "LayerEntry",
     "RebuildReport",
     "SegmentRecord",

@@ -161,3 +161,31 @@ def name_db_key(name: str, what: str) -> bytes:
     if not raw or len(raw) > _LMDB_KEY_LIMIT:
         raise ArchiveError(f"{what} name must be 1-{_LMDB_KEY_LIMIT} bytes, got {len(raw)}")
     return raw
+
+
+#: Version of the tuned-setting objects `kvblend tune` stores (kvblend.tuning.tune.TunedSetting writes it).
+TUNED_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TunedRatio:
+    """What every reader of a stored tuned setting relies on: its version, the ratio, and the selection policy
+    whose quality floor it was measured for (settings stored before policies existed were measured with hkvd).
+
+    `kvblend tune` stores a richer object (kvblend.tuning.tune.TunedSetting) that starts with these fields;
+    a query reads only this part, through :meth:`from_stored`, so both agree on one schema.
+    """
+
+    ratio: float
+    select: str = "hkvd"
+
+    @classmethod
+    def from_stored(cls, value: Any) -> TunedRatio | None:
+        """The ratio part of a stored setting; None when nothing usable is stored (absent, another version,
+        or a ratio outside (0, 1]): a query then runs with the default ratio rather than failing."""
+        if not isinstance(value, dict) or value.get("version", TUNED_VERSION) != TUNED_VERSION:
+            return None
+        ratio = value.get("ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            return None
+        return cls(float(ratio), str(value.get("select", "hkvd")))

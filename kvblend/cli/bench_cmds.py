@@ -31,15 +31,15 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
-from kvblend.defaults import DEFAULT_SELECT, SELECTIONS
+from kvblend.defaults import DEFAULT_SELECT
 from kvblend.errors import UsageError
+from kvblend.options import Select, check_ratio
 from kvblend.evaluation.records import (
     DEFAULT_BENCH_MAX_NEW_TOKENS,
     DEFAULT_BENCH_MODES,
     DEFAULT_BENCH_RATIOS,
     DEFAULT_CHUNKS,
     DEFAULT_VARIANT_RATIO,
-    check_ratio,
     load_records,
     parse_codecs,
     parse_modes,
@@ -70,7 +70,7 @@ def bench(
     ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS), "--ratios", help="Blend recompute ratios, each in (0, 1]."),
     codecs: str = typer.Option("lossless", "--codecs", help="Archive codecs to compare, e.g. lossless,int8,int4: reuse and blend run once per codec on the same records (full once)."),
     max_tokens: int = typer.Option(DEFAULT_BENCH_MAX_NEW_TOKENS, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
-    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's token selection policy for the main table: {' | '.join(SELECTIONS)}."),
+    select: Select = typer.Option(Select(DEFAULT_SELECT), "--select", help="Blend's token selection policy for the main table."),
     variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: every selection policy, HKVD deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
     pareto: bool = typer.Option(False, "--pareto", help="Also sweep every selection policy over ratios 0.05-0.5 (first-token KL and recompute share only, KV in memory); with --plot, the chart is KL vs recompute share."),
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
@@ -88,8 +88,6 @@ def bench(
     ratio_list = parse_ratios(ratios) if "blend" in mode_list else ()
     codec_list = parse_codecs(codecs)
     check_ratio(variant_ratio, "--variant-ratio")
-    if select not in SELECTIONS:
-        raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {select!r}")
     if offset < 0:
         raise UsageError(f"--offset must be at least 0, not {offset}")
     if chunks < 1:
@@ -229,12 +227,10 @@ def _print_human(data: dict) -> None:
 
 def _print_pareto(con, points: list[dict]) -> None:
     """The --pareto sweep: first-token KL and recompute share per policy and ratio."""
-    ratios = sorted({p["ratio"] for p in points})
-    by = {(p["select"], p["ratio"]): p for p in points}
-    rows = [[policy] + [f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})" for r in ratios]
-            for policy in dict.fromkeys(p["select"] for p in points)]
-    con.print(_table("selection policies: first-token KL from full (recompute share), KV in memory",
-                     ["policy"] + [f"r={r:g}" for r in ratios], rows))
+    from kvblend.evaluation.report import pareto_grid
+
+    headers, rows = pareto_grid(points)
+    con.print(_table("selection policies: first-token KL from full (recompute share), KV in memory", headers, rows))
 
 
 def _print_codecs(con, results: list[dict]) -> None:

@@ -28,11 +28,9 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
-from kvblend.archive import check_codec
 from kvblend.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_CHUNK_TOKENS,
-    DEFAULT_CODEC,
     DEFAULT_DEVIATION,
     DEFAULT_LEVEL,
     DEFAULT_MAX_NEW_TOKENS,
@@ -41,11 +39,10 @@ from kvblend.defaults import (
     DEFAULT_SELECT,
     DEFAULT_SINK,
     DEFAULT_TOP_K,
-    SELECTIONS,
-    SINKS,
 )
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
+from kvblend.options import Codec, Deviation, Mode, PromptTemplate, QueryOptions, SamplingConfig, Select, Sink
 
 
 def register(app: typer.Typer) -> None:
@@ -58,10 +55,10 @@ def ingest(
     paths: List[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(DEFAULT_LEVEL, "--level", help="zstd compression level (1-22)."),
-    codec: Optional[str] = typer.Option(None, "--codec", help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own."),
+    codec: Codec = typer.Option(Codec.lossless, "--codec", help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own."),
     batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
-    sink: str = typer.Option(DEFAULT_SINK, "--sink", help=f"Prefill each segment alone ({SINKS[0]}), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens ({SINKS[1]}) or the default template's whole instruction prefix ({SINKS[2]}: best fidelity, see README). Segments get keys of their own; archives built either way answer queries."),
+    sink: Sink = typer.Option(Sink(DEFAULT_SINK), "--sink", help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix: best fidelity, see README). Segments get keys of their own; archives built either way answer queries."),
     archive: Optional[Path] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -70,7 +67,6 @@ def ingest(
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
     from kvblend.pipeline import Engine
 
-    codec = check_codec(codec or DEFAULT_CODEC)  # "lossless" → the default lossless codec
     if not 1 <= level <= 22:
         raise UsageError("--level must be between 1 and 22")
     if batch_tokens < 1:
@@ -78,8 +74,6 @@ def ingest(
     for p in paths:
         if not p.exists():
             raise UsageError(f"no such file or directory: {p}")
-    if sink not in SINKS:
-        raise UsageError(f"--sink must be one of {', '.join(SINKS)}, not {sink!r}")
     with Engine(archive, model, compute, sink=sink) as engine:
         if progress_enabled(as_json):
             with Progress(
@@ -94,10 +88,10 @@ def ingest(
                     rate = p["tokens"] / max(1e-9, time.perf_counter() - started - engine.model_load_s)
                     bar.update(task, completed=p["documents"], total=p.get("total"), rate=f"{rate:,.0f} tok/s")
 
-                report = engine.ingest(paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer=wait,
+                report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait,
                                        on_progress=on_progress)
         else:
-            report = engine.ingest(paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer=wait)
+            report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
     for s in report.skipped:
         err.print(f"[yellow]skipped[/] {s['path']}: {s['reason']}")
@@ -127,11 +121,11 @@ def _read_context_files(files: List[Path]) -> list[str]:
 
 def query(
     question: str = typer.Argument(..., help="The question."),
-    mode: str = typer.Option(DEFAULT_MODE, "--mode", help="blend | full | reuse | prefix"),
+    mode: Mode = typer.Option(Mode(DEFAULT_MODE), "--mode", help="blend: cached KV, the tokens that matter recomputed; full: every token (the reference); reuse: cached KV as is; prefix: only a cached first segment reused."),
     ratio: Optional[float] = typer.Option(None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."),
     check_layers: Optional[str] = typer.Option(None, "--check-layers", help="Layers where blend selects tokens, e.g. 1 (default) or 1,2,3 (gradual filtering); 0 only with --select probe (chooses before any layer runs)."),
-    deviation: Optional[str] = typer.Option(None, "--deviation", help=f"HKVD measure: v, k or kv (default: {DEFAULT_DEVIATION}, chosen by `kvblend bench --variants`).", show_default=False),
-    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's token selection at the check layer: {' | '.join(SELECTIONS)} (see README, 'Selection policies'); every policy recomputes the same budget."),
+    deviation: Deviation = typer.Option(Deviation(DEFAULT_DEVIATION), "--deviation", help="HKVD measure (chosen by `kvblend bench --variants`)."),
+    select: Select = typer.Option(Select(DEFAULT_SELECT), "--select", help="Blend's token selection (see README, 'Selection policies'); every policy recomputes the same budget."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Segments to retrieve."),
     doc: List[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
     segment: List[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
@@ -150,24 +144,15 @@ def query(
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
-    from kvblend.generation import SamplingConfig
-    from kvblend.pipeline import Engine, QueryOptions
-    from kvblend.prompt import PromptTemplate
+    from kvblend.pipeline import Engine
 
-    sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    sampling.validate()  # a usage error now, not a traceback after the model loaded
-    template = PromptTemplate() if system is None else PromptTemplate(system=system)
-    if select not in SELECTIONS:
-        raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {select!r}")
-    if 0 in (parse_check_layers(check_layers) or ()) and select != "probe":  # before the model loads
-        raise UsageError(f"--check-layers 0 cannot tell which tokens matter for --select {select}: a token's "
-                         "layer-0 KV does not depend on the other tokens; use 1 or deeper (or --select probe)")
     opts = QueryOptions(
-        mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation or DEFAULT_DEVIATION,
-        select=select,
-        top_k=top_k, docs=list(doc), segment_keys=list(segment), context_texts=_read_context_files(context_file),
-        store_context=store, template=template, cache_prefix=prefix_cache, sampling=sampling,
-    )
+        mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation, select=select,
+        top_k=top_k, docs=tuple(doc), segment_keys=tuple(segment), context_texts=tuple(_read_context_files(context_file)),
+        store_context=store, template=PromptTemplate() if system is None else PromptTemplate(system=system),
+        cache_prefix=prefix_cache,
+        sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
+    ).validate()  # a usage error now, not a traceback after the model loaded
     with Engine(archive, model, compute) as engine:
         engine.archive(create=False)  # fail fast on a missing archive, before loading the model
 

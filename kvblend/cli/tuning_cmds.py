@@ -15,7 +15,8 @@ import typer
 from rich.table import Table
 
 from kvblend.cli.common import ArchiveOpt, ComputeOpt, JsonOpt, ModelOpt, err, human_bytes, out, parse_size, print_json
-from kvblend.defaults import DEFAULT_SELECT, SELECTIONS
+from kvblend.defaults import DEFAULT_SELECT
+from kvblend.options import Select
 from kvblend.evaluation.records import parse_ratios
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
@@ -163,7 +164,7 @@ def tune(
     kl_bound: float = typer.Option(DEFAULT_KL_BOUND, "--kl-bound", help="Largest mean first-token KL from full accepted, as a fraction of reuse's KL on the same records (reuse = no recompute)."),
     ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_TUNE_RATIOS), "--ratios", help="Ratios to test for the quality floor."),
     r_quality: Optional[float] = typer.Option(None, "--r-quality", help="Skip calibration and use this quality floor.", show_default=False),
-    select: str = typer.Option(DEFAULT_SELECT, "--select", help=f"Blend's selection policy to calibrate: {' | '.join(SELECTIONS)} (queries use the default unless told)."),
+    select: Select = typer.Option(Select(DEFAULT_SELECT), "--select", help="Blend's selection policy to calibrate (queries use the default unless told)."),
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help=f"Prompt length to tune for (default: top-6 × the archive's mean segment, else {TYPICAL_PROMPT_TOKENS}).", show_default=False),
     storage_costs: str = typer.Option(DEFAULT_STORAGE_COSTS, "--storage-costs", help="$/GB-month per storage label; profiled labels are compared."),
     archive_size: Optional[str] = typer.Option(None, "--archive-size", help="Size to price, e.g. 100GB (default: this archive's size).", show_default=False),

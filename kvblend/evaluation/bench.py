@@ -23,7 +23,6 @@ from kvblend.evaluation.records import (
     DEFAULT_CHUNKS,
     DEFAULT_VARIANT_RATIO,
     QARecord,
-    check_ratio,
     parse_codecs,
     parse_modes,
     parse_ratios,
@@ -31,7 +30,7 @@ from kvblend.evaluation.records import (
 from kvblend.evaluation.specs import FULL, RunRecord, RunSpec, main_specs, variant_specs
 from kvblend.evaluation.summary import BenchReport, mean, rounded, summarize
 from kvblend.generation import SamplingConfig
-from kvblend.pipeline import QueryOptions
+from kvblend.options import QueryOptions, check_ratio
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate
 from kvblend.machine import describe_machine
 

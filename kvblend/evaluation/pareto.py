@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvblend.defaults import SELECTIONS
+from kvblend.options import SELECTIONS
 from kvblend.evaluation.harness import RecordRunner
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.evaluation.records import QARecord

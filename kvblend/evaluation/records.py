@@ -9,16 +9,16 @@ mistakes: one line naming the file, the record and what is wrong. No torch here
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvblend.archive.codec import check_codec
-from kvblend.defaults import DEFAULT_RATIO, MODES
+from kvblend.defaults import DEFAULT_RATIO
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
+from kvblend.options import MODES, check_ratio
 
 #: `kvblend bench` settings when not told (each spelled once: the CLI shows them in --help).
 DEFAULT_BENCH_MODES = ("full", "prefix", "reuse", "blend")
@@ -116,13 +116,6 @@ def parse_codecs(text: str | Sequence[str]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(check_codec(c) for c in items))
     except UsageError as e:
         raise UsageError(f"--codecs: {e}") from None
-
-
-def check_ratio(r: float, flag: str) -> float:
-    """`r` when it is a recompute ratio, (0, 1]; else a UsageError naming `flag`."""
-    if math.isnan(r) or not 0.0 < r <= 1.0:
-        raise UsageError(f"{flag}: a recompute ratio must be in (0, 1], not {r:g}")
-    return r
 
 
 def parse_ratios(text: str | Sequence[float], flag: str = "--ratios") -> tuple[float, ...]:

@@ -115,13 +115,20 @@ def markdown_codecs(data: dict) -> str:
     ])
 
 
-def markdown_pareto(points: list[dict]) -> str:
-    """The `--pareto` sweep: first-token KL from full (recompute share) per policy and ratio."""
-    if not points:
-        return "(no sweep)"
+def pareto_grid(points: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The `--pareto` sweep as (headers, rows): per policy, first-token KL from full (recompute share)
+    at each ratio. The CLI's table and the markdown one are this grid."""
     ratios = sorted({p["ratio"] for p in points})
     by = {(p["select"], p["ratio"]): p for p in points}
     rows = [[policy] + [f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})"
                         if (policy, r) in by else "—" for r in ratios]
             for policy in dict.fromkeys(p["select"] for p in points)]
-    return _table(["policy"] + [f"r={r:g}" for r in ratios], rows, 1)
+    return ["policy"] + [f"r={r:g}" for r in ratios], rows
+
+
+def markdown_pareto(points: list[dict]) -> str:
+    """The `--pareto` sweep as a markdown table."""
+    if not points:
+        return "(no sweep)"
+    headers, rows = pareto_grid(points)
+    return _table(headers, rows, 1)

@@ -11,16 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvblend.archive.codec import check_codec
-from kvblend.defaults import (
-    DEFAULT_CHECK_LAYERS,
-    DEFAULT_CODEC,
-    DEFAULT_DEVIATION,
-    DEFAULT_SELECT,
-    DEVIATIONS,
-    MODES,
-    SELECTIONS,
-)
+from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_CODEC, DEFAULT_DEVIATION, DEFAULT_SELECT
 from kvblend.errors import UsageError
+from kvblend.options import DEVIATIONS, SELECTIONS, Deviation, Mode, Select, choice
 from kvblend.evaluation.records import DEFAULT_VARIANT_RATIO
 
 #: How the cached chunks were prefilled: alone (what the archive stores by default), after the chat
@@ -51,8 +44,7 @@ class RunSpec:
         # full reads no passage KV and prefix only the (lossless) instruction prefix: one run serves every codec
         lossy_irrelevant = self.mode in ("full", "prefix") or self.source == "memory"
         object.__setattr__(self, "codec", DEFAULT_CODEC if lossy_irrelevant else check_codec(self.codec))
-        if self.mode not in MODES:
-            raise UsageError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        choice(Mode, self.mode, "mode")
         if self.mode != "blend":  # the blend knobs do not apply: normalise so equal runs compare equal
             object.__setattr__(self, "ratio", None)
             object.__setattr__(self, "deviation", DEFAULT_DEVIATION)
@@ -60,10 +52,8 @@ class RunSpec:
             object.__setattr__(self, "select", DEFAULT_SELECT)
         elif self.ratio is None:
             raise UsageError("a blend run needs a ratio")
-        if self.deviation not in DEVIATIONS:
-            raise UsageError(f"deviation must be one of {', '.join(DEVIATIONS)}")
-        if self.select not in SELECTIONS:
-            raise UsageError(f"selection policy must be one of {', '.join(SELECTIONS)}, not {self.select!r}")
+        choice(Deviation, self.deviation, "deviation")
+        choice(Select, self.select, "selection policy")
         if self.sink not in SINK_POLICIES:
             raise UsageError(f"sink policy must be one of {', '.join(SINK_POLICIES)}")
         if self.source not in SOURCES:

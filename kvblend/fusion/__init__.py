@@ -6,7 +6,7 @@
     fuse.py       the layer loop shared by full / prefix / reuse / blend
 """
 
-from kvblend.defaults import MODES
+from kvblend.options import MODES
 from kvblend.fusion.config import BlendConfig
 from kvblend.fusion.fuse import CachedKVFeed, FusionResult, fuse
 from kvblend.fusion.plan import Plan, feed_schedule, plan_prompt

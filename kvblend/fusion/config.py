@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvblend.defaults import (
-    DEFAULT_CHECK_LAYERS,
-    DEFAULT_DEVIATION,
-    DEFAULT_RATIO,
-    DEFAULT_SELECT,
-    DEVIATIONS,
-    SELECTIONS,
-)
+from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_DEVIATION, DEFAULT_RATIO, DEFAULT_SELECT
 from kvblend.errors import UsageError
+from kvblend.options import Deviation, Select, check_ratio, choice
 
 
 @dataclass(frozen=True)
@@ -57,29 +50,24 @@ class BlendConfig:
 
     def validate(self, n_layers: int) -> None:
         """Refuse settings the fusor cannot honour, with the flag's vocabulary in the message."""
+        select = choice(Select, self.select, "selection policy")
+        choice(Deviation, self.deviation, "deviation")
         if not self.check_layers:
             raise UsageError("blend needs at least one check layer")
         if len(self.check_layers) != len(self.ratios):
             raise UsageError("give one ratio per check layer")
         for r in self.ratios:
-            if not (0.0 < r <= 1.0) or math.isnan(r):
-                raise UsageError(f"recompute ratio must be in (0, 1], got {r}")
+            check_ratio(r, "recompute ratio")
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise UsageError("check layers must be distinct and ascending")
         for layer in self.check_layers:
-            if layer == 0 and self.select == "probe":
-                continue  # the probe's scores come from its own pass: it may choose before layer 0
-            if layer == 0:
+            if layer == 0 and not Select(select).scores_before_layer_0:
                 raise UsageError(
                     "check layer 0 cannot tell which tokens matter: a token's layer-0 KV does not depend on the "
                     f"other tokens (prefilled alone or not, it is the same), so --select {self.select} has nothing "
                     "to score there; use 1 or deeper (only the probe, which scores in its own pass, may select "
                     "before layer 0)")
-            if not 0 < layer < n_layers:
+            if not 0 <= layer < n_layers:
                 raise UsageError(f"check layer {layer} is beyond the model's depth (layers 0..{n_layers - 1})")
         if list(self.ratios) != sorted(self.ratios, reverse=True):
             raise UsageError("gradual filtering needs non-increasing ratios across check layers")
-        if self.deviation not in DEVIATIONS:
-            raise UsageError(f"deviation must be one of {', '.join(DEVIATIONS)}")
-        if self.select not in SELECTIONS:
-            raise UsageError(f"selection policy must be one of {', '.join(SELECTIONS)}, not {self.select!r}")

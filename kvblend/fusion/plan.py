@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from kvblend.defaults import MODES
 from kvblend.errors import UsageError
 from kvblend.fusion.config import BlendConfig
+from kvblend.options import Mode, choice
 from kvblend.types import Segment
 
 
@@ -45,8 +45,7 @@ def effective_cached(segments: Sequence[Segment], mode: str) -> list[bool]:
 
 def plan_prompt(segments: Sequence[Segment], mode: str) -> Plan:
     """Concatenate segments and decide which positions count as cached for `mode`."""
-    if mode not in MODES:
-        raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    choice(Mode, mode, "mode")
     token_ids: list[int] = []
     flags: list[bool] = []
     offsets: list[int] = []

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -23,14 +23,13 @@ from kvblend.documents import iter_documents
 from kvblend.errors import UsageError
 from kvblend.model.prefill import precompute_kv
 from kvblend.model.runner import ModelRunner
+from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import IngestReport
 from kvblend.prompt import segment_text_for_kv
 from kvblend.retrieval import get_embedder
 from kvblend.segmenter import split_into_segments
 from kvblend.types import LayerKV
 
-if TYPE_CHECKING:  # the facade calls into this module; the annotation must not import it back
-    from kvblend.pipeline.engine import Engine
 
 MIN_CHUNK_TOKENS = 16
 
@@ -98,7 +97,7 @@ class _Pending:
 
 
 def ingest_paths(
-    engine: Engine,
+    res: Resources,
     paths: Iterable[str | Path],
     chunk_tokens: int,
     codec: str,
@@ -111,32 +110,32 @@ def ingest_paths(
     if chunk_tokens < MIN_CHUNK_TOKENS:
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
-    started, load_before = time.perf_counter(), engine.model_load_s
+    started, load_before = time.perf_counter(), res.model_load_s
     docs, skipped = iter_documents([Path(p) for p in paths])
     if not docs:
         shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
         raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
     report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
-    archive = engine.archive(create=True)
+    archive = res.archive(create=True)
     pending = _Pending()
     with archive.writer(wait=wait_for_writer), StoreBehind() as behind:
         for doc in docs:
             report.documents += 1
             previous = archive.get_document(doc.path)
             if (previous is not None and previous.content_hash == doc.content_hash and not previous.incomplete
-                    and stored_as(archive, previous, codec, engine.sink_setting())):
+                    and stored_as(archive, previous, codec, res.sink_setting())):
                 report.documents_unchanged += 1
                 report.segments_reused += len(previous.segment_keys)
                 report.tokens_total += previous.n_tokens
             else:
-                pending.documents.append(_segment_document(engine, archive, doc, chunk_tokens, codec, pending, behind,
+                pending.documents.append(_segment_document(res, archive, doc, chunk_tokens, codec, pending, behind,
                                                            report))
                 if pending.tokens() >= batch_tokens:
-                    _flush(engine, archive, pending, codec, level, batch_tokens, report, behind)
+                    _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
             _progress(on_progress, report, doc.path, len(docs))
-        _flush(engine, archive, pending, codec, level, batch_tokens, report, behind)
+        _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
     report.seconds = time.perf_counter() - started
-    report.model_load_seconds = engine.model_load_s - load_before  # only a load this ingest paid for
+    report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report
 
 
@@ -154,14 +153,14 @@ def stored_as(archive: Archive, doc: DocumentRecord, codec: str, sink: str = "al
     return True
 
 
-def _segment_document(engine: Engine, archive: Archive, doc, chunk_tokens: int, codec: str, pending: _Pending,
+def _segment_document(res: Resources, archive: Archive, doc, chunk_tokens: int, codec: str, pending: _Pending,
                       behind: StoreBehind, report: IngestReport) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
-    runner = engine.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
+    runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
     keys, n_tokens = [], 0
     for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
         ids = runner.tokenize(segment_text_for_kv(text))
-        key = engine.key_of(ids, codec)
+        key = res.key_of(ids, codec)
         keys.append(key)
         n_tokens += len(ids)
         if key in pending.keys or key in behind.keys or (archive.has_segment(key) and archive.has_embedding(key)):
@@ -179,7 +178,7 @@ def _progress(on_progress: Callable[[dict], None] | None, report: IngestReport, 
                      "current": current})
 
 
-def _flush(engine: Engine, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
+def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
            report: IngestReport, behind: StoreBehind | None = None) -> None:
     """Prefill pending segments and embed them here; store them (and then the documents
     that needed them) on `behind`'s thread while the next batch prefills, else inline."""
@@ -189,9 +188,9 @@ def _flush(engine: Engine, archive: Archive, pending: _Pending, codec: str, leve
     items: list[tuple[SegmentRecord, list[LayerKV]]] = []
     embeddings = None
     if segments:
-        runner, settings = engine.runner, engine.kv_settings()
+        runner, settings = res.runner, res.kv_settings()
         t0 = time.perf_counter()
-        sink = engine.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
+        sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
         kvs = precompute_kv(runner, [ids for _, _, ids in segments], sink_prefix=sink or None,
                             batch_tokens=batch_tokens)
         report.prefill_seconds += time.perf_counter() - t0
@@ -223,7 +222,7 @@ def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], e
 def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict,
                base_position: int = 0) -> SegmentRecord:
     """The index record of a segment prefilled at `base_position` (after a sink of that many tokens,
-    or alone at 0) under `settings` (Engine.kv_settings)."""
+    or alone at 0) under `settings` (KeyScheme.settings)."""
     return SegmentRecord(
         key=key,
         n_tokens=len(ids),
@@ -244,20 +243,20 @@ def raw_kv_bytes(rec: SegmentRecord) -> int:
     return 2 * 2 * rec.n_layers * rec.kv_heads * rec.head_dim * rec.n_tokens
 
 
-def store_texts(engine: Engine, texts: Sequence[str], codec: str = DEFAULT_CODEC,
+def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC,
                 level: int = DEFAULT_LEVEL) -> list[SegmentRecord]:
     """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
-    archive = engine.archive(create=True)
+    archive = res.archive(create=True)
     codec = check_codec(codec)
     items = []
     for text in texts:
-        ids = engine.runner.tokenize(segment_text_for_kv(text))
-        items.append((engine.key_of(ids, codec), text, ids))
+        ids = res.runner.tokenize(segment_text_for_kv(text))
+        items.append((res.key_of(ids, codec), text, ids))
     todo = _Pending()
     for key, text, ids in {key: (key, text, ids) for key, text, ids in items}.values():  # one per key
         if not archive.has_segment(key):
             todo.add(key, text, ids)
     if todo.segments:
         with archive.writer(wait=30.0):
-            _flush(engine, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
+            _flush(res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
     return [archive.get_segment(k) for k, _, _ in items]

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvblend.archive import Archive, DocumentRecord, SegmentRecord
-from kvblend.defaults import MODES
 from kvblend.errors import ArchiveBusyError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse, plan_prompt
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import storage_dtype
-from kvblend.pipeline.ingest import new_record
+from kvblend.pipeline.ingest import new_record, store_texts
+from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
 from kvblend.prompt import assemble_prompt, segment_text_for_kv
 from kvblend.retrieval import get_embedder, top_k
 from kvblend.types import Segment
 
-if TYPE_CHECKING:  # the facade calls into this module; the annotation must not import it back
-    from kvblend.pipeline.engine import Engine
 
 Warn = Callable[[str], None]
 
@@ -44,19 +42,18 @@ class ContextLengthError(UsageError):
 
 
 def run_query(
-    engine: Engine,
+    res: Resources,
     question: str,
     opts: QueryOptions,
     on_token: Callable[[str], None] | None = None,
     on_warning: Warn | None = None,
 ) -> QueryResult:
     """Answer `question` from archived segments with the chosen mode."""
-    if opts.mode not in MODES:
-        raise UsageError(f"--mode must be one of {', '.join(MODES)}")
+    opts.validate()
     if not question or not question.strip():
         raise UsageError("empty question")
-    engine.warm_up()
-    blend_cfg, ratio = engine.blend_config(opts) if opts.mode == "blend" else (BlendConfig(), None)
+    res.warm_up()
+    blend_cfg, ratio = res.blend_config(opts) if opts.mode == "blend" else (BlendConfig(), None)
     warnings: list[str] = []
 
     def warn(msg: str) -> None:
@@ -65,22 +62,22 @@ def run_query(
             on_warning(msg)
 
     t0 = time.perf_counter()
-    passages, infos, record_by_key = _passages(engine, question, opts)
+    passages, infos, record_by_key = _passages(res, question, opts)
     t_retrieved = time.perf_counter()
-    prompt = build_prompt(engine, question, passages, record_by_key, opts, warn)
-    fused = fuse_streaming(engine, prompt, record_by_key, opts, blend_cfg, warn)
+    prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
+    fused = fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
     t_fused = time.perf_counter()
-    gen = generate(engine.runner, fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
+    gen = generate(res.runner, fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
                    forced_tokens=opts.forced_tokens)
     ttft = (t_fused - t0) + gen.first_token_s
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
     prefix_cached = bool(prompt[0].cached) and fused.mode != "full"  # cached only when opts.cache_prefix
-    _record_use(engine, prompt, fused, opts, warn)
+    _record_use(res, prompt, fused, opts, warn)
     timings = {
         "retrieval_s": t_retrieved - t0,
-        "model_load_s": engine.model_load_s,
+        "model_load_s": res.model_load_s,
         "load_wait_s": fused.load_wait_s,
         "recompute_s": fused.compute_s - fused.load_wait_s,
         "fusion_s": t_fused - t_retrieved,
@@ -114,17 +111,17 @@ def _result(opts: QueryOptions, ratio: float | None, ttft: float, fused: FusionR
 
 # ── passages ──
 def _passages(
-    engine: Engine, question: str, opts: QueryOptions
+    res: Resources, question: str, opts: QueryOptions
 ) -> tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]:
     """The prompt's passages in order: archived records, then --context-file texts."""
-    records, infos = select_records(engine, question, opts)
+    records, infos = select_records(res, question, opts)
     passages = [Segment(list(r.token_ids), cached=True, key=r.key, base_position=r.base_position) for r in records]
     record_by_key = {r.key: r for r in records}
     if opts.context_texts:  # before any text is stored: a prompt that cannot fit stores nothing
-        texts = [engine.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
-        check_length(engine, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
+        texts = [res.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
+        check_length(res, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
     for text in opts.context_texts:
-        seg, info, rec = context_segment(engine, text, store=opts.store_context)
+        seg, info, rec = context_segment(res, text, store=opts.store_context)
         passages.append(seg)
         infos.append(info)
         if rec is not None:
@@ -134,9 +131,9 @@ def _passages(
     return passages, infos, record_by_key
 
 
-def select_records(engine: Engine, question: str, opts: QueryOptions) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
+def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
     """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order."""
-    archive = engine.archive(create=False)
+    archive = res.archive(create=False)
     records: list[SegmentRecord] = []
     infos: list[SegmentInfo] = []
     for path in opts.docs:
@@ -147,21 +144,19 @@ def select_records(engine: Engine, question: str, opts: QueryOptions) -> tuple[l
     for key in opts.segment_keys:
         rec = _segment_or_error(archive, key)
         records.append(rec)
-        infos.append(SegmentInfo(rec.key, engine.document_of(rec.key), rec.n_tokens, True))
+        infos.append(SegmentInfo(rec.key, res.document_of(rec.key), rec.n_tokens, True))
     if records or (opts.context_texts and opts.top_k == 0):
         return records, infos
-    if opts.top_k < 1:
-        raise UsageError("--top-k must be at least 1")
     keys, matrix = archive.get_embeddings()
     if not keys:
-        raise UsageError(f"the archive at {engine.archive_path} is empty: run `kvblend ingest PATH` first")
+        raise UsageError(f"the archive at {res.archive_path} is empty: run `kvblend ingest PATH` first")
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
         rec = archive.get_segment(key)
         if rec is None:
             continue
         records.append(rec)
-        infos.append(SegmentInfo(key, engine.document_of(key), rec.n_tokens, True, round(score, 4)))
+        infos.append(SegmentInfo(key, res.document_of(key), rec.n_tokens, True, round(score, 4)))
     return records, infos
 
 
@@ -188,19 +183,19 @@ def _segment_or_error(archive: Archive, key: str) -> SegmentRecord:
     return rec
 
 
-def context_segment(engine: Engine, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
+def context_segment(res: Resources, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
     """A --context-file text: cached if already archived, stored with --store, else computed.
 
     Storing is skipped (the text is computed in the prompt instead) while another
     process holds the writer lock past store_texts' wait: an answer never fails for it.
     """
-    ids = engine.runner.tokenize(segment_text_for_kv(text))
-    key = engine.key_of(ids)
-    rec = engine.archive().get_segment(key)
+    ids = res.runner.tokenize(segment_text_for_kv(text))
+    key = res.key_of(ids)
+    rec = res.archive().get_segment(key)
     stored = False
     if rec is None and store:
         try:
-            rec = engine.store_texts([text])[0]
+            rec = store_texts(res, [text])[0]
             stored = True
         except ArchiveBusyError:
             rec = None
@@ -210,24 +205,24 @@ def context_segment(engine: Engine, text: str, store: bool) -> tuple[Segment, Se
 
 
 # ── the prompt ──
-def build_prompt(engine: Engine, question: str, passages: list[Segment], record_by_key: dict[str, SegmentRecord],
+def build_prompt(res: Resources, question: str, passages: list[Segment], record_by_key: dict[str, SegmentRecord],
                  opts: QueryOptions, warn: Warn) -> list[Segment]:
     """Instruction prefix + passages + question; segments whose blob is damaged are left uncached."""
-    runner = engine.runner
+    runner = res.runner
     prompt = assemble_prompt(runner, opts.template, question, passages)
     if opts.cache_prefix:
-        use_archived_prefix(engine, prompt[0], record_by_key)
-    check_length(engine, sum(len(s.token_ids) for s in prompt), opts)
+        use_archived_prefix(res, prompt[0], record_by_key)
+    check_length(res, sum(len(s.token_ids) for s in prompt), opts)
     for seg in prompt:
-        if seg.cached and not blob_intact(engine.archive(), record_by_key[seg.key]):
+        if seg.cached and not blob_intact(res.archive(), record_by_key[seg.key]):
             seg.cached = False
             warn(f"segment {seg.key[:12]}: blob missing or truncated; recomputing it (run `kvblend verify --repair`)")
     return prompt
 
 
-def check_length(engine: Engine, prompt_tokens: int, opts: QueryOptions) -> None:
+def check_length(res: Resources, prompt_tokens: int, opts: QueryOptions) -> None:
     """Refuse a prompt that, with the tokens to generate, would not fit the model's context."""
-    limit = engine.runner.max_positions
+    limit = res.runner.max_positions
     if limit and prompt_tokens + opts.sampling.max_new_tokens > limit:
         raise ContextLengthError(
             f"prompt is {prompt_tokens} tokens (+{opts.sampling.max_new_tokens} to generate); "
@@ -248,20 +243,20 @@ def blob_intact(archive: Archive, rec: SegmentRecord) -> bool:
 
 
 # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──
-def use_archived_prefix(engine: Engine, prefix: Segment, record_by_key: dict[str, SegmentRecord]) -> None:
+def use_archived_prefix(res: Resources, prefix: Segment, record_by_key: dict[str, SegmentRecord]) -> None:
     """Mark the prompt's instruction prefix cached when the archive holds its KV.
 
     It sits at position 0 and was prefilled there, so its archived KV is exactly
     what this prompt would compute: no mode but `full` recomputes it (kvblend.fusion.plan).
     """
-    prefix.key = engine.key_of(prefix.token_ids)
-    rec = engine.archive().get_segment(prefix.key)
+    prefix.key = res.key_of(prefix.token_ids)
+    rec = res.archive().get_segment(prefix.key)
     if rec is not None and list(rec.token_ids) == list(prefix.token_ids):
         prefix.cached, prefix.base_position = True, 0
         record_by_key[prefix.key] = rec
 
 
-def archive_prefix(engine: Engine, prefix: Segment, fused: FusionResult) -> None:
+def archive_prefix(res: Resources, prefix: Segment, fused: FusionResult) -> None:
     """Store the prefix's KV from this fusion (computed fresh at positions 0..n-1 in every
     mode when it was not cached), so later queries with the same template reuse it.
 
@@ -272,14 +267,14 @@ def archive_prefix(engine: Engine, prefix: Segment, fused: FusionResult) -> None
     n = len(prefix.token_ids)
     if not n or n >= len(fused.token_ids) or prefix.key is None:
         return
-    runner = engine.runner
+    runner = res.runner
     dtype = storage_dtype(runner)
     layers = [(k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous())
               for k, v in fused.kv]
     record = new_record(runner, prefix.key, runner.tokenizer.decode(prefix.token_ids), prefix.token_ids,
-                        engine.kv_settings())
+                        res.kv_settings())
     record.extra["role"] = "prefix"
-    archive = engine.archive()
+    archive = res.archive()
     if archive.readonly:
         return  # an archive this user cannot write: answer from it, store nothing
     try:
@@ -290,25 +285,25 @@ def archive_prefix(engine: Engine, prefix: Segment, fused: FusionResult) -> None
         pass  # another writer is busy: the next query stores it
 
 
-def _record_use(engine: Engine, prompt: list[Segment], fused: FusionResult, opts: QueryOptions, warn: Warn) -> None:
+def _record_use(res: Resources, prompt: list[Segment], fused: FusionResult, opts: QueryOptions, warn: Warn) -> None:
     """After the answer: archive a freshly computed prefix, and touch the segments used (for gc)."""
     try:
         if opts.cache_prefix and not prompt[0].cached:
-            archive_prefix(engine, prompt[0], fused)
-        engine.archive().touch([s.key for s in prompt if s.cached])
+            archive_prefix(res, prompt[0], fused)
+        res.archive().touch([s.key for s in prompt if s.cached])
     except Exception as exc:  # bookkeeping must never fail an answered query
         warn(f"could not record segment use: {exc}")
 
 
 # ── fusion over the archive ──
-def fuse_streaming(engine: Engine, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
+def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
                    opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> FusionResult:
     """Fuse with the archive feed; a blob that fails mid-stream is recomputed instead."""
-    runner = engine.runner
+    runner = res.runner
     while True:
         plan = plan_prompt(prompt, opts.mode)
         schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, runner.n_layers)
-        feed = ArchiveFeed(runner, engine.archive(), prompt, record_by_key, plan.offsets, schedule,
+        feed = ArchiveFeed(runner, res.archive(), prompt, record_by_key, plan.offsets, schedule,
                            depth=opts.prefetch_depth, overlap=opts.loader_overlap)
         try:
             with feed:

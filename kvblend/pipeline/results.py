@@ -1,4 +1,4 @@
-"""What the pipeline takes and gives back: query options, and ingest / query reports.
+"""What the pipeline gives back: ingest and query reports (the options it takes are kvblend.options').
 
 Plain dataclasses with `to_dict` for `--json`: the CLI renders them, the
 pipeline never prints.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvblend.defaults import DEFAULT_DEVIATION, DEFAULT_MODE, DEFAULT_PREFETCH_DEPTH, DEFAULT_SELECT, DEFAULT_TOP_K
 from kvblend.fusion import FusionResult
-from kvblend.generation import Generation, SamplingConfig
-from kvblend.prompt import PromptTemplate
+from kvblend.generation import Generation
+from kvblend.options import QueryOptions
+
+__all__ = ["IngestReport", "QueryOptions", "QueryResult", "SegmentInfo"]
 
 
 @dataclass
@@ -96,26 +97,3 @@ class QueryResult:
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "warnings": self.warnings,
         }
-
-
-@dataclass
-class QueryOptions:
-    """Everything a query can be told; the defaults are what `kvblend query` does unflagged."""
-
-    mode: str = DEFAULT_MODE
-    ratio: float | None = None  # None: tuned ratio if any, else DEFAULT_RATIO
-    check_layers: tuple[int, ...] | None = None
-    deviation: str = DEFAULT_DEVIATION
-    select: str = DEFAULT_SELECT  # blend's selection policy (kvblend.fusion.policies)
-    top_k: int = DEFAULT_TOP_K
-    docs: list[str] = field(default_factory=list)
-    segment_keys: list[str] = field(default_factory=list)
-    context_texts: list[str] = field(default_factory=list)
-    store_context: bool = False
-    template: PromptTemplate = field(default_factory=PromptTemplate)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
-    loader_overlap: bool | None = None  # build layers on loader threads; None: where cores are spare
-    cache_prefix: bool = True  # reuse (and after first use, archive) the instruction prefix's exact KV
-    keep_step_logits: bool = False
-    forced_tokens: list[int] | None = None

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblend.defaults import DEFAULT_MAX_NEW_TOKENS, MODES
+from kvblend.defaults import DEFAULT_MAX_NEW_TOKENS
+from kvblend.options import MODES
 from kvblend.serve.chunks import conversation
 
 # Accepted and used.

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from kvblend.archive import Archive, resolve_archive_path
-from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_SELECT, DEFAULT_TOP_K, SELECTIONS
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_SELECT, DEFAULT_TOP_K
+from kvblend.options import Select, choice
 from kvblend.errors import UsageError
 from kvblend.model import load_model
 from kvblend.model.loading import pick_compute_device
@@ -36,12 +37,12 @@ from kvblend.tuning.delay import (
 )
 from kvblend.tuning.jsonable import check_version, from_fields
 from kvblend.archive.names import normalize_path, tuned_key
+from kvblend.archive.records import TUNED_VERSION, TunedRatio
 from kvblend.machine import machine_info
 from kvblend.tuning.profile import Profile, applicable_profiles, busy_warning, location_profile, today
 from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
 from kvblend.tuning.storage import DEFAULT_STORAGE_COSTS, StorageDecision, cheapest_storage, parse_costs
 
-TUNED_VERSION = 1
 #: Context lengths in the per-length table `tune` prints (plus the one tuned for).
 TABLE_LENGTHS = (512, 1024, 2048, 3072, 4096, 8192)
 
@@ -143,6 +144,8 @@ class TunedSetting:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TunedSetting":
         check_version(d, TUNED_VERSION, "tuned setting")
+        if TunedRatio.from_stored(d) is None:
+            raise UsageError(f"tuned setting has no usable ratio: {d.get('ratio')!r}")
         return from_fields(cls, {
             **d,
             "table": [LayerTiming.from_dict(r) for r in d.get("table", [])],
@@ -175,8 +178,7 @@ class TuneRequest:
     select: str = DEFAULT_SELECT  # blend's selection policy the quality floor is measured for
 
     def check(self) -> None:
-        if self.select not in SELECTIONS:
-            raise UsageError(f"--select must be one of {', '.join(SELECTIONS)}, not {self.select!r}")
+        choice(Select, self.select, "--select")
         if self.tolerance < 0 or self.kl_bound < 0:
             raise UsageError("--tolerance and --kl-bound must be >= 0")
         if self.r_quality is not None and not 0 < self.r_quality <= 1:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from support import ARCHS, random_tokens, tiny_runner
-from kvblend.defaults import HEAD_TOKENS, SELECTIONS
+from kvblend.defaults import HEAD_TOKENS
+from kvblend.options import SELECTIONS
 from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.fusion import policies

@@ -143,7 +143,7 @@ def test_unknown_codec_is_refused_with_one_line(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("Some text to archive.\n")
     line = one_line_error(run_cli("ingest", doc, "--codec", "int3", "--archive", tmp_path / "arc"))
-    assert "unknown codec 'int3'" in line and "int4" in line and "lossless" in line
+    assert "--codec" in line and "'int3'" in line and "int4" in line and "lossless" in line
     assert not (tmp_path / "arc").exists()  # refused before anything was created
     qa = tmp_path / "qa.json"
     qa.write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t", "text": "x"}]}]))

@@ -81,7 +81,7 @@ def test_client_chunks_replace_retrieval_unless_top_k_asks_for_it():
     assert query_options(ChatRequest(question="Q", chunks=["A"], top_k=2)).top_k == 2
     opts = query_options(ChatRequest(question="Q", system="Be brief.", store=False, max_tokens=5))
     assert opts.top_k > 0 and opts.template.system == "Be brief." and not opts.store_context
-    assert opts.sampling.max_new_tokens == 5 and opts.context_texts == []
+    assert opts.sampling.max_new_tokens == 5 and opts.context_texts == ()
 
 
 def test_the_cli_module_imports_neither_fastapi_nor_torch():

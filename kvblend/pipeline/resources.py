@@ -1,0 +1,163 @@
+"""What every workflow works with: one archive and one model, each opened on first use, and the key scheme
+they imply.
+
+The workflows (ingest.py, query.py) take a :class:`Resources` and nothing above
+it; the :class:`~kvblend.pipeline.engine.Engine` facade is these resources plus
+the workflows, so imports run one way: engine → ingest, query → resources.
+Opening is lazy because it is expensive and often unneeded: re-ingesting an
+unchanged tree never loads the model, and a bad `--archive` fails before it does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+from kvblend.archive import Archive, KeyScheme, resolve_archive_path
+from kvblend.archive.names import tuned_key
+from kvblend.archive.records import TunedRatio
+from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_CODEC, DEFAULT_RATIO, DEFAULT_SINK, SINK_TOKENS
+from kvblend.fusion import BlendConfig
+from kvblend.model.loading import load_model
+from kvblend.model.prefill import storage_dtype
+from kvblend.model.runner import ModelRunner
+from kvblend.model.source import resolve_model_source, source_fingerprint
+from kvblend.options import QueryOptions, Sink, choice
+from kvblend.prompt import template_sink
+from kvblend.retrieval import get_embedder
+
+
+class Resources:
+    """One archive + one model. Cheap to create: the model loads on first use."""
+
+    def __init__(
+        self,
+        archive: str | Path | None = None,
+        model: str | None = None,
+        compute: str | None = None,
+        dtype: str | None = None,
+        runner: ModelRunner | None = None,
+        sink: str = DEFAULT_SINK,
+    ):
+        self.sink = choice(Sink, sink, "--sink")  # how new segments are prefilled; reads honour each record's own
+        self.archive_path = resolve_archive_path(str(archive) if archive else None)
+        self.model_spec = model
+        self.compute = compute
+        self.dtype = dtype
+        self._runner = runner
+        self._archive: Archive | None = None
+        self._keys: KeyScheme | None = None
+        self._doc_index: dict[str, str] | None = None
+        self.model_load_s = 0.0
+        if runner is not None:
+            self.model_name, self.fingerprint = runner.name, runner.fingerprint
+        else:
+            source = resolve_model_source(model)
+            self.model_name, self.fingerprint = source.name, source_fingerprint(source)
+
+    # ── resources ──
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            t0 = time.perf_counter()
+            self._runner = load_model(self.model_spec, self.compute, self.dtype)
+            self.model_load_s = time.perf_counter() - t0
+        return self._runner
+
+    def archive(self, create: bool = True) -> Archive:
+        if self._archive is None:
+            # defer_binding: the model is checked now but recorded with the first stored segment,
+            # so a run whose model fails to load leaves a new archive bound to nothing.
+            self._archive = Archive.open(
+                self.archive_path,
+                create=create,
+                model_name=self.model_name,
+                model_fingerprint=self.fingerprint,
+                defer_binding=True,
+            )
+        return self._archive
+
+    def close(self) -> None:
+        if self._archive is not None:
+            self._archive.close()
+            self._archive = None
+
+    def __enter__(self) -> Resources:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def warm_up(self) -> None:
+        """Load model and embedder outside the timed region (TTFT excludes model load)."""
+        _ = self.runner
+        get_embedder()
+
+    # ── keys ──
+    @property
+    def keys(self) -> KeyScheme:
+        """How this model and these settings key KV (loads the model: the dtype and the sink come from it)."""
+        if self._keys is None:
+            dtype = str(storage_dtype(self.runner)).replace("torch.", "")
+            self._keys = KeyScheme(self.fingerprint, dtype, tuple(self._sink_tokens()))
+        return self._keys
+
+    def sink_ids(self) -> list[int]:
+        """The tokens new segments are prefilled after (their KV dropped); see :meth:`_sink_tokens`."""
+        return [] if self.sink == Sink.none else list(self.keys.sink_ids)
+
+    def _sink_tokens(self) -> list[int]:
+        """The tokens new segments are prefilled after (their KV dropped): none, or with
+        `template` the chat template's first SINK_TOKENS tokens, the same in every prompt, or
+        with `prefix` the default template's whole instruction prefix.
+
+        A chunk prefilled alone makes its own first token an attention sink, which it is
+        not in the prompt; a short fixed sink takes that role instead (APE, CacheFocus).
+        """
+        if self.sink == Sink.none:
+            return []
+        return template_sink(self.runner, SINK_TOKENS if self.sink == Sink.template else None)
+
+    def sink_setting(self) -> str:
+        """The sink's part of a segment key, without loading the model when there is no sink."""
+        return "alone" if self.sink == Sink.none else self.keys.sink_setting
+
+    def kv_settings(self, codec: str = DEFAULT_CODEC) -> dict:
+        """Everything besides model and tokens that changes the KV a query reads back."""
+        return self.keys.settings(codec)
+
+    def key_of(self, token_ids: Sequence[int], codec: str = DEFAULT_CODEC) -> str:
+        """The archive key of these tokens' KV under this model and settings: one scheme for
+        ingested segments, stored context files and the instruction prefix alike."""
+        return self.keys.key_of(token_ids, codec)
+
+    # ── what the archive holds ──
+    def refresh(self) -> None:
+        """Forget what was cached from the index, so documents another process ingested
+        since are seen: a long-running server calls this before each request."""
+        self._doc_index = None
+
+    def document_of(self, key: str) -> str | None:
+        """The name of a document holding segment `key` (indexed once per engine)."""
+        if self._doc_index is None:
+            self._doc_index = {k: d.path for d in self.archive(create=False).iter_documents() for k in d.segment_keys}
+        return self._doc_index.get(key)
+
+    # ── blend settings ──
+    def blend_config(self, opts: QueryOptions) -> tuple[BlendConfig, float]:
+        """The blend settings a query runs with, and the ratio it reports."""
+        ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio(opts.select) or DEFAULT_RATIO
+        layers = tuple(opts.check_layers or DEFAULT_CHECK_LAYERS)
+        cfg = BlendConfig.gradual(ratio, layers, opts.deviation, opts.select)
+        cfg.validate(self.runner.n_layers)
+        return cfg, ratio
+
+    def tuned_ratio(self, select: str) -> float | None:
+        """The ratio `kvblend tune` stored for this model, compute device and archive location, if it was
+        measured for the selection policy `select` (a floor found for one policy says nothing of another)."""
+        if self._archive is None and not Archive.exists(self.archive_path):
+            return None  # no archive yet: nothing was tuned, and asking must not create one
+        stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.archive_path))
+        tuned = TunedRatio.from_stored(stored)
+        return tuned.ratio if tuned is not None and tuned.select == select else None
