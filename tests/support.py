@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO / "fixtures"  # test-only data (questions.json)
+FIXTURES = REPO / "fixtures"  # test-only data (MuSiQue passages)
+QUESTIONS = REPO / "kvblend" / "data" / "questions.json"  # the bundled documents' two-hop questions (the demo asks some)
 PACKAGE_DATA = REPO / "kvblend" / "data"  # shipped with the package: demo docs, calibration set
 DOCS = PACKAGE_DATA / "docs"
 CALIBRATION = PACKAGE_DATA / "calibration.json"

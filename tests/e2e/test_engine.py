@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from support import DOCS, FIXTURES
+from support import DOCS, QUESTIONS
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
@@ -17,7 +17,7 @@ from kvblend.types import Segment
 
 
 def fixture_question(index: int = 0) -> dict:
-    return json.loads((FIXTURES / "questions.json").read_text())[index]
+    return json.loads(QUESTIONS.read_text())[index]
 
 
 def fixture_passages(runner, names: list[str]) -> list[Segment]:
@@ -69,3 +69,18 @@ def test_blend_is_closer_to_full_than_reuse_at_a_quarter_of_the_compute(default_
     assert kl_blend < kl_reuse, (kl_blend, kl_reuse)
     assert blend.recompute_share <= 0.25, blend.recompute_share
     assert reuse.recompute_share < 0.05
+
+
+def test_demo_asks_with_full_reuse_and_blend_side_by_side(tmp_path):
+    """The demo's story on one bundled question: blend stays closer to full than reuse, at a fraction of its compute."""
+    from kvblend.evaluation.demo import run_demo
+
+    run = run_demo(tmp_path / "arc", compute="cpu", n_questions=1)
+    assert [r.mode for r in run.rows] == ["full", "reuse", "blend"]
+    by_mode = {r.mode: r for r in run.rows}
+    assert by_mode["full"].kl_vs_full == 0.0 and by_mode["full"].same_as_full
+    assert by_mode["blend"].kl_vs_full < by_mode["reuse"].kl_vs_full
+    assert by_mode["blend"].recompute_share < 0.35 and by_mode["reuse"].recompute_share < by_mode["blend"].recompute_share
+    summary = {m.mode: m for m in run.modes}
+    assert summary["blend"].questions == 1 and summary["blend"].speedup_vs_full > 1
+    assert run.report.documents == len(list(DOCS.glob("*.md")))

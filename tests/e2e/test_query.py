@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,9 +40,9 @@ def engine(built_archive, default_runner, tmp_path):
         yield eng
 
 
-def pinned(engine, n: int = 4) -> QueryOptions:
+def pinned(engine, n: int = 4, **changes) -> QueryOptions:
     docs = sorted(d.path for d in engine.archive().iter_documents())[:n]
-    return QueryOptions(docs=docs, sampling=SHORT)
+    return QueryOptions(docs=docs, **{"sampling": SHORT, **changes})
 
 
 def test_full_answers_exactly_as_model_generate(engine, default_runner):
@@ -60,8 +61,8 @@ def test_full_answers_exactly_as_model_generate(engine, default_runner):
 
 def test_blend_at_ratio_one_answers_as_full(engine):
     opts = pinned(engine)
-    full = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "full"}))
-    blend = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "blend", "ratio": 1.0}))
+    full = engine.query(QUESTION, replace(opts, mode="full"))
+    blend = engine.query(QUESTION, replace(opts, mode="blend", ratio=1.0))
     assert blend.answer == full.answer
     assert blend.generation.token_ids == full.generation.token_ids
     assert torch.allclose(blend.fusion.last_logits, full.fusion.last_logits, atol=1e-5)
@@ -86,8 +87,7 @@ def archived_prompt(engine, result, recompute: str | None = None) -> list[Segmen
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_streaming_holds_at_most_the_prefetch_depth(engine, depth):
-    opts = pinned(engine)
-    opts.prefetch_depth = depth
+    opts = pinned(engine, prefetch_depth=depth)
     first = engine.query(QUESTION, opts)
     assert not first.prefix_cached
     # hkvd recomputes every token at layer 0, so it loads layers 1..L-1; the probe pass reads layer 0 too
@@ -104,8 +104,7 @@ def test_streaming_holds_at_most_the_prefetch_depth(engine, depth):
 @pytest.mark.parametrize("overlap", [True, False], ids=["built-ahead", "built-on-demand"])
 def test_streamed_blend_equals_in_memory_blend(engine, overlap):
     """Streaming is transport only: the fused result must equal fusing the same KV in memory."""
-    opts = pinned(engine, 3)
-    opts.loader_overlap = overlap
+    opts = pinned(engine, 3, loader_overlap=overlap)
     for expect_prefix_cached in (False, True):  # the first query archives the prefix, the second reuses it
         streamed = engine.query(QUESTION, opts)
         assert streamed.prefix_cached == expect_prefix_cached
@@ -126,8 +125,7 @@ def _flip_byte(archive, key: str, layer: int) -> None:
 
 @pytest.mark.parametrize("damage,overlap", [("bitflip", True), ("bitflip", False), ("missing", None)])
 def test_corrupt_blob_falls_back_to_recompute(engine, damage, overlap):
-    opts = pinned(engine, 3)
-    opts.loader_overlap = overlap
+    opts = pinned(engine, 3, loader_overlap=overlap)
     clean = engine.query(QUESTION, opts)
     victim = clean.segments[1].key
     archive = engine.archive()
@@ -151,8 +149,7 @@ def test_instruction_prefix_is_archived_once_then_reused(engine, select):
     """The prefix's KV is exact at position 0: reusing it saves prefix × layers of compute and
     changes the answer only by its 16-bit storage rounding. (The probe pass also stops running
     the prefix's rows; its budget then returns those token-layers to the selection.)"""
-    opts = pinned(engine, 3)
-    opts.select = select
+    opts = pinned(engine, 3, select=select)
     segments_before = engine.archive().count_segments()
     first = engine.query(QUESTION, opts)
     assert not first.prefix_cached
@@ -178,10 +175,10 @@ def test_instruction_prefix_is_archived_once_then_reused(engine, select):
         second_p = torch.log_softmax(second.fusion.last_logits, -1)
         assert float((first_p.exp() * (first_p - second_p)).sum()) < 1e-4
     # Opting out neither reads nor writes it; `full` never uses it.
-    off = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "cache_prefix": False}))
+    off = engine.query(QUESTION, replace(opts, cache_prefix=False))
     assert not off.prefix_cached and off.fusion.exact_prefix_tokens == 0
     assert off.fusion.recomputed_token_layers == first.fusion.recomputed_token_layers
-    full = engine.query(QUESTION, QueryOptions(**{**opts.__dict__, "mode": "full"}))
+    full = engine.query(QUESTION, replace(opts, mode="full"))
     assert not full.prefix_cached and full.recompute_share == 1.0
 
 
@@ -210,15 +207,14 @@ def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
     """What `kvblend tune` stored for this model/device/archive is what `query` recomputes at."""
     runner = engine.runner
     engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.archive_path), {"ratio": 0.4})
-    opts = pinned(engine, 2)
-    opts.select = "hkvd"  # the plain budget: ⌈ratio · cached⌉ kept (the probe pays its pass out of it)
-    opts.sampling = SamplingConfig(max_new_tokens=1)
+    # hkvd: the plain budget, ⌈ratio · cached⌉ kept (the probe pays its pass out of it)
+    opts = pinned(engine, 2, select="hkvd", sampling=SamplingConfig(max_new_tokens=1))
     tuned = engine.query(QUESTION, opts)
     cached = tuned.fusion.cached_tokens
     uncached = len(tuned.fusion.token_ids) - cached
     assert tuned.ratio == 0.4
     assert tuned.fusion.active_per_layer[-1] == uncached + math.ceil(0.4 * cached)
-    opts.ratio = 0.1
+    opts = replace(opts, ratio=0.1)
     override = engine.query(QUESTION, opts)  # the instruction prefix is archived now: never recomputed
     exact = override.fusion.exact_prefix_tokens
     assert override.ratio == 0.1 and exact > 0

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,7 @@ import pytest
 
 from archive_helpers import TOKENS, layers
 from kvblend.archive import Archive, DocumentRecord, SegmentRecord
-from support import kvblend_script
+from support import REPO, kvblend_script
 
 N_SEGMENTS = 6
 DOCS = {"/docs/a.md": ["seg00", "seg01", "seg02"], "/docs/b.md": ["seg02", "seg03", "seg04"]}  # seg05: no document
@@ -56,9 +59,69 @@ def tree(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+@dataclass
+class OtherUser:
+    """How to run kvblend as a user who cannot write the archive: ``prefix`` switches user (empty when the
+    tests already run unprivileged), ``command`` starts kvblend as that user reaches it, ``env`` adds what it needs.
+    """
+
+    prefix: list[str]
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Any program as this user (e.g. the interpreter with ``-c``)."""
+        return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **self.env})
+
+    @property
+    def python(self) -> str:
+        """An interpreter this user can start, with kvblend importable (given ``env``)."""
+        return self.command[0] if self.command[1:2] == ["-m"] else sys.executable
+
+
+def _can_import_kvblend(prefix: list[str], python: str, env: dict[str, str]) -> bool:
+    probe = subprocess.run([*prefix, python, "-c", "import kvblend.cli.main"], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+    return probe.returncode == 0
+
+
 @contextmanager
-def readonly_tree(root: Path):
-    """Make ``root`` unwritable for the user the CLI will run as; yields that user's command prefix.
+def _checkout_for(prefix: list[str]) -> Iterator[OtherUser]:
+    """kvblend as the user of ``prefix`` can start it.
+
+    A checkout in a private directory (``mktemp -d`` makes 0700 ones, as many homes are) cannot be
+    read by another user: its venv is unreachable. Then the checkout is bind-mounted read-only into a
+    public temp directory for the test and kvblend runs from there (``python -m``, with the mount on
+    PYTHONPATH, since the editable install points at the private path); where that is not allowed
+    either, the test is skipped with the reason.
+    """
+    if _can_import_kvblend(prefix, sys.executable, {}):
+        yield OtherUser(prefix, kvblend_script())
+        return
+    with public_dir() as base:
+        mount = base / "checkout"
+        mount.mkdir()
+        proc = subprocess.run(["mount", "--bind", "-o", "ro", str(REPO), str(mount)], capture_output=True,
+                              text=True, timeout=30)
+        if proc.returncode != 0:
+            pytest.skip(f"the checkout {REPO} is private to its owner and cannot be bind-mounted where user "
+                        f"{NOBODY} can read it ({proc.stderr.strip() or proc.returncode})")
+        try:
+            here = Path(sys.executable)
+            python = str(mount / here.relative_to(REPO)) if here.is_relative_to(REPO) else str(here)
+            env = {"PYTHONPATH": str(mount)}
+            if not _can_import_kvblend(prefix, python, env):
+                pytest.skip(f"user {NOBODY} cannot start {sys.executable} even through a public bind mount of "
+                            "the checkout")
+            yield OtherUser(prefix, [python, "-m", "kvblend.cli.main"], env)
+        finally:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+@contextmanager
+def readonly_tree(root: Path) -> Iterator[OtherUser]:
+    """Make ``root`` unwritable for the user the CLI will run as; yields how to run kvblend as that user.
 
     Tests run as root here, and root ignores permissions, so the CLI runs as
     ``nobody`` (setpriv) on a tree it does not own. As another user, the tree
@@ -72,34 +135,37 @@ def readonly_tree(root: Path):
         for up in root.parents:
             if up.stat().st_mode & 0o001 == 0:
                 pytest.skip(f"{up} is not searchable by other users")
-        yield ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        with _checkout_for(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]) as user:
+            yield user
         return
     modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
     for p in modes:
         p.chmod(modes[p] & ~0o222)
     try:
-        yield []
+        yield OtherUser([], kvblend_script())
     finally:
         for p, mode in modes.items():
             p.chmod(mode)
 
 
-def run_as(prefix: list[str], *args, timeout: float = 120, home: Path | None = None) -> subprocess.CompletedProcess:
-    """`kvblend ARGS` as ``prefix`` (another user) runs it; like support.run_cli, which cannot switch users.
+def run_as(user: OtherUser, *args, timeout: float = 120, home: Path | None = None) -> subprocess.CompletedProcess:
+    """`kvblend ARGS` as ``user`` runs it; like support.run_cli, which cannot switch users.
 
     ``home``: that user's home (its model cache goes there); default none at all.
     """
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": str(home or "/nonexistent")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": str(home or "/nonexistent"),
+           **user.env}
     env.pop("XDG_CACHE_HOME", None)
-    return subprocess.run([*prefix, *kvblend_script(), *map(str, args)], capture_output=True, text=True,
+    env.pop("KVBLEND_MODEL_CACHE", None)
+    return subprocess.run([*user.prefix, *user.command, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
-def home_for(prefix: list[str], base: Path) -> Path:
-    """A home directory the user of ``prefix`` owns (for its own caches), under ``base``."""
+def home_for(user: OtherUser, base: Path) -> Path:
+    """A home directory the user owns (for its own caches), under ``base``."""
     home = base / "home"
     home.mkdir(exist_ok=True)
-    if prefix:
+    if user.prefix:
         os.chown(home, NOBODY, NOBODY)
     return home
 

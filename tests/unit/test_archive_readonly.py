@@ -147,6 +147,6 @@ def test_writable_open_of_unwritable_dir_reads_and_refuses_writes_in_one_line():
                     "    ar.put_profile('x', {})\n"
                     "except ArchiveError as e:\n"
                     "    print(e)\n")
-            proc = subprocess.run([*user, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            proc = user.run(user.python, "-c", code)
             assert proc.returncode == 0, proc.stderr
             assert "is not writable; this command needs to write" in proc.stdout

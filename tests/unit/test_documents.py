@@ -10,7 +10,7 @@ import pytest
 
 from kvblend.documents import Document, Skipped, content_hash, iter_documents
 from kvblend.errors import UsageError
-from support import CALIBRATION, DOCS, FIXTURES
+from support import CALIBRATION, DOCS, QUESTIONS
 
 
 def write(path: Path, data: str | bytes) -> Path:
@@ -210,7 +210,7 @@ def _fixture_docs() -> dict[str, tuple[str, str]]:
 
 def test_fixture_questions_are_two_hop_and_answerable():
     docs = _fixture_docs()
-    questions = json.loads((FIXTURES / "questions.json").read_text(encoding="utf-8"))
+    questions = json.loads(QUESTIONS.read_text(encoding="utf-8"))
     assert len(questions) >= 10
     for q in questions:
         assert set(q) == {"question", "answers", "docs"}
@@ -231,7 +231,7 @@ def test_fixture_calibration_matches_questions_and_musique_schema():
     docs = _fixture_docs()
     by_title = {title: (name, body) for name, (title, body) in docs.items()}
     assert len(by_title) == len(docs)  # titles are unique
-    questions = json.loads((FIXTURES / "questions.json").read_text(encoding="utf-8"))
+    questions = json.loads(QUESTIONS.read_text(encoding="utf-8"))
     records = json.loads(CALIBRATION.read_text(encoding="utf-8"))
     assert len(records) >= 8 and len(records) == len(questions)
     positions = set()
