@@ -7,7 +7,6 @@ come from the torch-free :mod:`kvblend.evaluation.records`.
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -108,38 +107,18 @@ def bench(
     command = "kvblend " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     from kvblend.evaluation.bench import run_bench
+    from kvblend.evaluation.report import write_outputs
     from kvblend.pipeline import Engine
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
-        with Engine(target, model, compute) as engine:
-            kwargs = dict(chunks=chunks, max_new_tokens=max_tokens, variants=variants,
-                          variant_ratio=variant_ratio, command=command, codecs=codec_list, select=select)
-            with _progress(as_json) as on_progress:
-                report = run_bench(engine, records, mode_list, ratio_list, on_progress=on_progress, **kwargs)
-                sweep = None
-                if pareto:
-                    from kvblend.evaluation.pareto import run_pareto
-
-                    sweep = run_pareto(engine.runner, records, chunks=chunks, on_progress=on_progress)
-
+        with Engine(target, model, compute) as engine, _progress(as_json) as on_progress:
+            report = run_bench(engine, records, mode_list, ratio_list, chunks=chunks, max_new_tokens=max_tokens,
+                               variants=variants, variant_ratio=variant_ratio, command=command, codecs=codec_list,
+                               select=select, pareto=pareto, on_progress=on_progress)
     data = report.to_dict(answers=answers)
-    if sweep is not None:
-        data["pareto"] = sweep
     if scratch:
         data["settings"]["archive"] = "scratch (temporary)"
-    if out_file is not None:
-        out_file.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    if plot is not None:
-        from kvblend.evaluation.plot import plot_report
-
-        if sweep is None:
-            plot_report(data, plot)
-        else:
-            from kvblend.evaluation.pareto import plot_pareto
-
-            plot_pareto(sweep, plot, f"{data['model']}: selection policies, {data['records']} records", data["machine"])
-            if data["results"]:
-                plot_report(data, plot.with_name(plot.stem + "-ttft" + plot.suffix))
+    written = write_outputs(data, out_file, plot)
     for w in data.get("warnings", []):
         err.print(f"[yellow]warning:[/] {escape(w)}")
     if as_json:
@@ -147,9 +126,8 @@ def bench(
     else:
         _print_human(data)
     if not as_json:
-        for path, what in ((out_file, "report"), (plot, "plot")):
-            if path is not None:
-                err.print(f"wrote {what} to {path}")
+        for what, path in written:
+            err.print(f"wrote {what} to {path}")
 
 
 @contextmanager

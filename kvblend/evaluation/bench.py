@@ -75,13 +75,15 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
               variants: bool = False, variant_ratio: float = DEFAULT_VARIANT_RATIO, main: bool = True,
               template: PromptTemplate = MUSIQUE_TEMPLATE, command: str = "", on_progress: ProgressFn | None = None,
               warm_up: bool = True, codecs: Sequence[str] = (DEFAULT_CODEC,),
-              select: str = DEFAULT_SELECT) -> BenchReport:
+              select: str = DEFAULT_SELECT, pareto: bool = False) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
     With `variants`, the fusor-choice comparison runs in the same pass; with
     ``main=False`` only the variants (full still runs: it is the reference).
     ``codecs``: reuse and blend run once per codec on the same records (each
-    codec's passages archived under their own keys); full runs once.
+    codec's passages archived under their own keys); full runs once. With
+    ``pareto``, every selection policy's ratio sweep (kvblend.evaluation.pareto)
+    runs after, on the same records, into the report's ``pareto``.
     """
     if not records:
         raise UsageError("no records to benchmark")
@@ -134,7 +136,13 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
         "raw_bytes_per_token": 2 * 2 * engine.runner.n_layers * engine.runner.n_kv_heads * engine.runner.head_dim,
         "mean_prompt_tokens": round(mean([r.prompt_tokens for r in runs if r.spec == FULL]), 1),
     }
+    sweep = None
+    if pareto:
+        from kvblend.evaluation.pareto import run_pareto
+
+        sweep = run_pareto(engine.runner, records, chunks=chunks, on_progress=on_progress)
     return BenchReport(
+        pareto=sweep,
         model=engine.model_name,
         machine=describe_machine(engine.runner),
         command=command,

@@ -6,6 +6,9 @@ so a report written months ago renders the same way. No torch here.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import math
 
 from kvblend.evaluation.records import ANSWER_KL_TOKENS
@@ -132,3 +135,25 @@ def markdown_pareto(points: list[dict]) -> str:
         return "(no sweep)"
     headers, rows = pareto_grid(points)
     return _table(headers, rows, 1)
+
+
+def write_outputs(data: dict, out_file: Path | None = None, plot: Path | None = None) -> list[tuple[str, Path]]:
+    """Write a bench report's JSON to `out_file` and its charts to `plot` (with a Pareto sweep, the KL-vs-compute
+    chart there and the quality-vs-TTFT one beside it as NAME-ttft.png); returns (what, where) per file written."""
+    written: list[tuple[str, Path]] = []
+    if out_file is not None:
+        out_file.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+        written.append(("report", out_file))
+    if plot is not None:
+        from kvblend.evaluation.plot import plot_report
+
+        if not data.get("pareto"):
+            written.append(("plot", plot_report(data, plot)))
+        else:
+            from kvblend.evaluation.pareto import plot_pareto
+
+            title = f"{data['model']}: selection policies, {data['records']} records"
+            written.append(("plot", plot_pareto(data["pareto"], plot, title, data["machine"])))
+            if data["results"]:
+                written.append(("plot", plot_report(data, plot.with_name(plot.stem + "-ttft" + plot.suffix))))
+    return written

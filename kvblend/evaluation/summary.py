@@ -29,6 +29,7 @@ class BenchReport:
     full_answers: dict[int, str] = field(default_factory=dict)
     questions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    pareto: list[dict] | None = None  # `--pareto`: per (policy, ratio) first-token KL and recompute share
 
     def per_record(self) -> list[dict]:
         """Every run's answer and numbers, record by record (for `--answers`, and eyeballing)."""
@@ -58,6 +59,8 @@ class BenchReport:
         }
         if self.variants is not None:
             d["variants"] = self.variants
+        if self.pareto is not None:
+            d["pareto"] = self.pareto
         if self.warnings:
             d["warnings"] = self.warnings
         if answers:

@@ -121,13 +121,19 @@ def test_truncated_index_rebuilt_from_blobs(tmp_path):
 
 
 def _corrupt_first_segment_page(arc) -> None:
-    """Overwrite the header of an index page that holds segment records (LMDB then says MDB_CORRUPTED)."""
+    """Overwrite the header of every index page holding seg01's record (LMDB then says MDB_CORRUPTED).
+
+    Every copy, because LMDB's copy-on-write leaves stale copies of a record in pages it no longer
+    reads: corrupting only the first copy found made the test pass or fail with the page layout.
+    """
     path = arc / "index" / "data.mdb"
     data = path.read_bytes()
-    page = data.index(b'"key":"seg01"') // 4096
+    pages = {at // 4096 for at in range(len(data)) if data.startswith(b'"key":"seg01"', at)}
+    assert pages
     with open(path, "r+b") as f:
-        f.seek(page * 4096)
-        f.write(b"\xff" * 16)
+        for page in pages:
+            f.seek(page * 4096)
+            f.write(b"\xff" * 16)
 
 
 def test_corrupted_index_page_is_one_line_and_named_by_verify(tmp_path):
