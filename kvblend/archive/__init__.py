@@ -20,12 +20,17 @@ from kvblend.archive.codec import (
     is_lossless,
 )
 from kvblend.archive.facade import Archive
-from kvblend.archive.identity import FORMAT_VERSION
-from kvblend.archive.records import DocumentRecord, LayerEntry, SegmentRecord
-from kvblend.archive.keys import KeyScheme, codec_settings, segment_key
+from kvblend.archive.local import FORMAT_VERSION, resolve_archive_path
 from kvblend.archive.maintenance import GcReport, VerifyProblem, VerifyReport
-from kvblend.archive.paths import resolve_archive_path
-from kvblend.archive.rebuild import RebuildReport, rebuild_index
+from kvblend.archive.records import (
+    DocumentRecord,
+    KeyScheme,
+    LayerEntry,
+    SegmentRecord,
+    codec_settings,
+    segment_key,
+)
+from kvblend.archive.repair import RebuildReport, rebuild_index
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Blob files: one file per segment, its per-layer payloads back to back.
+"""Blob files: one file per segment, its per-layer payloads back to back; document manifests; the disk reserve.
 
 A layer is one contiguous ``pread`` at the (offset, length) the index records,
 so loading layer i of every segment in a prompt is one read per segment, and
@@ -10,36 +10,50 @@ temp file in its final directory, fsynced, renamed into place, and the
 directory fsynced, all *before* the index transaction that references it
 commits. A crash therefore leaves at most an unreferenced file (a finished
 orphan or a ``.tmp`` file) that ``gc`` deletes, never an index record pointing
-at a partial blob.
+at a partial blob. Layer 0 of each blob also carries the record's own fields,
+and every document record is also written as a manifest file, so a lost index
+can be rebuilt from the files alone (repair.py).
+
+The disk reserve: ``gc``, ``rm`` and ``verify --repair`` free space by deleting
+blobs, but only *after* an index commit that stops referring to them, and an
+LMDB commit writes new pages before it frees any. On a disk at 100% that commit
+would fail, so writers keep a preallocated ``reserve`` file that the
+space-freeing commands delete first and recreate afterwards.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
-import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from kvblend.archive.records import LayerEntry, checksum
+from kvblend.archive.codec import encode_layer
+from kvblend.archive.records import (
+    DocumentRecord,
+    LayerEntry,
+    Model,
+    SegmentRecord,
+    blob_metadata,
+    check_key,
+    checksum,
+    describe,
+)
 from kvblend.errors import ArchiveError
+from kvblend.types import LayerKV
 
 BLOB_DIR = "blobs"
 BLOB_SUFFIX = ".kvb"
 TMP_MARKER = ".tmp-"  # temp files: ".<name>.tmp-<pid>-<random>" in the blob's own directory
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{2,128}$")
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
-
-def check_key(key: str) -> str:
-    """Segment keys become file names, so only hash-like keys are accepted."""
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ArchiveError(f"invalid segment key {key!r}: use 2-128 characters from [A-Za-z0-9_-]")
-    return key
 
 
 def blob_relpath(key: str, generation: str = "") -> str:
@@ -244,3 +258,141 @@ class BlobReader:
                         pass
             self._all.clear()
         self._tls = threading.local()
+
+
+RESERVE_FILE = "reserve"
+RESERVE_BYTES = 4 << 20  # LMDB commits of a gc or rm touch far fewer pages than this
+
+
+def ensure_reserve(root: Path, size: int = RESERVE_BYTES) -> bool:
+    """Create the reserve file if it is missing; False when there is no room for it (never raises).
+
+    Written as a temp file then renamed, so a crash or a full disk never
+    leaves a short reserve that looks complete. Called under the writer lock,
+    so any other temp reserve is a crashed writer's: it is removed.
+    """
+    final = root / RESERVE_FILE
+    tmp = root / f".{RESERVE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        for stale in root.glob(f".{RESERVE_FILE}.tmp-*"):
+            unlink_quiet(stale)
+        if final.is_file() and final.stat().st_size >= size:
+            return True
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)  # real blocks, not a sparse hole
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        return True
+    except OSError:
+        unlink_quiet(tmp)
+        return False
+
+
+def release_reserve(root: Path) -> int:
+    """Delete the reserve file; the bytes it freed (0 if there was none)."""
+    return unlink_blob(root, RESERVE_FILE)
+
+
+@contextmanager
+def spending_reserve(root: Path) -> Iterator[None]:
+    """Free the reserve for the block (which frees space), then take it back if there is room."""
+    release_reserve(root)
+    try:
+        yield
+    finally:
+        ensure_reserve(root)
+
+
+MANIFEST_DIR = "documents"
+MANIFEST_SUFFIX = ".json"
+
+
+def manifest_relpath(path: str) -> str:
+    """``documents/<blake2b-128 of the absolute path>.json``: fixed-length names for any path."""
+    digest = hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+    return f"{MANIFEST_DIR}/{digest}{MANIFEST_SUFFIX}"
+
+
+def write_manifest(root: Path, doc: DocumentRecord) -> None:
+    """Durably write (or replace) a document's manifest; a full disk is one ArchiveError line."""
+    write_blob(root, manifest_relpath(doc.path), [doc.to_json().encode()], sync_dir=False)
+
+
+def remove_manifest(root: Path, path: str) -> None:
+    unlink_blob(root, manifest_relpath(path))
+
+
+def iter_manifest_files(root: Path) -> list[tuple[str, bool]]:
+    """(relative path, is_temp) of every file under ``documents/``."""
+    try:
+        entries = sorted(os.scandir(root / MANIFEST_DIR), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [(f"{MANIFEST_DIR}/{e.name}", is_temp_name(e.name)) for e in entries
+            if e.is_file(follow_symlinks=False) and (is_temp_name(e.name) or e.name.endswith(MANIFEST_SUFFIX))]
+
+
+def read_manifests(root: Path) -> tuple[list[DocumentRecord], list[str]]:
+    """Every readable manifest's record, and the relative paths of those that could not be read."""
+    docs, unreadable = [], []
+    for rel, is_temp in iter_manifest_files(root):
+        if is_temp:
+            continue
+        try:
+            doc = DocumentRecord.from_json((root / rel).read_bytes())
+        except (OSError, ArchiveError, TypeError, AttributeError):
+            unreadable.append(rel)
+            continue
+        if not doc.path or manifest_relpath(doc.path) != rel:
+            unreadable.append(rel)
+            continue
+        docs.append(doc)
+    return docs, unreadable
+
+
+def write_segment_blobs(root: Path, items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str,
+                        level: int, committed: Callable[[str], SegmentRecord | None], model: Model = Model(),
+                        embeddings: Mapping[str, Any] | None = None) -> list[SegmentRecord]:
+    """Write one blob per new key (repeats: first wins); return the filled-in records, not yet committed.
+
+    ``committed(key)`` is the record the index holds now, if any (its blob
+    must survive until the new record commits). ``model`` and ``embeddings``
+    (key -> vector) go into layer 0's metadata with the record. On any
+    failure the blobs already written are unlinked (no committed record names
+    them yet) and the error propagates.
+    """
+    records: list[SegmentRecord] = []
+    seen: set[str] = set()
+    written: list[str] = []
+    dirs: set[Path] = set()
+    try:
+        for record, layers in items:
+            if record.key in seen:
+                continue
+            seen.add(record.key)
+            rec = describe(record, layers, codec)
+            rec.blob = new_blob_path(rec.key, committed(rec.key))
+            about = blob_metadata(rec, model, (embeddings or {}).get(rec.key))
+            payloads = (encode_layer(k, v, codec, level, segment=about if i == 0 else None)
+                        for i, (k, v) in enumerate(layers))
+            rec.layers = write_blob(root, rec.blob, payloads, sync_dir=False)
+            written.append(rec.blob)
+            dirs.add((root / rec.blob).parent)
+            records.append(rec)
+        for d in sorted(dirs):
+            fsync_dir(d)
+    except BaseException:
+        for rel in written:
+            unlink_blob(root, rel)
+        raise
+    return records
+
+
+def new_blob_path(key: str, current: SegmentRecord | None) -> str:
+    """The plain blob name, unless the committed record uses it (then a fresh generation name)."""
+    plain = blob_relpath(key)
+    if current is not None and current.blob == plain:
+        return blob_relpath(key, secrets.token_hex(4))
+    return plain

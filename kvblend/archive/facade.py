@@ -23,19 +23,38 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from kvblend.archive import edits, maintenance
-from kvblend.archive.blobs import BlobReader, unlink_blob
-from kvblend.archive.codec import check_codec
-from kvblend.archive.identity import FORMAT_VERSION, Model, stamp
+from kvblend.archive import local as edits
+from kvblend.archive import maintenance
+from kvblend.archive.blobs import (
+    BlobReader,
+    ensure_reserve,
+    remove_manifest,
+    spending_reserve,
+    unlink_blob,
+    write_manifest,
+    write_segment_blobs,
+)
+from kvblend.archive.codec import check_codec, decode_checked
 from kvblend.archive.index import DEFAULT_MAP_SIZE, Index
-from kvblend.archive.lock import WriterLock
-from kvblend.archive.manifests import remove_manifest, write_manifest
-from kvblend.archive.opening import Opened, open_parts
-from kvblend.archive.paths import LOCK_FILE, archive_exists
-from kvblend.archive.records import DocumentRecord, SegmentRecord, document_db_key, name_db_key
-from kvblend.archive.reserve import ensure_reserve, spending_reserve
-from kvblend.archive.segments import decode_checked, write_segment_blobs
-from kvblend.archive.stores import EmbeddingStore, JsonStore, SideStores
+from kvblend.archive.local import (
+    FORMAT_VERSION,
+    LOCK_FILE,
+    EmbeddingStore,
+    JsonStore,
+    Opened,
+    SideStores,
+    WriterLock,
+    archive_exists,
+    open_parts,
+    stamp,
+)
+from kvblend.archive.records import (
+    DocumentRecord,
+    Model,
+    SegmentRecord,
+    document_db_key,
+    name_db_key,
+)
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import ArchiveError, CorruptBlobError
 from kvblend.types import LayerKV

@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lmdb
 
-from kvblend.archive.blobs import BLOB_SUFFIX, scan_blob_dir, unlink_blob
-from kvblend.archive.edits import Dbs, drop_segments, strip_dangling
+from kvblend.archive.blobs import (
+    BLOB_SUFFIX,
+    iter_manifest_files,
+    manifest_relpath,
+    scan_blob_dir,
+    unlink_blob,
+)
 from kvblend.archive.index import DB_NAMES
-from kvblend.archive.manifests import iter_manifest_files, manifest_relpath
-from kvblend.archive.paths import index_bytes
+from kvblend.archive.local import Dbs, drop_segments, index_bytes, strip_dangling
 from kvblend.archive.records import SegmentRecord
 from kvblend.errors import ArchiveError, CorruptBlobError
 

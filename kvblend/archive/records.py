@@ -1,25 +1,54 @@
-"""The index's records: segments, their layers, documents; and the keys they are stored under.
+"""What the archive stores about segments and documents, and how segments are named.
 
 Records are JSON so the format is inspectable (``python -m lmdb``) and never
 needs pickle. Readers ignore fields they do not know, so format v1 may gain
 optional fields without a version bump (see FORMAT.md). A record that is not
-valid JSON means the index file itself is damaged (LMDB keeps no checksums of
-values), so it is reported as such rather than as a traceback.
+valid JSON means the index is damaged (LMDB keeps no checksums of values),
+so it is reported as such rather than as a traceback.
+
+Keys: a segment's key hashes the model fingerprint, its token ids and every
+setting that shapes its KV (:class:`KeyScheme`), so the same text under another
+model or setting never collides. Profiles and tuned settings are stored under
+names built here too (:func:`tuned_key`, :func:`profile_name`). No torch here:
+`kvblend query` looks its tuned ratio up before any model is loaded.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import hashlib
 import json
+import os
+import re
+import time
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+import numpy as np
+
+from kvblend.archive.codec import (
+    check_codec,
+    dtype_name,
+    is_lossless,
+)
+from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import ArchiveDamagedError, ArchiveError
+from kvblend.types import LayerKV
 
 T = TypeVar("T")
 
+_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{2,128}$")
 _LMDB_KEY_LIMIT = 480  # LMDB's default max key size is 511 bytes; keep a margin
+
+
+def check_key(key: str) -> str:
+    """Segment keys become file names, so only hash-like keys are accepted."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ArchiveError(f"invalid segment key {key!r}: use 2-128 characters from [A-Za-z0-9_-]")
+    return key
 
 
 def load_record(raw: str | bytes, what: str = "index record") -> Any:
@@ -189,3 +218,145 @@ class TunedRatio:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
             return None
         return cls(float(ratio), str(value.get("select", "hkvd")))
+
+
+def segment_key(fingerprint: str, token_ids: Sequence[int], settings: dict) -> str:
+    """Key = hash(model fingerprint, token ids, KV-producing settings): no collisions across models."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(fingerprint.encode())
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def codec_settings(codec: str) -> dict:
+    """What a codec adds to a segment key's KV-producing settings.
+
+    A lossy codec changes the KV a query reads back (int4 KV is not the KV it
+    was made from), so its segments get keys of their own and live beside the
+    lossless ones. Lossless codecs give back the same bits and add nothing, so
+    keys written before lossy codecs existed still match.
+    """
+    name = check_codec(codec)
+    return {} if is_lossless(name) else {"codec": name}
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """Everything besides the tokens that shapes a segment's KV, so everything its key must cover.
+
+    Ingest, a stored context passage, a served client chunk and the instruction prefix
+    all key their KV through one scheme, so the same tokens under the same model and
+    settings always find the same segment, and different ones never collide.
+    """
+
+    fingerprint: str  # the model's weights
+    dtype: str  # the KV's storage dtype ("float16" unless the model computes in bf16)
+    sink_ids: tuple[int, ...] = ()  # tokens each segment is prefilled after (their KV dropped)
+
+    @property
+    def sink_setting(self) -> str:
+        """The sink's part of a key: "alone" (the keys of archives made before sinks existed), or its tokens."""
+        return "alone" if not self.sink_ids else "tokens:" + ",".join(map(str, self.sink_ids))
+
+    def settings(self, codec: str = DEFAULT_CODEC) -> dict:
+        """The KV-producing settings a key hashes (a lossy codec adds itself: its KV differs)."""
+        return {"sink": self.sink_setting, "dtype": self.dtype, **codec_settings(codec)}
+
+    def key_of(self, token_ids: Sequence[int], codec: str = DEFAULT_CODEC) -> str:
+        return segment_key(self.fingerprint, token_ids, self.settings(codec))
+
+
+def normalize_path(path: str | os.PathLike[str]) -> str:
+    """Absolute, symlink-free spelling of a location, so the same place always gets the same key."""
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _short_hash(text: str, size: int) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=size).hexdigest()
+
+
+def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str]) -> str:
+    """Name of the tuned settings for a model on a compute device type with the archive at a location.
+
+    The archive location is part of the key because loading speed (and so the
+    ratio) depends on where the archive is: move it to another disk and the
+    tuned ratio no longer applies. The path is hashed so the key stays short
+    (LMDB keys are limited to 511 bytes).
+    """
+    return f"{model_name[:200]}|{compute}|{_short_hash(normalize_path(archive_path), 8)}"
+
+
+def profile_name(hostname: str, model_name: str, compute: str, storage_label: str,
+                 storage_path: str | None) -> str:
+    """One stored profile per (machine, model, compute, storage): re-profiling replaces it."""
+    where = storage_label
+    if storage_path is not None:
+        where += "@" + _short_hash(storage_path, 6)
+    return f"{hostname[:100]}|{model_name[:200]}|{compute}|{where[:100]}"
+
+
+def describe(record: SegmentRecord, layers: Sequence[LayerKV], codec: str) -> SegmentRecord:
+    """Validate the tensors against the record and fill in shape, dtype, codec, times."""
+    check_key(record.key)
+    if not layers:
+        raise ValueError(f"segment {record.key}: no layers to store")
+    k0 = layers[0][0]
+    if k0.dim() != 3:
+        raise ValueError(f"segment {record.key}: K must be [kv_heads, n_tokens, head_dim], got {tuple(k0.shape)}")
+    for i, (k, v) in enumerate(layers):
+        if k.shape != k0.shape or v.shape != k0.shape or k.dtype != k0.dtype or v.dtype != k0.dtype:
+            raise ValueError(f"segment {record.key} layer {i}: K/V shape or dtype differs from layer 0")
+    kv_heads, n_tokens, head_dim = (int(s) for s in k0.shape)
+    if record.n_tokens and record.n_tokens != n_tokens:
+        raise ValueError(f"segment {record.key}: record says {record.n_tokens} tokens, KV has {n_tokens}")
+    if record.token_ids and len(record.token_ids) != n_tokens:
+        raise ValueError(f"segment {record.key}: {len(record.token_ids)} token ids for {n_tokens} KV tokens")
+    now = time.time()
+    return dataclasses.replace(
+        record, n_tokens=n_tokens, token_ids=[int(t) for t in record.token_ids], dtype=dtype_name(k0.dtype),
+        codec=codec, n_layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, layers=[],
+        created=record.created or now, last_access=record.last_access or now, extra=dict(record.extra))
+
+
+def blob_metadata(rec: SegmentRecord, model: Model, embedding: Any = None) -> dict[str, Any]:
+    """What layer 0 of a blob says about its segment: every record field that is not about the tensors."""
+    about: dict[str, Any] = {"key": rec.key, "token_ids": rec.token_ids, "text": rec.text,
+                             "base_position": rec.base_position, "extra": rec.extra, "created": rec.created,
+                             "model_name": model.name, "model_fingerprint": model.fingerprint}
+    if embedding is not None:
+        vector = np.ascontiguousarray(np.asarray(embedding, dtype="<f4").reshape(-1))
+        about["embedding"] = base64.b64encode(vector.tobytes()).decode("ascii")
+    return about
+
+
+def record_from_blob(about: Mapping[str, Any], tensors: Mapping[str, Any], layers: list[LayerEntry],
+                     blob: str) -> tuple[SegmentRecord, np.ndarray | None]:
+    """Inverse of :func:`blob_metadata`: the record (and embedding) a rebuilt index gets for a blob.
+
+    ``tensors``: codec, dtype and shape [kv_heads, n_tokens, head_dim] from
+    the payload header (``codec.describe_payload``). Raises ValueError when
+    the two disagree, e.g. token ids for another number of tokens.
+    """
+    kv_heads, n_tokens, head_dim = (int(x) for x in tensors["shape"])
+    token_ids = [int(t) for t in about.get("token_ids") or []]
+    if token_ids and len(token_ids) != n_tokens:
+        raise ValueError(f"{len(token_ids)} token ids for {n_tokens} KV tokens")
+    created = float(about.get("created") or 0.0)
+    rec = SegmentRecord(key=str(about["key"]), n_tokens=n_tokens, token_ids=token_ids, text=str(about.get("text", "")),
+                        dtype=str(tensors["dtype"]), codec=str(tensors["codec"]), n_layers=len(layers),
+                        kv_heads=kv_heads, head_dim=head_dim, base_position=int(about.get("base_position") or 0),
+                        layers=layers, blob=blob, created=created, last_access=created,
+                        extra=dict(about.get("extra") or {}))
+    vector = None
+    if about.get("embedding"):
+        vector = np.frombuffer(base64.b64decode(about["embedding"]), dtype="<f4").astype(np.float32)
+    return rec, vector
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model identity: the name shown to users and the fingerprint that is compared."""
+
+    name: str | None = None
+    fingerprint: str | None = None

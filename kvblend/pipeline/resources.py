@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvblend.archive import Archive, KeyScheme, resolve_archive_path
-from kvblend.archive.names import tuned_key
+from kvblend.archive.records import tuned_key
 from kvblend.archive.records import TunedRatio
 from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_CODEC, DEFAULT_RATIO, DEFAULT_SINK, SINK_TOKENS
 from kvblend.fusion import BlendConfig

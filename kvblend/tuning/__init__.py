@@ -1,6 +1,6 @@
 """The loading controller (design §2, paper §5.1): measure the machine, pick the ratio and the storage.
 
-* :mod:`~kvblend.archive.names`: names under which profiles and tuned settings are stored (no torch).
+* :mod:`~kvblend.archive.records`: names under which profiles and tuned settings are stored (no torch).
 * :mod:`~kvblend.tuning.delay`: the delay model, ``r = max(r_quality, r_hide)``, the quality floor.
 * :mod:`~kvblend.tuning.storage`: the cheapest storage whose loading hides recompute.
 * :mod:`~kvblend.machine`: which machine measured what; the one machine description.
@@ -11,5 +11,5 @@
 * :mod:`~kvblend.tuning.tune`: :class:`TunedSetting` and :func:`run_tune`, what `kvblend tune` does.
 * :mod:`~kvblend.tuning.jsonable`: the version check both stored records share.
 
-Nothing is imported here, so ``import kvblend.archive.names`` stays free of torch.
+Nothing is imported here, so ``import kvblend.archive.records`` stays free of torch.
 """

@@ -23,7 +23,7 @@ from kvblend.errors import KvblendError, UsageError
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.tuning.delay import CostModel, LoadModel
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.archive.names import normalize_path
+from kvblend.archive.records import normalize_path
 from kvblend.machine import Machine, machine_info, same_machine
 
 PROFILE_VERSION = 1

@@ -17,7 +17,7 @@ from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import UsageError
 from kvblend.model import load_model
 from kvblend.tuning import probes
-from kvblend.archive.names import normalize_path, profile_name
+from kvblend.archive.records import normalize_path, profile_name
 from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.tuning.profile import (
     DISK_LABELS,

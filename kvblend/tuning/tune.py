@@ -4,7 +4,7 @@ The workflow (:func:`run_tune`): find the profile of the archive's own location
 on this machine, pick the context length to tune for, measure (or take) the
 quality floor, decide the ratio from the delay model, price the profiled
 storage, and store the result as a :class:`TunedSetting` under
-:func:`~kvblend.archive.names.tuned_key`, where `kvblend query` finds it.
+:func:`~kvblend.archive.records.tuned_key`, where `kvblend query` finds it.
 The CLI only parses options and renders the :class:`TuneResult`.
 """
 
@@ -36,7 +36,7 @@ from kvblend.tuning.delay import (
     recompute_time,
 )
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.archive.names import normalize_path, tuned_key
+from kvblend.archive.records import normalize_path, tuned_key
 from kvblend.archive.records import TUNED_VERSION, TunedRatio
 from kvblend.machine import machine_info
 from kvblend.tuning.profile import Profile, applicable_profiles, busy_warning, location_profile, today

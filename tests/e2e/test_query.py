@@ -15,7 +15,7 @@ from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
 from kvblend.pipeline import Engine, QueryOptions
 from kvblend.prompt import PromptTemplate, assemble_prompt, split_template
-from kvblend.archive.names import tuned_key
+from kvblend.archive.records import tuned_key
 from kvblend.types import Segment
 
 QUESTION = "Who manages the plant where the Tern-4 sonar is built?"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvblend.evaluation.records import QARecord
-from kvblend.archive.names import normalize_path
+from kvblend.archive.records import normalize_path
 from kvblend.tuning.profile import Profile
 from kvblend.tuning.profiling import QUICK_LENGTHS
 from kvblend.tuning.quality import measure_quality

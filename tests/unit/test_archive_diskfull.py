@@ -12,9 +12,8 @@ import pytest
 
 from archive_helpers import ar, flip_byte, layers, put  # noqa: F401 (ar: fixture)
 from hardening_helpers import build_archive, fill_disk, small_tmpfs
-from kvblend.archive import Archive, SegmentRecord, edits
-from kvblend.archive import lock as lock_mod
-from kvblend.archive.reserve import RESERVE_BYTES, RESERVE_FILE
+from kvblend.archive import Archive, SegmentRecord, local
+from kvblend.archive.blobs import RESERVE_BYTES, RESERVE_FILE
 from kvblend.errors import ArchiveError
 from support import one_line_error, run_cli
 
@@ -70,7 +69,7 @@ def test_pid_note_in_lock_file_does_not_fail_on_enospc(ar, monkeypatch):
     def no_space(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lock_mod.os, "pwrite", no_space)
+    monkeypatch.setattr(local.os, "pwrite", no_space)
     with ar.writer():
         put(ar, "pp1")
     assert ar.has_segment("pp1")
@@ -83,7 +82,7 @@ def test_index_commit_failure_leaves_index_unchanged_and_orphans_for_gc(ar, monk
     def full(*args, **kwargs):
         raise lmdb.DiskError("mdb_txn_commit: No space left on device")
 
-    monkeypatch.setattr(edits, "commit_segments", full)
+    monkeypatch.setattr(local, "commit_segments", full)
     with pytest.raises(ArchiveError, match="nothing was committed"):
         put(ar, "cc1")
     monkeypatch.undo()

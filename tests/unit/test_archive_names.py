@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvblend.defaults import DEFAULT_RATIO
-from kvblend.archive.names import profile_name, tuned_key
+from kvblend.archive.records import profile_name, tuned_key
 from support import tiny_runner
 
 

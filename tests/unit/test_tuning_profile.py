@@ -20,7 +20,7 @@ from kvblend.tuning.profile import (
     location_profile,
     profile_flags,
 )
-from kvblend.archive.names import normalize_path
+from kvblend.archive.records import normalize_path
 from kvblend.tuning.quality import QualitySweep
 from kvblend.tuning.storage import StorageDecision, cheapest_storage
 from kvblend.tuning.tune import TUNED_VERSION, ModelRef, TunedSetting, decide

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvblend.archive.names import normalize_path, tuned_key
+from kvblend.archive.records import normalize_path, tuned_key
 from kvblend.machine import machine_info
 from kvblend.tuning.tune import TunedSetting
 from support import one_line_error, run_cli

@@ -1,9 +1,18 @@
 """``kvblend verify --rebuild-index``: a new index from the blobs, for an archive whose index is lost.
 
-Sources, most trusted first: records the old index still yields (salvage.py,
+Sources, most trusted first: records the old index still yields (:func:`salvage`,
 kept only when they match their blob byte for byte), then what each blob says
-about itself in layer 0 (segments.py), then document manifests (manifests.py).
-Every blob is decompressed in full (zstd frame checksums) before it is listed.
+about itself in layer 0 (records.blob_metadata), then document manifests
+(blobs.py). Every blob is decompressed in full (zstd frame checksums) before
+it is listed (:func:`restore_blob`): its layer entries are found again by walking
+its zstd frames, and a blob with neither an old record nor a self-description
+cannot be restored (its KV is useless without the token ids it came from).
+
+The salvage reads the damaged index table by table until the first error, then
+looks up the keys it can guess (segment keys from blob names, documents from
+manifests) one by one, each in its own transaction, so only the records on the
+damaged page itself are lost; usage counts, profiles and tuned settings live
+only there.
 
 Nothing is deleted. The new index is built beside the old one and swapped in
 by two renames; the old one is kept as ``index.damaged-<time>/``. Blobs that
@@ -14,6 +23,7 @@ document that lost segments, so the user knows what to ingest again.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -22,20 +32,44 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
-from kvblend.archive.blobs import BLOB_DIR, fsync_dir, scan_blob_dir
-from kvblend.archive.health import INDEX_DIR, has_blobs
-from kvblend.archive.identity import FORMAT_VERSION, check_version
-from kvblend.archive.index import Index
-from kvblend.archive.lock import WriterLock
-from kvblend.archive.manifests import read_manifests
-from kvblend.archive.paths import LOCK_FILE, archive_exists, writable
-from kvblend.archive.records import DocumentRecord, document_db_key
-from kvblend.archive.reserve import spending_reserve
-from kvblend.archive.restore import Restored, restore_blob
-from kvblend.archive.salvage import Salvage, salvage
-from kvblend.archive.stores import EmbeddingStore, dump_json
-from kvblend.errors import ArchiveDamagedError, ArchiveError
+from kvblend.archive.blobs import (
+    BLOB_DIR,
+    check_key,
+    fsync_dir,
+    read_manifests,
+    scan_blob_dir,
+    spending_reserve,
+)
+from kvblend.archive.codec import describe_payload, split_frames
+from kvblend.archive.index import (
+    DB_NAMES,
+    INDEX_DIR,
+    Index,
+    has_blobs,
+    index_problem,
+    lmdb_reason,
+)
+from kvblend.archive.local import (
+    FORMAT_VERSION,
+    LOCK_FILE,
+    EmbeddingStore,
+    WriterLock,
+    archive_exists,
+    check_version,
+    dump_json,
+    writable,
+)
+from kvblend.archive.records import (
+    DocumentRecord,
+    LayerEntry,
+    SegmentRecord,
+    checksum,
+    document_db_key,
+    record_from_blob,
+)
+from kvblend.errors import ArchiveDamagedError, ArchiveError, CorruptBlobError
 
 LOST_AND_FOUND = "lost+found"
 
@@ -206,3 +240,149 @@ def _move_lost(root: Path, report: RebuildReport) -> None:
         target = root / LOST_AND_FOUND / Path(rel).relative_to(BLOB_DIR)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(root / rel, target)
+
+
+@dataclass
+class Restored:
+    """A segment record rebuilt from a blob, and what the blob said beyond the record."""
+
+    record: SegmentRecord
+    embedding: np.ndarray | None
+    model_name: str | None
+    model_fingerprint: str | None
+    mtime: float
+    from_old_index: bool
+
+
+def restore_blob(root: Path, rel: str, known: dict[str, dict[str, Any]]) -> Restored:
+    """The record of blob ``rel``; ``known``: segment key -> record dict salvaged from the old index.
+
+    Raises CorruptBlobError (damaged) or ValueError (cannot be described) with a one-line reason.
+    """
+    path = root / rel
+    key = check_key(Path(rel).name.split(".", 1)[0])
+    data = path.read_bytes()
+    mtime = os.stat(path).st_mtime
+    frames = split_frames(data)
+    if not frames:
+        raise CorruptBlobError("blob is empty")
+    layers = [LayerEntry(offset, length, checksum(data[offset : offset + length])) for offset, length, _ in frames]
+    described = [describe_payload(raw) for _, _, raw in frames]
+    first = described[0]
+    for i, d in enumerate(described[1:], start=1):
+        if (d["codec"], d["dtype"], d["shape"]) != (first["codec"], first["dtype"], first["shape"]):
+            raise CorruptBlobError(f"layer {i} differs from layer 0 in codec, dtype or shape")
+    about = first["segment"] if isinstance(first["segment"], dict) else {}
+    model = (about.get("model_name"), about.get("model_fingerprint"))
+    old = known.get(key)
+    if old is not None and old.get("blob") == rel and _same_layers(old, layers):
+        return Restored(SegmentRecord.from_dict(old), None, *model, mtime, from_old_index=True)
+    if not about:
+        why = "its bytes no longer match the old index record" if old else "the old index is lost"
+        raise ValueError(f"written by an older kvblend, the blob does not describe its segment, and {why}")
+    if about.get("key") != key:
+        raise ValueError(f"the blob describes segment {about.get('key')!r} but is named for {key!r}")
+    record, embedding = record_from_blob(about, first, layers, rel)
+    return Restored(record, embedding, *model, mtime, from_old_index=False)
+
+
+def _same_layers(old: dict[str, Any], layers: list[LayerEntry]) -> bool:
+    """Whether the old record's layer entries are exactly the blob's (same offsets, lengths, CRCs)."""
+    try:
+        entries = [(int(x["offset"]), int(x["length"]), str(x["checksum"])) for x in old.get("layers", [])]
+    except (KeyError, TypeError, ValueError):
+        return False
+    return entries == [(e.offset, e.length, e.checksum) for e in layers]
+
+
+@dataclass
+class Salvage:
+    """Raw rows per table (key -> value bytes) and what went wrong while reading them."""
+
+    tables: dict[str, dict[bytes, bytes]] = field(default_factory=lambda: {name: {} for name in DB_NAMES})
+    problems: list[str] = field(default_factory=list)
+
+    def json_rows(self, table: str) -> dict[bytes, Any]:
+        """The table's rows whose value is valid JSON, parsed."""
+        out = {}
+        for key, raw in self.tables[table].items():
+            try:
+                out[key] = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                self.problems.append(f"{table} record {key[:40]!r} is not valid JSON")
+        return out
+
+    def segments(self) -> dict[str, dict[str, Any]]:
+        """Segment key -> record dict, for records that at least name a key and a blob."""
+        rows = self.json_rows("segments")
+        return {d["key"]: d for d in rows.values() if isinstance(d, dict) and d.get("key") and d.get("blob")}
+
+    def documents(self) -> list[dict[str, Any]]:
+        return [d for d in self.json_rows("documents").values() if isinstance(d, dict) and d.get("path")]
+
+
+def salvage(root: Path, hints: dict[str, list[bytes]] | None = None) -> Salvage:
+    """Read every table of ``root``'s index that can still be read (an empty Salvage if none can).
+
+    ``hints``: table -> keys worth looking up one by one when its scan fails.
+    """
+    found = Salvage()
+    problem = index_problem(root)
+    if problem is not None:
+        if problem not in ("is missing", "is empty"):
+            found.problems.append(f"the old index {problem}: nothing could be read from it")
+        return found
+    try:
+        # Read-only, without LMDB's reader table: the caller holds the writer lock, so no kvblend
+        # writer runs, and the damaged directory may not even take a lock file.
+        env = lmdb.open(str(root / INDEX_DIR), readonly=True, lock=False, max_dbs=len(DB_NAMES) + 2,
+                        subdir=True, readahead=False)
+    except lmdb.Error as e:
+        found.problems.append(f"the old index cannot be opened ({lmdb_reason(e)})")
+        return found
+    try:
+        for name in DB_NAMES:
+            if not _read_table(env, name, found):
+                _look_up(env, name, (hints or {}).get(name, []), found)
+    finally:
+        env.close()
+    return found
+
+
+def _read_table(env: lmdb.Environment, name: str, found: Salvage) -> bool:
+    """Copy one table's rows into ``found`` until the first error; False if one stopped the scan."""
+    rows = found.tables[name]
+    try:
+        db = env.open_db(name.encode(), create=False)
+    except lmdb.NotFoundError:
+        return True
+    except lmdb.Error as e:
+        found.problems.append(f"table {name} cannot be opened ({lmdb_reason(e)})")
+        return False
+    try:
+        with env.begin(db=db, buffers=False) as txn:
+            for key, value in txn.cursor():
+                rows[bytes(key)] = bytes(value)
+    except lmdb.Error as e:
+        found.problems.append(f"table {name} is damaged after {len(rows)} records ({lmdb_reason(e)})")
+        return False
+    return True
+
+
+def _look_up(env: lmdb.Environment, name: str, keys: list[bytes], found: Salvage) -> None:
+    """Get each key on its own (a failed read poisons its transaction), skipping those already read."""
+    rows = found.tables[name]
+    try:
+        db = env.open_db(name.encode(), create=False)
+    except lmdb.Error:
+        return
+    for key in keys:
+        if key in rows:
+            continue
+        try:
+            with env.begin(db=db, buffers=False) as txn:
+                value = txn.get(key)
+        except lmdb.Error:
+            continue
+        if value is not None:
+            rows[key] = bytes(value)
