@@ -29,6 +29,7 @@ Paths are shown as given plus the part below a directory argument, with
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -58,9 +59,10 @@ def content_hash(text: str) -> str:
 
 @dataclass(frozen=True)
 class Document:
-    path: str
+    path: str  # as the user named it (the archive makes it absolute)
     text: str
     content_hash: str
+    name: str = ""  # relative to the directory it was found under (a file given alone: its file name)
 
     @classmethod
     def of(cls, path: str, text: str) -> "Document":
@@ -92,15 +94,18 @@ def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
             skipped.extend(Skipped(_join(shown, rel), "permission denied") for rel in unreadable)
             if not files and not unreadable:
                 raise UsageError(f"no documents found under {shown}")
-            targets = [(f, _join(shown, rel)) for f, rel in files]
+            targets = [(f, _join(shown, rel), rel) for f, rel in files]
         else:
-            targets = [(given, shown)]
-        for file, name in targets:
+            targets = [(given, shown, given.name)]
+        for file, name, label in targets:
             key = os.path.realpath(file)
             if key in seen:
                 continue
             seen.add(key)
+            before = len(docs)
             _read_file(file, name, docs, skipped)
+            # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
+            docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name):]) for d in docs[before:]]
     return docs, skipped
 
 

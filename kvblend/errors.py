@@ -48,11 +48,16 @@ class ArchiveBusyError(ArchiveError):
 class CorruptBlobError(ArchiveError):
     """A blob is missing, truncated, or fails its checksum."""
 
-    def __init__(self, message: str, segment_key: str = "", layer: int | None = None):
+    def __init__(self, message: str, segment_key: str = "", layer: int | None = None, reason: str = ""):
         super().__init__(message)
         self.segment_key = segment_key
         self.layer = layer
+        self.reason = reason or message  # what is wrong, without naming the segment or where it lives
 
 
 class ArchiveDamagedError(ArchiveError):
     """The archive's index is missing, truncated or corrupted: its message names the repair command."""
+
+
+class NotFoundError(UsageError):
+    """A document or segment the archive does not hold (a server answers 404)."""

@@ -24,7 +24,6 @@ from kvblend.defaults import (
     DEFAULT_MODE,
     DEFAULT_PREFETCH_DEPTH,
     DEFAULT_SELECT,
-    DEFAULT_SINK,
     DEFAULT_TOP_K,
 )
 from kvblend.errors import UsageError

@@ -1,11 +1,21 @@
-"""kvblend's on-disk KV archive: an LMDB index plus one blob file per segment.
+"""kvblend's KV archive: segments' per-layer KV and their records, on a local directory or on Redis.
 
 The format is specified in ``FORMAT.md`` next to this file. Typical use::
 
-    with Archive.open(path, model_name=name, model_fingerprint=fp) as ar:
+    with Archive.open(path_or_redis_url, model_name=name, model_fingerprint=fp) as ar:
         with ar.writer():
             ar.put_segment(SegmentRecord(key=key, token_ids=ids, text=text), layers)
         k, v = ar.read_layer(key, 0)
+
+    records.py      segment / document records, keys, names of stored settings
+    codec.py        per-layer payloads: safetensors + zstd (lossless), quant.py (int8 / int4)
+    store.py        the store interface both stores implement
+    local.py        the local store: a directory with an LMDB index (index.py, pagecheck.py) and blob files (blobs.py)
+    redis_store.py  the Redis store: one key per segment layer, records written last
+    facade.py       Archive: what every command uses, whatever the store
+    maintenance.py  verify, gc, stats
+    repair.py       a lost local index rebuilt from its blob files
+    location.py     --archive: a directory or a redis:// URL
 
 Importing this package does not import torch (only encoding and decoding KV do).
 """
@@ -19,9 +29,15 @@ from kvblend.archive.codec import (
     encode_layer,
     is_lossless,
 )
-from kvblend.archive.facade import Archive
-from kvblend.archive.local import FORMAT_VERSION, resolve_archive_path
-from kvblend.archive.maintenance import GcReport, VerifyProblem, VerifyReport
+from kvblend.archive.facade import SEGMENT_PREFIX_MIN, Archive, DocumentSummary
+from kvblend.archive.local import FORMAT_VERSION
+from kvblend.archive.location import Location, resolve_location
+from kvblend.archive.maintenance import (
+    ArchiveStats,
+    GcReport,
+    VerifyProblem,
+    VerifyReport,
+)
 from kvblend.archive.records import (
     DocumentRecord,
     KeyScheme,
@@ -38,11 +54,15 @@ __all__ = [
     "DEFAULT_CODEC",
     "DEFAULT_LEVEL",
     "FORMAT_VERSION",
+    "SEGMENT_PREFIX_MIN",
     "Archive",
+    "ArchiveStats",
     "DocumentRecord",
+    "DocumentSummary",
     "GcReport",
     "KeyScheme",
     "LayerEntry",
+    "Location",
     "RebuildReport",
     "SegmentRecord",
     "VerifyProblem",
@@ -55,6 +75,6 @@ __all__ = [
     "encode_layer",
     "is_lossless",
     "rebuild_index",
-    "resolve_archive_path",
+    "resolve_location",
     "segment_key",
 ]

@@ -1,11 +1,12 @@
-"""The archive facade: an LMDB index plus one blob file per segment (see FORMAT.md).
+"""The archive: segments' KV and their records, documents, and side tables, over one store.
 
-Any number of readers, in any number of processes, read without locks (LMDB
-snapshots; blobs are immutable once renamed into place); a read-only open
-(opening.py) creates and writes nothing. One writer at a time (lock.py)
-creates or deletes files: blobs and document manifests (put, remove, repair,
-gc). Index-only updates (``touch``, side stores) take no lock, because LMDB
-serializes them and a query must not fail because an ingest is running.
+Every command, the pipeline and the feeds use an :class:`Archive`; what holds
+the bytes is its :class:`~kvblend.archive.store.Store`, a local directory
+(LMDB + blob files, local.py) or Redis (redis_store.py), chosen by the
+location's form when the archive is opened. The archive adds what is the
+same whatever the store: encoding and checking KV (codec.py), finding a
+document or a segment the way a user names it, and the typed summaries
+the CLI renders. Upkeep (verify, gc, stats) is maintenance.py's.
 
 torch is imported only by the calls that encode or decode tensors, so
 listing, verifying and collecting an archive never load it.
@@ -16,108 +17,96 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import lmdb
 import numpy as np
 
-from kvblend.archive import local as edits
 from kvblend.archive import maintenance
-from kvblend.archive.blobs import (
-    BlobReader,
-    ensure_reserve,
-    remove_manifest,
-    spending_reserve,
-    unlink_blob,
-    write_manifest,
-    write_segment_blobs,
-)
 from kvblend.archive.codec import check_codec, decode_checked
-from kvblend.archive.index import DEFAULT_MAP_SIZE, Index
-from kvblend.archive.local import (
-    FORMAT_VERSION,
-    LOCK_FILE,
-    EmbeddingStore,
-    JsonStore,
-    Opened,
-    SideStores,
-    WriterLock,
-    archive_exists,
-    open_parts,
-    stamp,
-)
-from kvblend.archive.records import (
-    DocumentRecord,
-    Model,
-    SegmentRecord,
-    document_db_key,
-    name_db_key,
-)
+from kvblend.archive.index import DEFAULT_MAP_SIZE
+from kvblend.archive.local import FORMAT_VERSION, LocalStore, archive_exists
+from kvblend.archive.location import Location, resolve_location
+from kvblend.archive.records import DocumentRecord, Model, SegmentRecord
+from kvblend.archive.store import Store
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.errors import ArchiveError, CorruptBlobError
+from kvblend.errors import ArchiveError, CorruptBlobError, NotFoundError, UsageError
 from kvblend.types import LayerKV
 
-T = TypeVar("T")
+#: The shortest segment-key prefix a user may name a segment by (`show`, `query --segment`): 6 hex digits
+#: (16.7 million values) keep an accidental match unlikely in any archive a person browses.
+SEGMENT_PREFIX_MIN = 6
 
 
-class Archive(SideStores):
-    """A KV archive directory. Open with :meth:`Archive.open`; close (or use ``with``) when done."""
+@dataclass(frozen=True)
+class DocumentSummary:
+    """One document as `ls` shows it."""
 
-    def __init__(self, opened: Opened, asked: Model = Model()):
+    name: str  # as ingested, relative to its root
+    path: str  # where it was read from (absolute)
+    segments: int
+    missing_segments: int  # listed but gone (evicted, damaged, removed): ingest it again to restore them
+    tokens: int
+    bytes: int  # payload bytes of its segments still present
+    last_used: float | None
+    ingested: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Archive:
+    """A KV archive. Open with :meth:`Archive.open`; close (or use ``with``) when done."""
+
+    def __init__(self, store: Store, location: Location, asked: Model = Model()):
         """Internal: use :meth:`open`."""
-        self.path = path = opened.root
-        self.readonly = opened.readonly
-        self.index: Index = opened.index
-        self.blobs = BlobReader(path)
-        self._denied = opened.denied
+        self.store = store
+        self.location = location
         self._asked = asked  # the model this process writes with; recorded by the first segment commit
-        self._lock = WriterLock(path / LOCK_FILE)
-        self._meta = JsonStore(self.index, "meta", self._write)
-        self._profiles = JsonStore(self.index, "profiles", self._write)
-        self._tuned = JsonStore(self.index, "tuned", self._write)
-        self._embeddings = EmbeddingStore(self.index, self._write)
-        self._closed = False
-        self.model_name: str | None = opened.model.name
-        self.model_fingerprint: str | None = opened.model.fingerprint
 
     # ------------------------------------------------------------ open / close
 
-    exists = staticmethod(archive_exists)
+    @staticmethod
+    def exists(location: str | os.PathLike[str] | Location) -> bool:
+        """Whether an archive is there, without opening or creating it (a Redis archive is assumed to be:
+        only connecting could tell)."""
+        where = resolve_location(location)
+        return where.is_redis or archive_exists(where.path or Path())
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, create: bool = True, model_name: str | None = None,
+    def open(cls, location: str | os.PathLike[str] | Location, *, create: bool = True, model_name: str | None = None,
              model_fingerprint: str | None = None, readonly: bool = False, defer_binding: bool = False,
              initial_map_size: int = DEFAULT_MAP_SIZE) -> Archive:
-        """Open (or create) the archive at ``path``.
+        """Open (or create) the archive at ``location``: a directory, or a ``redis://`` URL.
 
-        Refuses, with one actionable line, an archive written by a newer
-        format (ArchiveVersionError), one built with another model
+        Refuses, with one actionable line, an archive written by a newer format
+        (ArchiveVersionError), one built with another model
         (ArchiveModelMismatchError, when ``model_fingerprint`` is given), a
         damaged one (ArchiveDamagedError, naming the repair command), and a
         missing archive when ``create`` is False. ``readonly`` writes nothing
-        at all; a writable open (``create`` False) of a directory this user
-        cannot write is read-only too, and refuses only actual writes.
-
-        The first writable open with a model records it, so later opens can
-        check it; with ``defer_binding`` it is checked now but recorded with
-        the first committed segment (a run that fails before storing
-        anything, e.g. its model does not load, binds nothing).
+        at all. The first writable open with a model records it; with
+        ``defer_binding`` it is checked now but recorded with the first
+        committed segment.
         """
+        where = resolve_location(location)
         asked = Model(model_name, model_fingerprint)
-        opened = open_parts(path, create=create, readonly=readonly, asked=asked, defer_binding=defer_binding,
-                            map_size=initial_map_size)
-        return cls(opened, asked)
+        store: Store
+        if where.redis is not None:
+            from kvblend.archive.redis_store import RedisStore
+
+            store = RedisStore.open(where.redis, create=create, readonly=readonly, asked=asked,
+                                    defer_binding=defer_binding)
+        else:
+            store = LocalStore.open(where.path or Path(), create=create, readonly=readonly, asked=asked,
+                                    defer_binding=defer_binding, map_size=initial_map_size)
+        return cls(store, where, asked)
 
     def close(self) -> None:
-        """Release the writer lock if held, close blob descriptors and the index. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._lock.close()
-        self.blobs.close()
-        self.index.close()
+        """Release the writer lock if held, descriptors, connections. Idempotent."""
+        self.store.close()
 
     def __enter__(self) -> Archive:
         return self
@@ -126,7 +115,26 @@ class Archive(SideStores):
         self.close()
 
     def __repr__(self) -> str:
-        return f"Archive({str(self.path)!r}, model={self.model_name!r})"
+        return f"Archive({self.location.display!r}, model={self.model_name!r})"
+
+    @property
+    def path(self) -> Path:
+        """The archive directory (a local archive only: a Redis archive has none)."""
+        if self.location.path is None:
+            raise ArchiveError(f"{self.location} is a Redis archive: it has no directory")
+        return Path(self.store.location)
+
+    @property
+    def readonly(self) -> bool:
+        return self.store.readonly
+
+    @property
+    def model_name(self) -> str | None:
+        return self.store.model.name
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        return self.store.model.fingerprint
 
     @property
     def format_version(self) -> int:
@@ -134,242 +142,245 @@ class Archive(SideStores):
 
     @property
     def map_size(self) -> int:
-        """Current LMDB map size (grows by doubling when full)."""
-        return self.index.map_size
+        """The local index's LMDB map size (grows by doubling when full)."""
+        if not isinstance(self.store, LocalStore):
+            raise ArchiveError("only a local archive has an LMDB map")
+        return self.store.index.map_size
 
     # ------------------------------------------------------------ writing
 
     @contextmanager
     def writer(self, wait: bool | float = False) -> Iterator[Archive]:
-        """Hold the archive's exclusive writer lock for the block (re-entrant).
-
-        ``wait``: False fails at once if another process writes
-        (ArchiveBusyError naming its pid), True blocks, a number waits that
-        many seconds. Blob-writing methods called outside this take the lock
-        themselves for the call, without waiting.
-        """
-        self._check_writable()
-        with self._lock.hold(wait):
-            if self._lock.depth == 1:
-                ensure_reserve(self.path)  # room for gc/rm on a disk this writer may fill
+        """Hold the archive's exclusive writer for the block (re-entrant). ``wait``: False fails at once if another
+        process writes (ArchiveBusyError naming it), True blocks, a number waits that many seconds. Blob-writing
+        calls made outside this take it themselves for the call, without waiting."""
+        with self.store.writer(wait):
             yield self
 
     @property
     def holds_writer(self) -> bool:
-        return self._lock.held
+        return self.store.holds_writer
 
     def ensure_writer(self) -> AbstractContextManager[object]:
-        """Run under the writer lock: reuse ours if held, else take it (no waiting) for the call."""
-        return nullcontext() if self.holds_writer else self.writer(wait=False)
-
-    def _check_writable(self) -> None:
-        if self.readonly:  # checked here, not by the index: one environment may serve both kinds
-            if self._denied:
-                raise ArchiveError(f"{self._denied}; this command needs to write to it (use another --archive)")
-            raise ArchiveError("archive was opened read-only; cannot write to it")
-
-    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """One index write transaction."""
-        self._check_writable()
-        return self.index.write(fn)
-
-    def commit(self, edit: Callable[[lmdb.Transaction], tuple[T, list[str]]], frees: bool = False) -> T:
-        """Run an index edit returning (result, blobs it unreferenced); unlink those blobs after the commit.
-
-        If the commit fails the blobs stay as orphans for gc: deleting them
-        could race a commit that did land (e.g. interrupted after LMDB returned).
-        ``frees``: the edit exists to free space (gc, rm, repair), so it may
-        spend the disk reserve (reserve.py) and run on a full disk.
-        """
-        with spending_reserve(self.path) if frees else nullcontext():
-            result, blobs = self._write(edit)
-            for rel in blobs:
-                self.blobs.invalidate(rel)
-                unlink_blob(self.path, rel)
-        return result
+        return self.store.ensure_writer()
 
     # ------------------------------------------------------------ segments
 
     def has_segment(self, key: str) -> bool:
-        return self.index.get("segments", name_db_key(key, "segment")) is not None
+        return self.store.has_segment(key)
 
     def get_segment(self, key: str) -> SegmentRecord | None:
-        raw = self.index.get("segments", name_db_key(key, "segment"))
-        return None if raw is None else SegmentRecord.from_json(raw)
+        return self.store.get_segment(key)
 
     def iter_segments(self) -> Iterator[SegmentRecord]:
-        """Every segment record, in key order (read in batches; see :meth:`Index.items`)."""
-        for _, raw in self.index.items("segments"):
-            yield SegmentRecord.from_json(raw)
+        """Every segment record (a local archive reads them in key order, in batches)."""
+        return self.store.iter_segments()
 
     def count_segments(self) -> int:
-        return self.index.count("segments")
+        return self.store.count_segments()
+
+    def find_segment(self, name: str) -> SegmentRecord:
+        """A segment by its key or a unique key prefix of at least SEGMENT_PREFIX_MIN characters.
+
+        NotFoundError when none matches (a server answers 404), UsageError when the prefix is ambiguous.
+        """
+        rec = self.store.get_segment(name) if name else None
+        if rec is None and len(name) >= SEGMENT_PREFIX_MIN:
+            matches = [r for r in self.store.iter_segments() if r.key.startswith(name)]
+            if len(matches) > 1:
+                raise UsageError(f"segment prefix {name} is ambiguous ({len(matches)} segments start with it)")
+            rec = matches[0] if matches else None
+        if rec is None:
+            hint = "" if len(name) >= SEGMENT_PREFIX_MIN else f" (a prefix needs {SEGMENT_PREFIX_MIN}+ characters)"
+            raise NotFoundError(f"no such segment in the archive: {name}{hint}")
+        return rec
 
     def put_segment(self, record: SegmentRecord, layers: Sequence[LayerKV], codec: str = DEFAULT_CODEC,
                     level: int = DEFAULT_LEVEL) -> SegmentRecord:
-        """Encode and store one segment's KV (every layer) and commit its index record.
+        """Encode and store one segment's KV (every layer) and commit its record.
 
-        ``record`` carries key, token_ids, text, base_position, extra; shape,
-        dtype, codec and layer entries are filled in here. The blob is durable
-        on disk before the index commits (see FORMAT.md). Replacing an
-        existing key is atomic too: the old blob is deleted only after the new
-        record commits. Takes the writer lock for the call unless held.
+        ``record`` carries key, token_ids, text, base_position, extra; shape, dtype, codec and layer entries are
+        filled in here. The payloads are stored before the record commits (FORMAT.md); replacing an existing
+        key is atomic too.
         """
         return self.put_segments([(record, layers)], codec=codec, level=level)[0]
 
     def put_segments(self, items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str = DEFAULT_CODEC,
                      level: int = DEFAULT_LEVEL, embeddings: dict[str, np.ndarray] | None = None,
                      ) -> list[SegmentRecord]:
-        """Batch :meth:`put_segment`: write and fsync every blob, then commit ONE index transaction.
-
-        One commit (two LMDB fsyncs) for the batch instead of per segment is
-        what makes ingesting many small chunks fast. Repeated keys in a batch
-        are stored once (first wins). ``embeddings`` (key -> vector) commit in
-        the same transaction, so no crash can leave a segment that retrieval
-        cannot see.
-        """
-        codec = check_codec(codec)  # records hold canonical names ("lossless" is an alias)
-        with self.ensure_writer():
-            model = Model(self.model_name or self._asked.name, self.model_fingerprint or self._asked.fingerprint)
-            records = write_segment_blobs(self.path, items, codec, level, self.get_segment, model, embeddings)
-            rows = EmbeddingStore.rows((embeddings or {}).items())
-
-            def edit(txn: lmdb.Transaction) -> tuple[tuple[list[SegmentRecord], Model], list[str]]:
-                bound = stamp(txn, self.index.dbs["meta"], self.path, self._asked)  # re-checked in the commit
-                stored, replaced = edits.commit_segments(txn, self.index.dbs, records, rows)
-                return (stored, bound), replaced
-
-            stored, bound = self.commit(edit)
-            self.model_name, self.model_fingerprint = bound.name, bound.fingerprint
-            return stored
-
-    # ------------------------------------------------------------ reading KV
-
-    def _record(self, key_or_record: str | SegmentRecord, layer: int) -> SegmentRecord:
-        if isinstance(key_or_record, SegmentRecord):
-            rec = key_or_record
-        else:
-            rec = self.get_segment(key_or_record)
-            if rec is None:
-                raise CorruptBlobError(f"segment {key_or_record} is not in the archive (evicted or removed)",
-                                       key_or_record, layer)
-        if not 0 <= layer < len(rec.layers):
-            raise IndexError(f"segment {rec.key} has {len(rec.layers)} layers; layer {layer} requested")
-        return rec
+        """Batch :meth:`put_segment`: every payload stored, then the records (and ``embeddings``, key -> vector)
+        committed together, so no crash leaves a segment that retrieval cannot see. Repeated keys are stored
+        once (first wins)."""
+        return self.store.put_segments(list(items), check_codec(codec), level, embeddings, self._asked)
 
     def read_layer_raw(self, key_or_record: str | SegmentRecord, layer: int) -> bytes:
-        """Layer ``layer``'s payload, checksum-verified but still compressed: one ``pread``.
-
-        Split from :meth:`read_layer` so a loader can time (or thread) I/O and
-        decompression separately. Raises CorruptBlobError(key, layer).
-        """
+        """Layer ``layer``'s payload, checksum-verified but still encoded (one read). Raises CorruptBlobError."""
         rec = self._record(key_or_record, layer)
-        data, reason = self.blobs.read_checked(rec.blob, rec.layers[layer])
-        if data is None:
-            raise CorruptBlobError(f"segment {rec.key} layer {layer}: {reason} ({self.path / rec.blob})",
-                                   rec.key, layer)
-        return data
+        return self.store.read_layer_raw(rec, layer)
+
+    def read_layers_raw(self, records: Sequence[SegmentRecord], layer: int) -> list[bytes | CorruptBlobError]:
+        """Layer ``layer`` of several segments in one go (a loader's fetch): each payload, or that segment's error."""
+        for rec in records:
+            self._record(rec, layer)
+        return self.store.read_layers_raw(records, layer)
 
     def decode(self, record: SegmentRecord, layer: int, data: bytes, lazy: bool = False) -> LayerKV:
-        """Decode a payload from :meth:`read_layer_raw` and check it matches the record's shape and dtype.
-
-        ``lazy``: a lossy codec's layer comes back still quantized (see :func:`decode_layer`).
-        """
+        """Decode a payload from :meth:`read_layer_raw`, checked against the record's shape and dtype
+        (``lazy``: a lossy codec's layer comes back still quantized)."""
         return decode_checked(record, layer, data, lazy)
 
     def read_layer(self, key_or_record: str | SegmentRecord, layer: int) -> LayerKV:
         """Layer ``layer`` of a segment as CPU ``(k, v)`` ``[kv_heads, n_tokens, head_dim]``.
 
-        Raises CorruptBlobError (with ``segment_key`` and ``layer``) when the
-        blob is missing, truncated or fails its checksum: the caller should
-        recompute that segment rather than trust it.
+        Raises CorruptBlobError (with ``segment_key`` and ``layer``) when the payload is missing, short or fails
+        its checksum: the caller should recompute that segment rather than trust it.
         """
         rec = self._record(key_or_record, layer)
-        return self.decode(rec, layer, self.read_layer_raw(rec, layer))
+        return self.decode(rec, layer, self.store.read_layer_raw(rec, layer))
+
+    def _record(self, key_or_record: str | SegmentRecord, layer: int) -> SegmentRecord:
+        if isinstance(key_or_record, SegmentRecord):
+            rec = key_or_record
+        else:
+            found = self.store.get_segment(key_or_record)
+            if found is None:
+                raise CorruptBlobError(f"segment {key_or_record} is not in the archive (evicted or removed)",
+                                       key_or_record, layer)
+            rec = found
+        if not 0 <= layer < len(rec.layers):
+            raise IndexError(f"segment {rec.key} has {len(rec.layers)} layers; layer {layer} requested")
+        return rec
+
+    def payload_intact(self, rec: SegmentRecord) -> bool:
+        """A cheap pre-flight (no read): False when the segment's payload is surely missing or short."""
+        return self.store.payload_intact(rec)
 
     def touch(self, keys: Iterable[str]) -> int:
-        """Record a use of these segments (last_access = now, hits += 1); returns how many were found.
+        """Record a use of these segments (last access now, one more hit); returns how many were found.
 
-        Takes no writer lock (LMDB serializes this small transaction), and
-        never fails the caller: a read-only archive or an index error is
-        reported as 0 touched, because usage statistics must not break a query.
+        Never fails the caller: a read-only archive or a store error is 0 touched, because usage statistics
+        must not break a query.
         """
-        unique = list(dict.fromkeys(keys))
-        if self.readonly or not unique:
-            return 0
-        now = time.time()
-        try:
-            return self._write(lambda txn: edits.bump_usage(txn, self.index.dbs, unique, now))
-        except (lmdb.Error, ArchiveError):
-            return 0
+        return self.store.touch(list(dict.fromkeys(keys)))
 
     # ------------------------------------------------------------ documents
 
     def put_document(self, doc: DocumentRecord) -> DocumentRecord:
-        """Store (or replace) a document record; its path is made absolute.
-
-        Under the writer lock, because its manifest (manifests.py) is a file
-        that ``gc`` may collect. Takes the lock for the call unless held.
-        """
+        """Store (or replace) a document record; its path is made absolute."""
         doc = _absolute(doc)
-        key = document_db_key(doc.path)
-        with self.ensure_writer():
-            write_manifest(self.path, doc)
-            self._write(lambda txn: txn.put(key, doc.to_json().encode(), db=self.index.dbs["documents"]))
+        self.store.put_document(doc)
         return doc
 
     def replace_document(self, doc: DocumentRecord) -> list[str]:
         """Store ``doc`` and delete segments only its previous version used; returns their keys.
 
-        For re-ingesting a changed file: chunks that changed get new keys, and
-        the old ones would otherwise stay in the archive unreferenced. One
-        index transaction (blobs unlinked after it); takes the writer lock for
-        the call unless held.
+        For re-ingesting a changed file: chunks that changed get new keys, and the old ones would otherwise stay
+        in the archive unreferenced.
         """
-        doc = _absolute(doc)
-        with self.ensure_writer():
-            write_manifest(self.path, doc)
-            return self.commit(lambda txn: edits.replace_document(txn, self.index.dbs, doc))
+        return self.store.replace_document(_absolute(doc))
 
     def get_document(self, path: str | os.PathLike[str]) -> DocumentRecord | None:
-        raw = self.index.get("documents", document_db_key(os.path.abspath(path)))
-        return None if raw is None else DocumentRecord.from_json(raw)
+        return self.store.get_document(os.path.abspath(path))
 
     def iter_documents(self) -> Iterator[DocumentRecord]:
-        for _, raw in self.index.items("documents"):
-            yield DocumentRecord.from_json(raw)
+        return self.store.iter_documents()
 
     def count_documents(self) -> int:
-        return self.index.count("documents")
+        return self.store.count_documents()
+
+    def find_document(self, name: str) -> DocumentRecord:
+        """A document by its path, its name as ingested, or a unique suffix of either; NotFoundError otherwise
+        (a server answers 404), UsageError when the suffix is ambiguous."""
+        doc = self.get_document(name) or self.get_document(str(Path(name).expanduser().resolve()))
+        if doc is not None:
+            return doc
+        tail = name.lstrip("/")
+        matches = [d for d in self.iter_documents()
+                   if d.display_name == name or d.path.endswith("/" + tail) or d.display_name.endswith("/" + tail)]
+        if len(matches) > 1:
+            raise UsageError(f"document name {name} is ambiguous ({len(matches)} documents end with it)")
+        if not matches:
+            raise NotFoundError(f"no such document in the archive: {name} (see `kvblend ls`)")
+        return matches[0]
+
+    def document_summaries(self) -> list[DocumentSummary]:
+        """Every document as `ls` shows it, counting the segments it lists that are gone."""
+        out = []
+        for doc in self.iter_documents():
+            present = [s for s in (self.store.get_segment(k) for k in doc.segment_keys) if s is not None]
+            out.append(DocumentSummary(
+                name=doc.display_name, path=doc.path, segments=len(doc.segment_keys),
+                missing_segments=len(doc.segment_keys) - len(present), tokens=doc.n_tokens,
+                bytes=sum(s.stored_bytes for s in present),
+                last_used=max((s.last_access or 0 for s in present), default=0) or None, ingested=doc.ingested))
+        return out
 
     def remove_documents(self, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
-        """Forget documents and delete the segments no remaining document uses; returns removed paths.
+        """Forget documents and delete the segments no remaining document uses; returns the removed paths.
 
-        Index first, blobs after: a crash in between leaves orphans, never a
-        record without its blob. Segments shared with a kept document stay.
+        Index first, payloads after: a crash in between leaves orphans, never a record without its payload.
         """
-        wanted = [os.path.abspath(p) for p in paths]
-        with self.ensure_writer():
-            removed = self.commit(lambda txn: edits.remove_documents(txn, self.index.dbs, wanted), frees=True)
-            for path in removed:
-                remove_manifest(self.path, path)
-            return removed
+        return self.store.remove_documents([os.path.abspath(p) for p in paths])
 
-    # ------------------------------------------------------------ maintenance (see maintenance.py)
+    # ------------------------------------------------------------ side tables
+
+    def get_meta(self, name: str, default: Any = None) -> Any:
+        value = self.store.get_json("meta", name)
+        return default if value is None else value
+
+    def set_meta(self, name: str, value: Any) -> None:
+        """Store a JSON value under ``name`` (``format_version`` is reserved)."""
+        if name == "format_version":
+            raise ArchiveError(f"meta entry {name!r} is managed by the archive")
+        self.store.put_json("meta", name, value)
+
+    def put_embeddings(self, keys: Iterable[str] | Iterable[tuple[str, np.ndarray]],
+                       vectors: np.ndarray | Sequence[np.ndarray] | None = None) -> None:
+        """Store retrieval embeddings, deleted with their segments.
+
+        ``put_embeddings(keys, matrix)`` (row i belongs to keys[i]) or ``put_embeddings([(key, vector), ...])``.
+        """
+        pairs = list(keys) if vectors is None else list(zip(list(keys), vectors, strict=True))
+        self.store.put_embeddings(pairs)  # type: ignore[arg-type]
+
+    def has_embedding(self, key: str) -> bool:
+        return self.store.has_embedding(key)
+
+    def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
+        """(keys, matrix [n, dim] float32) for the given keys that have one, or for all when None."""
+        return self.store.get_embeddings(keys)
+
+    def put_profile(self, name: str, profile: dict[str, Any]) -> None:
+        """Store a measured device/storage profile (see `kvblend profile`)."""
+        self.store.put_json("profiles", name, profile)
+
+    def get_profile(self, name: str) -> dict[str, Any] | None:
+        return self.store.get_json("profiles", name)
+
+    def iter_profiles(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        return self.store.json_items("profiles")
+
+    def put_tuned(self, name: str, settings: dict[str, Any]) -> None:
+        """Store tuned settings (ratio etc.) for a model/device/storage combination."""
+        self.store.put_json("tuned", name, settings)
+
+    def get_tuned(self, name: str) -> dict[str, Any] | None:
+        return self.store.get_json("tuned", name)
+
+    # ------------------------------------------------------------ upkeep (maintenance.py)
 
     def verify(self, repair: bool = False, deep: bool = False) -> maintenance.VerifyReport:
-        return maintenance.verify(self, repair=repair, deep=deep)
+        return maintenance.verify(self.store, repair=repair, deep=deep)
 
     def gc(self, max_size_bytes: int | None = None, dry_run: bool = False) -> maintenance.GcReport:
-        return maintenance.gc(self, max_size_bytes=max_size_bytes, dry_run=dry_run)
+        return maintenance.gc(self.store, max_size_bytes=max_size_bytes, dry_run=dry_run)
 
-    def stats(self) -> dict[str, Any]:
-        return maintenance.stats(self)
+    def stats(self) -> maintenance.ArchiveStats:
+        return maintenance.stats(self.store, self.location.display)
 
     def size_bytes(self, include_index: bool = True) -> int:
-        return maintenance.size_bytes(self, include_index=include_index)
+        return self.store.size_bytes(include_index=include_index)
 
 
 def _absolute(doc: DocumentRecord) -> DocumentRecord:
     return dataclasses.replace(doc, path=os.path.abspath(doc.path), ingested=doc.ingested or time.time())
-

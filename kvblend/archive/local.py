@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,11 +39,26 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from kvblend.archive.blobs import BLOB_DIR
+from kvblend.archive.blobs import (
+    BLOB_DIR,
+    BLOB_SUFFIX,
+    BlobReader,
+    ensure_reserve,
+    iter_manifest_files,
+    manifest_relpath,
+    remove_manifest,
+    scan_blob_dir,
+    spending_reserve,
+    unlink_blob,
+    write_manifest,
+    write_segment_blobs,
+)
 from kvblend.archive.index import (
+    DEFAULT_MAP_SIZE,
     INDEX_DIR,
     Index,
     check_index_file,
+    check_index_pages,
     damaged,
     has_blobs,
     open_index,
@@ -56,27 +71,29 @@ from kvblend.archive.records import (
     load_record,
     name_db_key,
 )
+from kvblend.archive.store import (
+    Leftover,
+    Store,
+    dump_json,
+    embedding_bytes,
+    embedding_matrix,
+    load_json,
+)
 from kvblend.errors import (
     ArchiveBusyError,
     ArchiveError,
     ArchiveModelMismatchError,
     ArchiveVersionError,
+    CorruptBlobError,
 )
+from kvblend.types import LayerKV
+
+T = TypeVar("T")
 
 LOCK_FILE = "lock"  # the writer's flock (see lock.py)
 INDEX_FILES = ("data.mdb", "lock.mdb")
 
 
-def resolve_archive_path(cli_value: str | os.PathLike[str] | None) -> Path:
-    """Where the archive lives: ``--archive``, else ``$KVBLEND_ARCHIVE``, else the XDG cache dir."""
-    if cli_value:
-        return Path(cli_value).expanduser()
-    env = os.environ.get("KVBLEND_ARCHIVE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvblend"
 
 
 def archive_exists(path: str | os.PathLike[str]) -> bool:
@@ -331,135 +348,15 @@ class WriterLock:
         self._depth = 0
 
 
-T = TypeVar("T")
-Write = Callable[[Callable[[lmdb.Transaction], T]], T]  # runs fn in one write transaction
+def embedding_rows(pairs: Iterable[tuple[str, Any]]) -> list[tuple[bytes, bytes]]:
+    """(db key, float32 little-endian bytes) per (segment key, vector)."""
+    return [(name_db_key(k, "embedding"), embedding_bytes(v)) for k, v in pairs]
 
 
-def dump_json(value: Any) -> bytes:
-    """Compact UTF-8 JSON, as every index record is stored."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def load_json(raw: bytes | None) -> Any:
-    return None if raw is None else load_record(raw, "index value")
-
-
-class JsonStore:
-    """One table of JSON values keyed by short names."""
-
-    def __init__(self, index: Index, table: str, write: Write):
-        self.index, self.table, self._write = index, table, write
-
-    def get(self, name: str, default: Any = None) -> Any:
-        raw = self.index.get(self.table, name_db_key(name, self.table))
-        return default if raw is None else load_json(raw)
-
-    def put(self, name: str, value: Any) -> None:
-        kb, data = name_db_key(name, self.table), dump_json(value)
-        self._write(lambda txn: txn.put(kb, data, db=self.index.dbs[self.table]))
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        for k, raw in self.index.items(self.table):
-            yield k.decode(), load_json(raw)
-
-
-class EmbeddingStore:
-    """Retrieval embeddings, float32 little-endian raw bytes under the segment key.
-
-    Deleted with the segment of the same key (see :func:`kvblend.archive.local.drop_segments`).
-    """
-
-    def __init__(self, index: Index, write: Write):
-        self.index, self._write = index, write
-
-    @staticmethod
-    def rows(pairs: Iterable[tuple[str, np.ndarray]]) -> list[tuple[bytes, bytes]]:
-        """(db key, float32 little-endian bytes) per (segment key, vector)."""
-        return [(name_db_key(k, "embedding"), np.ascontiguousarray(np.asarray(v, dtype="<f4").reshape(-1)).tobytes())
-                for k, v in pairs]
-
-    @staticmethod
-    def put_rows(txn: lmdb.Transaction, dbs: dict[str, Any], rows: Sequence[tuple[bytes, bytes]]) -> None:
-        """Write encoded rows inside a caller's transaction (a segment batch commits its embeddings with it)."""
-        for kb, data in rows:
-            txn.put(kb, data, db=dbs["embeddings"])
-
-    def put(self, pairs: Iterable[tuple[str, np.ndarray]]) -> None:
-        rows = self.rows(pairs)
-        self._write(lambda txn: self.put_rows(txn, self.index.dbs, rows))
-
-    def has(self, key: str) -> bool:
-        return self.index.get("embeddings", name_db_key(key, "embedding")) is not None
-
-    def get(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
-        """(keys, matrix [n, dim] float32) for the given keys that have one, or for all when None."""
-        if keys is None:
-            rows = [(k.decode(), v) for k, v in self.index.items("embeddings")]
-        else:
-            wanted = [name_db_key(k, "embedding") for k in keys]
-            db = self.index.dbs["embeddings"]
-            got = [] if db is None else self.index.read(lambda txn: [(kb.decode(), txn.get(kb, db=db)) for kb in wanted])
-            rows = [(k, v) for k, v in got if v is not None]
-        if not rows:
-            return [], np.zeros((0, 0), dtype=np.float32)
-        if len({len(v) for _, v in rows}) != 1:
-            raise ArchiveError("archive holds embeddings of different sizes; re-ingest with one embedder")
-        matrix = np.frombuffer(b"".join(v for _, v in rows), dtype="<f4").reshape(len(rows), -1)
-        return [k for k, _ in rows], matrix.astype(np.float32, copy=True)
-
-
-class SideStores:
-    """The archive's methods over its side tables (meta, embeddings, profiles, tuned).
-
-    A mixin of :class:`kvblend.archive.facade.Archive`, which sets the four
-    stores in its constructor; kept here so the facade stays about segments.
-    """
-
-    _meta: JsonStore
-    _profiles: JsonStore
-    _tuned: JsonStore
-    _embeddings: EmbeddingStore
-
-    def get_meta(self, name: str, default: Any = None) -> Any:
-        return self._meta.get(name, default)
-
-    def set_meta(self, name: str, value: Any) -> None:
-        """Store a JSON value under ``name`` (``format_version`` is reserved)."""
-        if name == "format_version":
-            raise ArchiveError(f"meta entry {name!r} is managed by the archive")
-        self._meta.put(name, value)
-
-    def put_embeddings(self, keys: Iterable[str] | Iterable[tuple[str, np.ndarray]],
-                       vectors: np.ndarray | Sequence[np.ndarray] | None = None) -> None:
-        """Store retrieval embeddings, deleted with their segments.
-
-        ``put_embeddings(keys, matrix)`` (row i belongs to keys[i]) or ``put_embeddings([(key, vector), ...])``.
-        """
-        self._embeddings.put(list(keys) if vectors is None else list(zip(list(keys), vectors, strict=True)))
-
-    def has_embedding(self, key: str) -> bool:
-        return self._embeddings.has(key)
-
-    def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
-        """(keys, matrix [n, dim] float32) for the given keys that have one, or for all when None."""
-        return self._embeddings.get(keys)
-
-    def put_profile(self, name: str, profile: dict[str, Any]) -> None:
-        """Store a measured device/storage profile (see `kvblend profile`)."""
-        self._profiles.put(name, profile)
-
-    def get_profile(self, name: str) -> dict[str, Any] | None:
-        return self._profiles.get(name)
-
-    def iter_profiles(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        return self._profiles.items()
-
-    def put_tuned(self, name: str, settings: dict[str, Any]) -> None:
-        """Store tuned settings (ratio etc.) for a model/device/storage combination."""
-        self._tuned.put(name, settings)
-
-    def get_tuned(self, name: str) -> dict[str, Any] | None:
-        return self._tuned.get(name)
+def put_embedding_rows(txn: lmdb.Transaction, dbs: dict[str, Any], rows: Sequence[tuple[bytes, bytes]]) -> None:
+    """Write encoded rows inside a caller's transaction (a segment batch commits its embeddings with it)."""
+    for kb, data in rows:
+        txn.put(kb, data, db=dbs["embeddings"])
 
 
 Dbs = dict[str, Any]  # the index's named sub-databases
@@ -468,7 +365,7 @@ Dbs = dict[str, Any]  # the index's named sub-databases
 def commit_segments(txn: lmdb.Transaction, dbs: Dbs, records: list[SegmentRecord],
                     embedding_rows: Sequence[tuple[bytes, bytes]] = ()) -> tuple[list[SegmentRecord], list[str]]:
     """Write segment records (and their embeddings); returns (the records, blobs of replaced records)."""
-    EmbeddingStore.put_rows(txn, dbs, embedding_rows)
+    put_embedding_rows(txn, dbs, embedding_rows)
     db = dbs["segments"]
     old_blobs = []
     for rec in records:
@@ -609,6 +506,9 @@ def open_parts(path: str | os.PathLike[str], *, create: bool, readonly: bool, as
     index = open_index(root / INDEX_DIR, readonly=readonly, map_size=map_size,
                        lock=not readonly or _reader_table_usable(root))
     try:
+        problems = check_index_pages(index)  # before LMDB reads a page: a damaged one could kill the process
+        if problems:
+            raise damaged(root, f"its index is corrupted ({problems[0]})")
         check_version(index.peek_meta("format_version"), root)
         _refuse_blank(index, root)
         index.open_dbs()
@@ -648,3 +548,236 @@ def _bind(index: Index, root: Path, asked: Model, *, version: bool, model: bool)
             lambda txn: needs_stamp(txn, meta, root, asked, version=version, model=model)):
         return index.write(lambda txn: stamp(txn, meta, root, asked, version=version, model=model))
     return index.read(lambda txn: recorded(txn, meta, root, asked))
+
+
+class LocalStore(Store):
+    """An archive directory: the LMDB index under ``index/`` and one blob file per segment under ``blobs/``.
+
+    Any number of readers, in any number of processes, read without locks (LMDB
+    snapshots; blobs are immutable once renamed into place). One writer at a time
+    (:class:`WriterLock`) creates or deletes files: blobs and document manifests.
+    Index-only updates (``touch``, side tables) take no lock, because LMDB
+    serializes them and a query must not fail because an ingest is running.
+    """
+
+    def __init__(self, opened: Opened):
+        self.root = opened.root
+        self.location = str(opened.root)
+        self.readonly = opened.readonly
+        self.index: Index = opened.index
+        self.blobs = BlobReader(opened.root)
+        self.model = opened.model
+        self._denied = opened.denied
+        self._lock = WriterLock(opened.root / LOCK_FILE)
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, create: bool, readonly: bool, asked: Model,
+             defer_binding: bool, map_size: int = DEFAULT_MAP_SIZE) -> LocalStore:
+        return cls(open_parts(path, create=create, readonly=readonly, asked=asked, defer_binding=defer_binding,
+                              map_size=map_size))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lock.close()
+        self.blobs.close()
+        self.index.close()
+
+    # ── writing ──
+    @contextmanager
+    def writer(self, wait: bool | float = False) -> Iterator[LocalStore]:
+        """Hold the archive's exclusive writer lock for the block (re-entrant). ``wait``: False fails at once
+        if another process writes (ArchiveBusyError naming its pid), True blocks, a number waits that long."""
+        self.check_writable()
+        with self._lock.hold(wait):
+            if self._lock.depth == 1:
+                ensure_reserve(self.root)  # room for gc/rm on a disk this writer may fill
+            yield self
+
+    @property
+    def holds_writer(self) -> bool:
+        return self._lock.held
+
+    def check_writable(self) -> None:
+        if self.readonly and self._denied:
+            raise ArchiveError(f"{self._denied}; this command needs to write to it (use another --archive)")
+        super().check_writable()
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """One index write transaction."""
+        self.check_writable()
+        return self.index.write(fn)
+
+    def _commit(self, edit: Callable[[lmdb.Transaction], tuple[T, list[str]]], frees: bool = False) -> T:
+        """Run an index edit returning (result, blobs it unreferenced); unlink those blobs after the commit.
+
+        If the commit fails the blobs stay as orphans for gc: deleting them could race a commit that did
+        land. ``frees``: the edit frees space (gc, rm, repair), so it may spend the disk reserve.
+        """
+        with spending_reserve(self.root) if frees else nullcontext():
+            result, blobs = self._write(edit)
+            for rel in blobs:
+                self.blobs.invalidate(rel)
+                unlink_blob(self.root, rel)
+        return result
+
+    # ── segments ──
+    def get_segment(self, key: str) -> SegmentRecord | None:
+        raw = self.index.get("segments", name_db_key(key, "segment"))
+        return None if raw is None else SegmentRecord.from_json(raw)
+
+    def has_segment(self, key: str) -> bool:
+        return self.index.get("segments", name_db_key(key, "segment")) is not None
+
+    def iter_segments(self) -> Iterator[SegmentRecord]:
+        for _, raw in self.index.items("segments"):
+            yield SegmentRecord.from_json(raw)
+
+    def count_segments(self) -> int:
+        return self.index.count("segments")
+
+    def put_segments(self, items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str, level: int,
+                     embeddings: dict[str, Any] | None, asked: Model) -> list[SegmentRecord]:
+        """Write and fsync every blob, then commit ONE index transaction (two LMDB fsyncs for the batch)."""
+        with self.ensure_writer():
+            model = Model(self.model.name or asked.name, self.model.fingerprint or asked.fingerprint)
+            records = write_segment_blobs(self.root, items, codec, level, self.get_segment, model, embeddings)
+            rows = embedding_rows((embeddings or {}).items())
+
+            def edit(txn: lmdb.Transaction) -> tuple[tuple[list[SegmentRecord], Model], list[str]]:
+                bound = stamp(txn, self.index.dbs["meta"], self.root, asked)  # re-checked in the commit
+                stored, replaced = commit_segments(txn, self.index.dbs, records, rows)
+                return (stored, bound), replaced
+
+            stored, self.model = self._commit(edit)
+            return stored
+
+    def read_layer_raw(self, rec: SegmentRecord, layer: int) -> bytes:
+        data, reason = self.blobs.read_checked(rec.blob, rec.layers[layer])
+        if data is None:
+            raise CorruptBlobError(f"segment {rec.key} layer {layer}: {reason} ({rec.blob})", rec.key, layer, reason)
+        return data
+
+    def payload_intact(self, rec: SegmentRecord) -> bool:
+        """A stat, no read: the blob exists and is long enough for every layer (bit flips are caught by the
+        per-layer checksums while streaming)."""
+        try:
+            size = (self.root / rec.blob).stat().st_size
+        except OSError:
+            return False
+        return all(layer.offset + layer.length <= size for layer in rec.layers)
+
+    def touch(self, keys: Sequence[str]) -> int:
+        if self.readonly or not keys:
+            return 0
+        now = time.time()
+        try:
+            return self._write(lambda txn: bump_usage(txn, self.index.dbs, keys, now))
+        except (lmdb.Error, ArchiveError):
+            return 0
+
+    def drop_segments(self, keys: Iterable[str]) -> list[str]:
+        drop = list(keys)
+        with self.ensure_writer():
+            return self._commit(lambda txn: drop_segments(txn, self.index.dbs, drop), frees=True)
+
+    # ── documents ──
+    def get_document(self, path: str) -> DocumentRecord | None:
+        raw = self.index.get("documents", document_db_key(path))
+        return None if raw is None else DocumentRecord.from_json(raw)
+
+    def iter_documents(self) -> Iterator[DocumentRecord]:
+        for _, raw in self.index.items("documents"):
+            yield DocumentRecord.from_json(raw)
+
+    def count_documents(self) -> int:
+        return self.index.count("documents")
+
+    def put_document(self, doc: DocumentRecord) -> None:
+        """Under the writer lock, because its manifest (blobs.py) is a file that ``gc`` may collect."""
+        key = document_db_key(doc.path)
+        with self.ensure_writer():
+            write_manifest(self.root, doc)
+            self._write(lambda txn: txn.put(key, doc.to_json().encode(), db=self.index.dbs["documents"]))
+
+    def replace_document(self, doc: DocumentRecord) -> list[str]:
+        with self.ensure_writer():
+            write_manifest(self.root, doc)
+            return self._commit(lambda txn: replace_document(txn, self.index.dbs, doc))
+
+    def remove_documents(self, paths: Sequence[str]) -> list[str]:
+        """Index first, blobs after: a crash in between leaves orphans, never a record without its blob."""
+        with self.ensure_writer():
+            removed = self._commit(lambda txn: remove_documents(txn, self.index.dbs, paths), frees=True)
+            for path in removed:
+                remove_manifest(self.root, path)
+            return removed
+
+    def strip_dangling(self, dangling: dict[str, list[str]]) -> list[str]:
+        with self.ensure_writer():
+            return self._commit(lambda txn: (strip_dangling(txn, self.index.dbs, dangling), []), frees=True)
+
+    # ── side tables ──
+    def get_json(self, table: str, name: str) -> Any:
+        return load_json(self.index.get(table, name_db_key(name, table)))
+
+    def put_json(self, table: str, name: str, value: Any) -> None:
+        kb, data = name_db_key(name, table), dump_json(value)
+        self._write(lambda txn: txn.put(kb, data, db=self.index.dbs[table]))
+
+    def json_items(self, table: str) -> Iterator[tuple[str, Any]]:
+        for k, raw in self.index.items(table):
+            yield k.decode(), load_json(raw)
+
+    def put_embeddings(self, pairs: Sequence[tuple[str, Any]]) -> None:
+        rows = embedding_rows(pairs)
+        self._write(lambda txn: put_embedding_rows(txn, self.index.dbs, rows))
+
+    def has_embedding(self, key: str) -> bool:
+        return self.index.get("embeddings", name_db_key(key, "embedding")) is not None
+
+    def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
+        if keys is None:
+            return embedding_matrix([(k.decode(), v) for k, v in self.index.items("embeddings")])
+        wanted = [name_db_key(k, "embedding") for k in keys]
+        db = self.index.dbs["embeddings"]
+        got = [] if db is None else self.index.read(lambda txn: [(kb.decode(), txn.get(kb, db=db)) for kb in wanted])
+        return embedding_matrix([(k, v) for k, v in got if v is not None])
+
+    # ── upkeep ──
+    def leftovers(self) -> list[Leftover]:
+        """Temp files and blobs no record names. Under the writer lock a temp file is never a live writer's."""
+        referenced = {rec.blob for rec in self.iter_segments()}
+        return [Leftover(rel, size, is_temp) for rel, size, is_temp in scan_blob_dir(self.root)
+                if is_temp or (rel.endswith(BLOB_SUFFIX) and rel not in referenced)]
+
+    def delete_leftovers(self, leftovers: Sequence[Leftover]) -> int:
+        with self.ensure_writer():
+            return sum(unlink_blob(self.root, item.name) for item in leftovers)
+
+    def segment_bytes(self, rec: SegmentRecord) -> int:
+        try:
+            return (self.root / rec.blob).stat().st_size
+        except OSError:
+            return 0
+
+    def structure_problems(self) -> list[str]:
+        return check_index_pages(self.index)
+
+    def after_gc(self, dry_run: bool = False) -> list[str]:
+        """Temp manifests and manifests of documents the index no longer holds."""
+        live = {manifest_relpath(doc.path) for doc in self.iter_documents()}
+        stale = [rel for rel, is_temp in iter_manifest_files(self.root) if is_temp or rel not in live]
+        if not dry_run:
+            for rel in stale:
+                unlink_blob(self.root, rel)
+        return stale
+
+    def usage(self) -> dict[str, Any]:
+        return {"index_bytes": index_bytes(self.root)}
+
+    def size_bytes(self, include_index: bool = True) -> int:
+        blobs = sum(size for _, size, _ in scan_blob_dir(self.root))
+        return blobs + (index_bytes(self.root) if include_index else 0)

@@ -34,6 +34,7 @@ from kvblend.archive.codec import (
     dtype_name,
     is_lossless,
 )
+from kvblend.archive.location import Location
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import ArchiveDamagedError, ArchiveError
 from kvblend.types import LayerKV
@@ -152,7 +153,7 @@ class DocumentRecord:
     is dropped on read like any unknown field.
     """
 
-    path: str  # absolute path
+    path: str  # absolute path: what the document is found by when ingested again
     content_hash: str = ""
     segment_keys: list[str] = field(default_factory=list)
     n_tokens: int = 0
@@ -160,6 +161,12 @@ class DocumentRecord:
     size: int = 0  # bytes of the source file
     incomplete: bool = False  # some segments were dropped (evicted or corrupt): re-ingest to restore
     extra: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # as ingested, relative to its root (what users and servers are shown; never a full path)
+
+    @property
+    def display_name(self) -> str:
+        """The name to show: as ingested relative to its root, else (records of older kvblends) the file name."""
+        return self.name or os.path.basename(self.path) or self.path
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,7 +283,12 @@ def _short_hash(text: str, size: int) -> str:
     return hashlib.blake2b(text.encode(), digest_size=size).hexdigest()
 
 
-def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str]) -> str:
+def location_key(where: str | os.PathLike[str] | Location) -> str:
+    """A stable name of an archive's place: a directory's real path, or a Redis URL without its password."""
+    return where.key if isinstance(where, Location) else normalize_path(where)
+
+
+def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str] | Location) -> str:
     """Name of the tuned settings for a model on a compute device type with the archive at a location.
 
     The archive location is part of the key because loading speed (and so the
@@ -284,7 +296,7 @@ def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str
     tuned ratio no longer applies. The path is hashed so the key stays short
     (LMDB keys are limited to 511 bytes).
     """
-    return f"{model_name[:200]}|{compute}|{_short_hash(normalize_path(archive_path), 8)}"
+    return f"{model_name[:200]}|{compute}|{_short_hash(location_key(archive_path), 8)}"
 
 
 def profile_name(hostname: str, model_name: str, compute: str, storage_label: str,

@@ -54,11 +54,11 @@ from kvblend.archive.index import (
 from kvblend.archive.local import (
     FORMAT_VERSION,
     LOCK_FILE,
-    EmbeddingStore,
     WriterLock,
     archive_exists,
     check_version,
-    dump_json,
+    embedding_rows,
+    put_embedding_rows,
     writable,
 )
 from kvblend.archive.records import (
@@ -69,6 +69,7 @@ from kvblend.archive.records import (
     document_db_key,
     record_from_blob,
 )
+from kvblend.archive.store import dump_json
 from kvblend.errors import ArchiveDamagedError, ArchiveError, CorruptBlobError
 
 LOST_AND_FOUND = "lost+found"
@@ -211,8 +212,8 @@ def _fill(txn: lmdb.Transaction, dbs: dict[str, Any], old: Salvage, restored: di
         if vector is not None:
             rows.append((key.encode(), vector))
         elif got.embedding is not None:
-            rows.extend(EmbeddingStore.rows([(key, got.embedding)]))
-    EmbeddingStore.put_rows(txn, dbs, rows)
+            rows.extend(embedding_rows([(key, got.embedding)]))
+    put_embedding_rows(txn, dbs, rows)
     for doc in docs:
         txn.put(document_db_key(doc.path), doc.to_json().encode(), db=dbs["documents"])
 

@@ -18,9 +18,25 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvblend.archive import Archive, RebuildReport, VerifyReport, rebuild_index, resolve_archive_path
-from kvblend.cli.common import ArchiveOpt, JsonOpt, WaitOpt, err, human_bytes, out, parse_size, print_json
-from kvblend.errors import ArchiveError, UsageError
+from kvblend.archive import (
+    SEGMENT_PREFIX_MIN,
+    Archive,
+    RebuildReport,
+    VerifyReport,
+    rebuild_index,
+    resolve_location,
+)
+from kvblend.cli.common import (
+    ArchiveOpt,
+    JsonOpt,
+    WaitOpt,
+    err,
+    human_bytes,
+    out,
+    parse_size,
+    print_json,
+)
+from kvblend.errors import ArchiveError, NotFoundError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -33,16 +49,12 @@ def register(app: typer.Typer) -> None:
     app.command()(path)
 
 
-def _open(archive: Optional[Path], write: bool = False) -> Archive:
+def _open(archive: Optional[str], write: bool = False) -> Archive:
     """Open an existing archive: read-only unless the command changes it (never creates one)."""
-    location = _location(archive)
-    if not location.exists():
+    location = resolve_location(archive)
+    if location.path is not None and not location.path.exists():
         raise ArchiveError(f"no archive at {location} (run `kvblend ingest PATH` first, or pass --archive)")
     return Archive.open(location, create=False, readonly=not write)
-
-
-def _location(archive: Optional[Path]) -> Path:
-    return resolve_archive_path(str(archive) if archive else None)
 
 
 def _ago(ts: float | None) -> str:
@@ -55,94 +67,73 @@ def _ago(ts: float | None) -> str:
     return "just now"
 
 
-def list_documents(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
-    """List archived documents: path, segments, tokens, size, last used."""
+def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+    """List archived documents: name, segments (and how many are gone), tokens, size, last used."""
     with _open(archive) as arc:
-        rows = []
-        for doc in arc.iter_documents():
-            segs = [arc.get_segment(k) for k in doc.segment_keys]
-            present = [s for s in segs if s is not None]
-            rows.append({
-                "path": doc.path,
-                "segments": len(doc.segment_keys),
-                "missing_segments": len(segs) - len(present),
-                "tokens": doc.n_tokens,
-                "bytes": sum(sum(layer.length for layer in s.layers) for s in present),
-                "last_used": max((s.last_access or 0 for s in present), default=0) or None,
-                "ingested": doc.ingested,
-            })
+        docs = arc.document_summaries()
     if as_json:
-        print_json(rows)
+        print_json([d.to_dict() for d in docs])
         return
-    if not rows:
+    if not docs:
         err.print("archive is empty")
         return
     table = Table()
     table.add_column("document", overflow="fold")
     for col in ("segments", "tokens", "size", "last used"):
         table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        segs = f"{r['segments']}" + (f" ({r['missing_segments']} missing)" if r["missing_segments"] else "")
-        table.add_row(r["path"], segs, f"{r['tokens']:,}", human_bytes(r["bytes"]), _ago(r["last_used"]))
+    for d in docs:
+        segs = f"{d.segments}" + (f" ({d.missing_segments} missing)" if d.missing_segments else "")
+        table.add_row(escape(d.name), segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
     out.print(table)
 
 
 def show(
-    target: str = typer.Argument(..., help="A segment key (or unique prefix) or a document path."),
-    archive: Optional[Path] = ArchiveOpt,
+    target: str = typer.Argument(..., help=f"A segment key (or a unique prefix of {SEGMENT_PREFIX_MIN}+ characters) or a document name or path."),
+    archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Show a segment's metadata and per-layer sizes, or a document's segments."""
     with _open(archive) as arc:
-        doc = arc.get_document(target) or arc.get_document(str(Path(target).expanduser().resolve()))
+        try:
+            doc = arc.find_document(target)
+        except NotFoundError:
+            doc = None
         if doc is not None:
-            info = {"document": doc.path, "content_hash": doc.content_hash, "tokens": doc.n_tokens,
-                    "ingested": doc.ingested, "segments": doc.segment_keys}
+            info = {"document": doc.display_name, "path": doc.path, "content_hash": doc.content_hash,
+                    "tokens": doc.n_tokens, "ingested": doc.ingested, "incomplete": doc.incomplete,
+                    "segments": doc.segment_keys}
             if as_json:
                 print_json(info)
             else:
                 for k, v in info.items():
-                    out.print(f"[bold]{k}[/]: {v}")
+                    out.print(f"[bold]{k}[/]: {escape(str(v))}")
             return
-        rec = arc.get_segment(target)
-        if rec is None and len(target) >= 4:
-            matches = [r for r in arc.iter_segments() if r.key.startswith(target)]
-            if len(matches) > 1:
-                raise UsageError(f"segment prefix {target} is ambiguous ({len(matches)} matches)")
-            rec = matches[0] if matches else None
-        if rec is None:
-            raise UsageError(f"no segment or document named {target} in the archive")
-        info = {
-            "key": rec.key, "tokens": rec.n_tokens, "dtype": rec.dtype, "codec": rec.codec,
-            "layers": rec.n_layers, "kv_heads": rec.kv_heads, "head_dim": rec.head_dim,
-            "base_position": rec.base_position, "blob": rec.blob, "created": rec.created,
-            "last_access": rec.last_access, "hits": rec.hits,
-            "layer_bytes": [layer.length for layer in rec.layers], "text": rec.text,
-        }
+        try:
+            rec = arc.find_segment(target)
+        except NotFoundError:
+            raise NotFoundError(f"no segment or document named {target} in the archive (see `kvblend ls`)") from None
     if as_json:
-        print_json(info)
+        print_json({**rec.to_dict(), "layer_bytes": [layer.length for layer in rec.layers]})
         return
-    for k in ("key", "tokens", "dtype", "codec", "layers", "kv_heads", "head_dim", "base_position", "blob", "hits"):
-        out.print(f"[bold]{k}[/]: {info[k]}")
-    out.print(f"[bold]stored[/]: {human_bytes(sum(info['layer_bytes']))} "
-              f"(per layer min {min(info['layer_bytes'])} / max {max(info['layer_bytes'])} bytes)")
+    for k in ("key", "n_tokens", "dtype", "codec", "n_layers", "kv_heads", "head_dim", "base_position", "blob", "hits"):
+        out.print(f"[bold]{k}[/]: {getattr(rec, k)}")
+    sizes = [layer.length for layer in rec.layers]
+    out.print(f"[bold]stored[/]: {human_bytes(sum(sizes))} (per layer min {min(sizes)} / max {max(sizes)} bytes)")
     out.print(f"[bold]created[/]: {_ago(rec.created)}; [bold]last used[/]: {_ago(rec.last_access)}")
     preview = rec.text[:300].replace("\n", " ")
-    out.print(f"[bold]text[/]: {preview}{'…' if len(rec.text) > 300 else ''}")
+    out.print(f"[bold]text[/]: {escape(preview)}{'…' if len(rec.text) > 300 else ''}")
 
 
-def stats(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
-    """Totals: segments, tokens, bytes per token raw vs stored, compression ratio, hits."""
+def stats(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+    """Totals: segments, tokens, bytes per token raw vs stored (per codec), compression, hits, the store's usage."""
     with _open(archive) as arc:
         s = arc.stats()
-        s["archive"] = str(arc.path)
-        s["model"] = arc.model_name
     if as_json:
-        print_json(s)
+        print_json(s.to_dict())
         return
-    table = Table(show_header=False, title=f"archive {s['archive']}")
-    for k, v in s.items():
-        if k == "archive":
+    table = Table(show_header=False, title=f"archive {escape(s.location)} ({s.store})")
+    for k, v in s.to_dict().items():
+        if k == "path":
             continue
         if isinstance(v, float):
             v = f"{v:,.3f}"
@@ -150,24 +141,19 @@ def stats(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None
             v = f"{human_bytes(v)} ({v:,} B)"
         elif isinstance(v, dict):  # codecs: segments each, bytes per token each
             v = ", ".join(f"{name}: {x:,.0f}" if isinstance(x, float) else f"{name}: {x}" for name, x in v.items())
-        table.add_row(k, str(v))
+        table.add_row(k, escape(str(v)))
     out.print(table)
 
 
 def remove(
     documents: List[str] = typer.Argument(..., help="Document paths to remove (their unshared segments go too)."),
     wait: bool = WaitOpt,
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Remove documents and the segments no other document uses."""
     with _open(archive, write=True) as arc:
-        resolved = []
-        for d in documents:
-            doc = arc.get_document(d) or arc.get_document(str(Path(d).expanduser().resolve()))
-            if doc is None:
-                raise UsageError(f"no such document in the archive: {d} (see `kvblend ls`)")
-            resolved.append(doc.path)
+        resolved = [arc.find_document(d).path for d in documents]
         with arc.writer(wait=wait):
             removed = arc.remove_documents(resolved)
     if as_json:
@@ -182,14 +168,14 @@ def verify(
     rebuild: bool = typer.Option(False, "--rebuild-index", help="Rebuild a lost or damaged index from the blobs (keeps the old one)."),
     deep: bool = typer.Option(False, "--deep", help="Also decode every layer (slower; loads torch)."),
     wait: bool = WaitOpt,
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Check every blob's checksums; exit 1 naming each corrupt or missing segment."""
     if repair and rebuild:
         raise UsageError("--repair and --rebuild-index are alternatives; pick one")
     if rebuild:
-        _print_rebuild(rebuild_index(_location(archive), wait=wait), as_json)
+        _print_rebuild(rebuild_index(_local_dir(archive, "--rebuild-index"), wait=wait), as_json)
         return
     with _open(archive, write=repair) as arc:
         if repair:
@@ -267,7 +253,7 @@ def gc(
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used segments until the archive fits, e.g. 5GB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be freed (needs no writer lock)."),
     wait: bool = WaitOpt,
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Delete orphan blobs; with --max-size, evict least-recently-used segments."""
@@ -287,10 +273,20 @@ def gc(
               f"{len(data['orphans'])} orphan files, {len(data['evicted'])} segments evicted")
 
 
-def path(archive: Optional[Path] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
+def path(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
     """Print where the archive is (--archive, else $KVBLEND_ARCHIVE, else the XDG cache)."""
-    location = resolve_archive_path(str(archive) if archive else None)
+    location = resolve_location(archive)
     if as_json:
-        print_json({"path": str(location), "exists": Archive.exists(location)})
+        print_json({"path": location.display, "store": "redis" if location.is_redis else "local",
+                    "exists": Archive.exists(location)})
         return
-    out.print(str(location))
+    out.print(location.display)
+
+
+def _local_dir(archive: Optional[str], flag: str) -> Path:
+    """The directory of a local archive; a Redis archive has no index file to rebuild (its records are the index)."""
+    location = resolve_location(archive)
+    if location.path is None:
+        raise UsageError(f"{flag} rebuilds a local archive's index file; {location} is a Redis archive "
+                         "(`kvblend verify --repair` drops what is missing there)")
+    return location.path

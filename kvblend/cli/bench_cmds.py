@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich import box
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from kvblend.cli.common import (
@@ -32,7 +39,6 @@ from kvblend.cli.common import (
 )
 from kvblend.defaults import DEFAULT_SELECT
 from kvblend.errors import UsageError
-from kvblend.options import Select, check_ratio
 from kvblend.evaluation.records import (
     DEFAULT_BENCH_MAX_NEW_TOKENS,
     DEFAULT_BENCH_MODES,
@@ -44,6 +50,7 @@ from kvblend.evaluation.records import (
     parse_modes,
     parse_ratios,
 )
+from kvblend.options import Select, check_ratio
 
 
 def register(app: typer.Typer) -> None:
@@ -76,7 +83,7 @@ def bench(
     answers: bool = typer.Option(False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share per policy (and the TTFT chart to NAME-ttft.png).", show_default=False),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
-    archive: Optional[Path] = typer.Option(None, "--archive", "-a", help="Archive directory for the passages (default: a scratch temp dir, removed after).", show_default=False),
+    archive: Optional[str] = typer.Option(None, "--archive", "-a", help="Archive for the passages: a directory or a redis:// URL (default: a scratch temp dir, removed after).", show_default=False),
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,

@@ -22,7 +22,7 @@ from kvblend.errors import UsageError
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive directory (default: $KVBLEND_ARCHIVE, else ~/.cache/kvblend).", show_default=False)
+ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive: a directory, or redis://[user[:password]@]host:port[/db] (rediss:// for TLS); default $KVBLEND_ARCHIVE, else ~/.cache/kvblend.", show_default=False)
 ModelOpt = typer.Option(None, "--model", "-m", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).", show_default=False)
 ComputeOpt = typer.Option(None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
@@ -73,8 +73,9 @@ def parse_check_layers(text: Optional[str]) -> tuple[int, ...] | None:
 
 
 @contextmanager
-def archive_dir_or_scratch(given: Optional[Path], prefix: str) -> Iterator[tuple[Path, bool]]:
-    """(directory, is_scratch): the archive the user named, else a temporary one removed afterwards."""
+def archive_dir_or_scratch(given: Optional[str | Path], prefix: str) -> Iterator[tuple[str | Path, bool]]:
+    """(archive, is_scratch): the archive the user named (a directory or a URL), else a temporary directory
+    removed afterwards."""
     if given is not None:
         yield given, False
         return

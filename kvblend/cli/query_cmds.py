@@ -12,15 +12,22 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from kvblend.cli.common import (
     ArchiveOpt,
-    archive_dir_or_scratch,
     ComputeOpt,
     JsonOpt,
     ModelOpt,
+    archive_dir_or_scratch,
     err,
     human_bytes,
     out,
@@ -42,7 +49,16 @@ from kvblend.defaults import (
 )
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
-from kvblend.options import Codec, Deviation, Mode, PromptTemplate, QueryOptions, SamplingConfig, Select, Sink
+from kvblend.options import (
+    Codec,
+    Deviation,
+    Mode,
+    PromptTemplate,
+    QueryOptions,
+    SamplingConfig,
+    Select,
+    Sink,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -59,7 +75,7 @@ def ingest(
     batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
     sink: Sink = typer.Option(Sink(DEFAULT_SINK), "--sink", help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix: best fidelity, see README). Segments get keys of their own; archives built either way answer queries."),
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,
@@ -96,7 +112,7 @@ def ingest(
     for s in report.skipped:
         err.print(f"[yellow]skipped[/] {s['path']}: {s['reason']}")
     if as_json:
-        print_json({**report.to_dict(), "archive": str(engine.archive_path), "archive_bytes": on_disk})
+        print_json({**report.to_dict(), "archive": str(engine.location), "archive_bytes": on_disk})
         return
     out.print(
         f"{report.documents} documents ({report.documents_unchanged} unchanged), "
@@ -104,7 +120,7 @@ def ingest(
         f"{report.tokens_total:,} tokens ({report.tokens_new:,} prefilled at {report.tokens_per_s:,.0f} tok/s); "
         f"wrote {human_bytes(report.bytes_written)}"
         + (f" (compression {report.compression_ratio:.2f}x vs fp16)" if report.bytes_written else "")
-        + f"; archive {human_bytes(on_disk)} at {engine.archive_path}; {report.seconds:.1f}s"
+        + f"; archive {human_bytes(on_disk)} at {engine.location}; {report.seconds:.1f}s"
         + (f" (model load {report.model_load_seconds:.1f}s)" if report.model_load_seconds else "")
     )
 
@@ -138,7 +154,7 @@ def query(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: sample from the smallest set of tokens whose probability reaches this share, in (0, 1]; 1 = all (only with --temperature > 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling, 0 to 2^63-1, so a sampled answer can be repeated (default: random)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Timing table on stderr."),
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,

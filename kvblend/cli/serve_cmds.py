@@ -6,7 +6,6 @@ kvblend.serve (FastAPI, uvicorn, torch) is imported inside the command, so
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -26,7 +25,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port."),
     max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue",
                                   help="Requests that may wait for the model; one more is answered 429."),
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
 ) -> None:

@@ -14,10 +14,20 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.table import Table
 
-from kvblend.cli.common import ArchiveOpt, ComputeOpt, JsonOpt, ModelOpt, err, human_bytes, out, parse_size, print_json
+from kvblend.cli.common import (
+    ArchiveOpt,
+    ComputeOpt,
+    JsonOpt,
+    ModelOpt,
+    err,
+    human_bytes,
+    out,
+    parse_size,
+    print_json,
+)
 from kvblend.defaults import DEFAULT_SELECT
-from kvblend.options import Select
 from kvblend.evaluation.records import parse_ratios
+from kvblend.options import Select
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
     DEFAULT_KL_BOUND,
@@ -25,7 +35,12 @@ from kvblend.tuning.delay import (
     DEFAULT_TUNE_RATIOS,
     ratio_table,
 )
-from kvblend.tuning.profile import TYPICAL_PROMPT_TOKENS, Profile, ProfileListing, busy_warning
+from kvblend.tuning.profile import (
+    TYPICAL_PROMPT_TOKENS,
+    Profile,
+    ProfileListing,
+    busy_warning,
+)
 from kvblend.tuning.storage import DEFAULT_STORAGE_COSTS, parse_costs
 
 if TYPE_CHECKING:  # annotations only: the tune workflow imports torch
@@ -62,7 +77,7 @@ def profile(
     label: Optional[str] = typer.Option(None, "--label", help="Name a PATH location (e.g. hdd) so `tune --storage-costs` can price it.", show_default=False),
     quick: bool = typer.Option(False, "--quick", help="A few seconds: short contexts, small scratch file, random-normal KV."),
     show: bool = typer.Option(False, "--show", help="List stored profiles instead of measuring."),
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,
@@ -168,7 +183,7 @@ def tune(
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help=f"Prompt length to tune for (default: top-6 × the archive's mean segment, else {TYPICAL_PROMPT_TOKENS}).", show_default=False),
     storage_costs: str = typer.Option(DEFAULT_STORAGE_COSTS, "--storage-costs", help="$/GB-month per storage label; profiled labels are compared."),
     archive_size: Optional[str] = typer.Option(None, "--archive-size", help="Size to price, e.g. 100GB (default: this archive's size).", show_default=False),
-    archive: Optional[Path] = ArchiveOpt,
+    archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,

@@ -30,9 +30,9 @@ from kvblend.evaluation.records import (
 from kvblend.evaluation.specs import FULL, RunRecord, RunSpec, main_specs, variant_specs
 from kvblend.evaluation.summary import BenchReport, mean, rounded, summarize
 from kvblend.generation import SamplingConfig
+from kvblend.machine import describe_machine
 from kvblend.options import QueryOptions, check_ratio
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate
-from kvblend.machine import describe_machine
 
 
 def _warm_up(engine, record: QARecord, template: PromptTemplate, codecs: Sequence[str] = (DEFAULT_CODEC,)) -> None:
@@ -129,7 +129,7 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
         "codecs": list(codecs),
         "variant_ratio": variant_ratio if variants else None,
         "select": select,
-        "archive": str(engine.archive_path),
+        "archive": str(engine.location),
         "compute": engine.runner.device.type,
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
         # what a codec's bytes/token compares with: K and V of every layer in fp16

@@ -46,7 +46,11 @@ from kvblend.archive import SegmentRecord
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import UsageError
 from kvblend.evaluation.metrics import kl_divergence, mean_token_kl
-from kvblend.evaluation.records import ANSWER_KL_TOKENS, DEFAULT_BENCH_MAX_NEW_TOKENS, QARecord
+from kvblend.evaluation.records import (
+    ANSWER_KL_TOKENS,
+    DEFAULT_BENCH_MAX_NEW_TOKENS,
+    QARecord,
+)
 from kvblend.evaluation.specs import FULL, RunRecord, RunSpec
 from kvblend.fusion import BlendConfig, FusionResult, fuse
 from kvblend.generation import SamplingConfig, generate

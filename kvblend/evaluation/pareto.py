@@ -14,12 +14,12 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvblend.options import SELECTIONS
 from kvblend.evaluation.harness import RecordRunner
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.evaluation.records import QARecord
 from kvblend.evaluation.summary import mean
 from kvblend.fusion import BlendConfig, fuse
+from kvblend.options import SELECTIONS
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate, assemble_prompt
 
 PARETO_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)

@@ -7,9 +7,8 @@ so a report written months ago renders the same way. No torch here.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 from kvblend.evaluation.records import ANSWER_KL_TOKENS
 

@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvblend.archive.codec import check_codec
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_CODEC, DEFAULT_DEVIATION, DEFAULT_SELECT
+from kvblend.defaults import (
+    DEFAULT_CHECK_LAYERS,
+    DEFAULT_CODEC,
+    DEFAULT_DEVIATION,
+    DEFAULT_SELECT,
+)
 from kvblend.errors import UsageError
-from kvblend.options import DEVIATIONS, SELECTIONS, Deviation, Mode, Select, choice
 from kvblend.evaluation.records import DEFAULT_VARIANT_RATIO
+from kvblend.options import DEVIATIONS, SELECTIONS, Deviation, Mode, Select, choice
 
 #: How the cached chunks were prefilled: alone (what the archive stores by default), after the chat
 #: template's first tokens (`ingest --sink template`), or after the prompt's whole instruction prefix;

@@ -6,9 +6,9 @@
     fuse.py       the layer loop shared by full / prefix / reuse / blend
 """
 
-from kvblend.options import MODES
 from kvblend.fusion.config import BlendConfig
 from kvblend.fusion.fuse import CachedKVFeed, FusionResult, fuse
 from kvblend.fusion.plan import Plan, feed_schedule, plan_prompt
+from kvblend.options import MODES
 
 __all__ = ["MODES", "BlendConfig", "CachedKVFeed", "FusionResult", "Plan", "feed_schedule", "fuse", "plan_prompt"]

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_DEVIATION, DEFAULT_RATIO, DEFAULT_SELECT
+from kvblend.defaults import (
+    DEFAULT_CHECK_LAYERS,
+    DEFAULT_DEVIATION,
+    DEFAULT_RATIO,
+    DEFAULT_SELECT,
+)
 from kvblend.errors import UsageError
 from kvblend.options import Deviation, Select, check_ratio, choice
 

@@ -35,7 +35,13 @@ from kvblend.defaults import HEAD_TOKENS
 from kvblend.errors import UsageError
 from kvblend.feeds.memory import InMemoryFeed
 from kvblend.fusion.config import BlendConfig
-from kvblend.fusion.plan import Plan, effective_cached, feed_schedule, never_recomputed, plan_prompt
+from kvblend.fusion.plan import (
+    Plan,
+    effective_cached,
+    feed_schedule,
+    never_recomputed,
+    plan_prompt,
+)
 from kvblend.fusion.policies import Check, head_mask, question_rows, select
 from kvblend.fusion.probe import KeptLayers, probe_pass
 from kvblend.fusion.selection import budget, keep_top

@@ -9,6 +9,11 @@
 
 from kvblend.pipeline.engine import Engine
 from kvblend.pipeline.resources import Resources
-from kvblend.pipeline.results import IngestReport, QueryOptions, QueryResult, SegmentInfo
+from kvblend.pipeline.results import (
+    IngestReport,
+    QueryOptions,
+    QueryResult,
+    SegmentInfo,
+)
 
 __all__ = ["Engine", "IngestReport", "QueryOptions", "QueryResult", "Resources", "SegmentInfo"]

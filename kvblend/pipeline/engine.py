@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from kvblend.archive import SegmentRecord
-from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CHUNK_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
+from kvblend.defaults import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_CODEC,
+    DEFAULT_LEVEL,
+)
 from kvblend.options import QueryOptions
 from kvblend.pipeline import ingest as ingest_workflow
 from kvblend.pipeline import query as query_workflow

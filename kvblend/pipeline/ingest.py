@@ -17,7 +17,13 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvblend.archive import Archive, DocumentRecord, SegmentRecord, check_codec, codec_settings
+from kvblend.archive import (
+    Archive,
+    DocumentRecord,
+    SegmentRecord,
+    check_codec,
+    codec_settings,
+)
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.documents import iter_documents
 from kvblend.errors import UsageError
@@ -29,7 +35,6 @@ from kvblend.prompt import segment_text_for_kv
 from kvblend.retrieval import get_embedder
 from kvblend.segmenter import split_into_segments
 from kvblend.types import LayerKV
-
 
 MIN_CHUNK_TOKENS = 16
 
@@ -168,7 +173,7 @@ def _segment_document(res: Resources, archive: Archive, doc, chunk_tokens: int, 
         else:
             pending.add(key, text, ids)
     report.tokens_total += n_tokens
-    return DocumentRecord(path=doc.path, content_hash=doc.content_hash, segment_keys=keys, n_tokens=n_tokens,
+    return DocumentRecord(path=doc.path, name=doc.name, content_hash=doc.content_hash, segment_keys=keys, n_tokens=n_tokens,
                           ingested=time.time(), size=len(doc.text.encode()))
 
 

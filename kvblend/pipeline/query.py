@@ -13,10 +13,9 @@ segment is recomputed and a warning names it.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Callable
 
-from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from kvblend.archive import SegmentRecord
 from kvblend.errors import ArchiveBusyError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse, plan_prompt
@@ -29,12 +28,7 @@ from kvblend.prompt import assemble_prompt, segment_text_for_kv
 from kvblend.retrieval import get_embedder, top_k
 from kvblend.types import Segment
 
-
 Warn = Callable[[str], None]
-
-
-class NotFoundError(UsageError):
-    """A pinned document or segment the archive does not hold (a server answers 404)."""
 
 
 class ContextLengthError(UsageError):
@@ -136,20 +130,20 @@ def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[l
     archive = res.archive(create=False)
     records: list[SegmentRecord] = []
     infos: list[SegmentInfo] = []
-    for path in opts.docs:
-        doc = _find_document(archive, path)
+    for name in opts.docs:
+        doc = archive.find_document(name)
         for key in doc.segment_keys:
-            records.append(_segment_or_error(archive, key))
-            infos.append(SegmentInfo(key, doc.path, records[-1].n_tokens, True))
+            records.append(archive.find_segment(key))
+            infos.append(SegmentInfo(key, doc.display_name, records[-1].n_tokens, True))
     for key in opts.segment_keys:
-        rec = _segment_or_error(archive, key)
+        rec = archive.find_segment(key)
         records.append(rec)
         infos.append(SegmentInfo(rec.key, res.document_of(rec.key), rec.n_tokens, True))
     if records or (opts.context_texts and opts.top_k == 0):
         return records, infos
     keys, matrix = archive.get_embeddings()
     if not keys:
-        raise UsageError(f"the archive at {res.archive_path} is empty: run `kvblend ingest PATH` first")
+        raise UsageError(f"the archive at {res.location} is empty: run `kvblend ingest PATH` first")
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
         rec = archive.get_segment(key)
@@ -158,29 +152,6 @@ def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[l
         records.append(rec)
         infos.append(SegmentInfo(key, res.document_of(key), rec.n_tokens, True, round(score, 4)))
     return records, infos
-
-
-def _find_document(archive: Archive, path: str) -> DocumentRecord:
-    """A pinned document by its stored path, its resolved path, or a unique path suffix."""
-    doc = archive.get_document(path) or archive.get_document(str(Path(path).expanduser().resolve()))
-    if doc is None:
-        matches = [d for d in archive.iter_documents() if d.path.endswith("/" + path) or d.path == path]
-        if len(matches) == 1:
-            doc = matches[0]
-    if doc is None:
-        raise NotFoundError(f"no such document in the archive: {path} (see `kvblend ls`)")
-    return doc
-
-
-def _segment_or_error(archive: Archive, key: str) -> SegmentRecord:
-    """A pinned segment by its key or a unique key prefix (6+ characters)."""
-    rec = archive.get_segment(key)
-    if rec is None and len(key) >= 6:
-        matches = [r for r in archive.iter_segments() if r.key.startswith(key)]
-        rec = matches[0] if len(matches) == 1 else None
-    if rec is None:
-        raise NotFoundError(f"no such segment in the archive: {key}")
-    return rec
 
 
 def context_segment(res: Resources, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
@@ -214,7 +185,7 @@ def build_prompt(res: Resources, question: str, passages: list[Segment], record_
         use_archived_prefix(res, prompt[0], record_by_key)
     check_length(res, sum(len(s.token_ids) for s in prompt), opts)
     for seg in prompt:
-        if seg.cached and not blob_intact(res.archive(), record_by_key[seg.key]):
+        if seg.cached and not res.archive().payload_intact(record_by_key[seg.key]):
             seg.cached = False
             warn(f"segment {seg.key[:12]}: blob missing or truncated; recomputing it (run `kvblend verify --repair`)")
     return prompt
@@ -228,18 +199,6 @@ def check_length(res: Resources, prompt_tokens: int, opts: QueryOptions) -> None
             f"prompt is {prompt_tokens} tokens (+{opts.sampling.max_new_tokens} to generate); "
             f"the model's context is {limit}: use fewer segments (--top-k) or a shorter question"
         )
-
-
-def blob_intact(archive: Archive, rec: SegmentRecord) -> bool:
-    """Cheap pre-flight (a stat, no read): the blob exists and is long enough for every layer.
-
-    Bit flips are caught later by per-layer checksums while streaming.
-    """
-    try:
-        size = (archive.path / rec.blob).stat().st_size
-    except OSError:
-        return False
-    return all(layer.offset + layer.length <= size for layer in rec.layers)
 
 
 # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──

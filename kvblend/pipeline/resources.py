@@ -14,10 +14,15 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from kvblend.archive import Archive, KeyScheme, resolve_archive_path
-from kvblend.archive.records import tuned_key
-from kvblend.archive.records import TunedRatio
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_CODEC, DEFAULT_RATIO, DEFAULT_SINK, SINK_TOKENS
+from kvblend.archive import Archive, KeyScheme, Location, resolve_location
+from kvblend.archive.records import TunedRatio, tuned_key
+from kvblend.defaults import (
+    DEFAULT_CHECK_LAYERS,
+    DEFAULT_CODEC,
+    DEFAULT_RATIO,
+    DEFAULT_SINK,
+    SINK_TOKENS,
+)
 from kvblend.fusion import BlendConfig
 from kvblend.model.loading import load_model
 from kvblend.model.prefill import storage_dtype
@@ -33,7 +38,7 @@ class Resources:
 
     def __init__(
         self,
-        archive: str | Path | None = None,
+        archive: str | Path | Location | None = None,
         model: str | None = None,
         compute: str | None = None,
         dtype: str | None = None,
@@ -41,7 +46,7 @@ class Resources:
         sink: str = DEFAULT_SINK,
     ):
         self.sink = choice(Sink, sink, "--sink")  # how new segments are prefilled; reads honour each record's own
-        self.archive_path = resolve_archive_path(str(archive) if archive else None)
+        self.location = resolve_location(archive)
         self.model_spec = model
         self.compute = compute
         self.dtype = dtype
@@ -70,7 +75,7 @@ class Resources:
             # defer_binding: the model is checked now but recorded with the first stored segment,
             # so a run whose model fails to load leaves a new archive bound to nothing.
             self._archive = Archive.open(
-                self.archive_path,
+                self.location,
                 create=create,
                 model_name=self.model_name,
                 model_fingerprint=self.fingerprint,
@@ -141,7 +146,8 @@ class Resources:
     def document_of(self, key: str) -> str | None:
         """The name of a document holding segment `key` (indexed once per engine)."""
         if self._doc_index is None:
-            self._doc_index = {k: d.path for d in self.archive(create=False).iter_documents() for k in d.segment_keys}
+            self._doc_index = {k: d.display_name for d in self.archive(create=False).iter_documents()
+                               for k in d.segment_keys}
         return self._doc_index.get(key)
 
     # ── blend settings ──
@@ -156,8 +162,8 @@ class Resources:
     def tuned_ratio(self, select: str) -> float | None:
         """The ratio `kvblend tune` stored for this model, compute device and archive location, if it was
         measured for the selection policy `select` (a floor found for one policy says nothing of another)."""
-        if self._archive is None and not Archive.exists(self.archive_path):
+        if self._archive is None and not Archive.exists(self.location):
             return None  # no archive yet: nothing was tuned, and asking must not create one
-        stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.archive_path))
+        stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.location))
         tuned = TunedRatio.from_stored(stored)
         return tuned.ratio if tuned is not None and tuned.select == select else None

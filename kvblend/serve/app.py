@@ -19,16 +19,29 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvblend.errors import ArchiveBusyError, KvblendError, UsageError
-from kvblend.pipeline.query import ContextLengthError, NotFoundError
+from kvblend.errors import ArchiveBusyError, KvblendError, NotFoundError, UsageError
+from kvblend.pipeline.query import ContextLengthError
 from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import segment_source
 from kvblend.serve.metrics import Metrics
-from kvblend.serve.responses import (chunk_body, completion_body, completion_id, finish_reason, kvblend_report,
-                                     models_body, request_share, usage)
+from kvblend.serve.responses import (
+    chunk_body,
+    completion_body,
+    completion_id,
+    finish_reason,
+    kvblend_report,
+    models_body,
+    request_share,
+    usage,
+)
 from kvblend.serve.schema import ApiError, ChatRequest, parse_body, parse_chat_request
 from kvblend.serve.worker import Job, ModelWorker
 

@@ -15,7 +15,6 @@ import copy
 import logging
 import logging.config
 import socket
-from pathlib import Path
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -64,19 +63,19 @@ def check_port(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def run_server(host: str, port: int, archive: Path | None, model: str | None, compute: str | None,
+def run_server(host: str, port: int, archive: str | None, model: str | None, compute: str | None,
                max_queue: int) -> None:
     """Load the model once, then serve until SIGTERM or Ctrl-C."""
     check_port(host, port)
     logging.config.dictConfig(log_config())
     engine = Engine(archive, model, compute)
     try:
-        log.info("loading %s; archive %s", engine.model_name, engine.archive_path)
+        log.info("loading %s; archive %s", engine.model_name, engine.location)
         engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
         log.info("model loaded in %.1fs on %s", engine.model_load_s, engine.runner.device)
         worker = ModelWorker(engine, max_queue)
-        app = create_app(worker, Metrics(), engine.model_name, engine.archive_path)
+        app = create_app(worker, Metrics(), engine.model_name, engine.location)
         config = uvicorn.Config(app, host=host, port=port, log_config=log_config(), lifespan="on",
                                 timeout_graceful_shutdown=2 * GRACE_S)
         Server(config, worker).run()

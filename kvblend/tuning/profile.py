@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from kvblend.archive import Archive, resolve_archive_path
+from kvblend.archive import Archive, Location, resolve_location
+from kvblend.archive.records import location_key
 from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from kvblend.errors import KvblendError, UsageError
+from kvblend.machine import Machine, machine_info, same_machine
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.tuning.delay import CostModel, LoadModel
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.archive.records import normalize_path
-from kvblend.machine import Machine, machine_info, same_machine
 
 PROFILE_VERSION = 1
 
@@ -242,9 +242,9 @@ def applicable_profiles(profiles: Iterable[Profile], machine: Machine, fingerpri
     return [p for p in profiles if not profile_flags(p, machine, fingerprint) and p.compute == compute]
 
 
-def location_profile(profiles: Iterable[Profile], archive_path: str | os.PathLike[str]) -> Profile | None:
+def location_profile(profiles: Iterable[Profile], archive_path: str | os.PathLike[str] | Location) -> Profile | None:
     """The latest profile of the archive's own location."""
-    here = normalize_path(archive_path)
+    here = location_key(archive_path)
     mine = [p for p in profiles if p.storage.path == here]
     return max(mine, key=lambda p: p.created) if mine else None
 
@@ -285,8 +285,8 @@ def list_profiles(archive: str | os.PathLike[str] | None, model: str | None = No
     Without `model`, profiles are judged against the model the archive was built
     with (not the default model, which may be another).
     """
-    path = resolve_archive_path(archive)
-    if not path.exists():
+    path = resolve_location(archive)
+    if not Archive.exists(path):
         raise UsageError(f"no archive at {path}: run `kvblend profile` or `kvblend ingest` first")
     fingerprint, changed_at = _model_identity(model)
     machine = machine_info()

@@ -12,16 +12,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvblend.archive import CODECS, Archive, decode_layer, encode_layer, resolve_archive_path
+from kvblend.archive import (
+    CODECS,
+    Archive,
+    decode_layer,
+    encode_layer,
+    resolve_location,
+)
+from kvblend.archive.records import normalize_path, profile_name
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import UsageError
+from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.model import load_model
 from kvblend.tuning import probes
-from kvblend.archive.records import normalize_path, profile_name
-from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.tuning.profile import (
-    DISK_LABELS,
     DEVICE_LABELS,
+    DISK_LABELS,
     RAM_LABEL,
     TYPICAL_PROMPT_TOKENS,
     LoadAvg,
@@ -62,7 +68,7 @@ class ProfileSettings:
 def _locate(archive, device: str | None, label: str | None) -> tuple[str | None, str, str]:
     """(directory or None for RAM, storage label, where the label came from) for `--device`/`--label`."""
     if device is None or device in DISK_LABELS:
-        where: str | None = normalize_path(archive.path)
+        where: str | None = archive.location.key
         store_label = label or device
     elif device == RAM_LABEL:
         where, store_label = None, label or RAM_LABEL
@@ -180,7 +186,7 @@ def run_profile(archive: str | os.PathLike[str] | None, model: str | None = None
         raise UsageError("--label must not be empty")
     if device is not None and device not in DEVICE_LABELS and not os.path.isdir(os.path.expanduser(device)):
         raise UsageError(f"--device must be nvme, ssd, hdd, ram or an existing directory, not {device!r}")
-    path = resolve_archive_path(archive)
+    path = resolve_location(archive)
     runner = load_model(model, compute)
     settings = ProfileSettings.quick() if quick else ProfileSettings()
     with Archive.open(path, create=True, model_name=runner.name, model_fingerprint=runner.fingerprint) as ar:

@@ -15,13 +15,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
-from kvblend.archive import Archive, resolve_archive_path
+from kvblend.archive import Archive, resolve_location
+from kvblend.archive.records import TUNED_VERSION, TunedRatio, location_key, tuned_key
 from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_SELECT, DEFAULT_TOP_K
-from kvblend.options import Select, choice
 from kvblend.errors import UsageError
+from kvblend.machine import machine_info
 from kvblend.model import load_model
 from kvblend.model.loading import pick_compute_device
 from kvblend.model.source import resolve_model_source, source_fingerprint
+from kvblend.options import Select, choice
 from kvblend.tuning.codecs import CodecDecision, choose_codec
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
@@ -36,12 +38,20 @@ from kvblend.tuning.delay import (
     recompute_time,
 )
 from kvblend.tuning.jsonable import check_version, from_fields
-from kvblend.archive.records import normalize_path, tuned_key
-from kvblend.archive.records import TUNED_VERSION, TunedRatio
-from kvblend.machine import machine_info
-from kvblend.tuning.profile import Profile, applicable_profiles, busy_warning, location_profile, today
+from kvblend.tuning.profile import (
+    Profile,
+    applicable_profiles,
+    busy_warning,
+    location_profile,
+    today,
+)
 from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
-from kvblend.tuning.storage import DEFAULT_STORAGE_COSTS, StorageDecision, cheapest_storage, parse_costs
+from kvblend.tuning.storage import (
+    DEFAULT_STORAGE_COSTS,
+    StorageDecision,
+    cheapest_storage,
+    parse_costs,
+)
 
 #: Context lengths in the per-length table `tune` prints (plus the one tuned for).
 TABLE_LENGTHS = (512, 1024, 2048, 3072, 4096, 8192)
@@ -245,8 +255,8 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
     """Decide and store the tuned setting for the archive's location (see the module doc)."""
     req.check()
     log = log or (lambda _msg: None)
-    path = resolve_archive_path(req.archive)
-    if not path.exists():
+    path = resolve_location(req.archive)
+    if not Archive.exists(path):
         raise UsageError(f"no archive at {path}: run `kvblend profile` first")
     source = resolve_model_source(req.model)
     fingerprint = source_fingerprint(source)
@@ -275,7 +285,7 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
         setting = TunedSetting(
             decision.ratio, decision.r_quality, rq_source, decision.r_hide, decision.L, L_source, decision.t_load_s,
             decision.t_recompute_s, decision.bottleneck, decision.table, today(), time.time(), here.name,
-            ModelRef(source.name, fingerprint), compute, normalize_path(path), req.tolerance, req.kl_bound, quality,
+            ModelRef(source.name, fingerprint), compute, location_key(path), req.tolerance, req.kl_bound, quality,
             storage, size, decision.notes, codec, req.select)
         key = tuned_key(source.name, compute, path)
         ar.put_tuned(key, setting.to_dict())

@@ -206,7 +206,7 @@ def test_bad_queries_are_clear_errors(engine, tmp_path, default_runner):
 def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
     """What `kvblend tune` stored for this model/device/archive is what `query` recomputes at."""
     runner = engine.runner
-    engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.archive_path), {"ratio": 0.4})
+    engine.archive().put_tuned(tuned_key(engine.model_name, runner.device.type, engine.location), {"ratio": 0.4})
     # hkvd: the plain budget, ⌈ratio · cached⌉ kept (the probe pays its pass out of it)
     opts = pinned(engine, 2, select="hkvd", sampling=SamplingConfig(max_new_tokens=1))
     tuned = engine.query(QUESTION, opts)

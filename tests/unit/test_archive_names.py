@@ -42,7 +42,7 @@ def test_engine_uses_tuned_ratio_and_ratio_flag_overrides(tmp_path):
         # a tuned entry for another location is not ours
         archive.put_tuned(tuned_key(runner.name, runner.device.type, tmp_path / "other"), {"ratio": 0.5})
         assert engine.blend_config(QueryOptions())[1] == DEFAULT_RATIO
-        ours = tuned_key(runner.name, runner.device.type, engine.archive_path)
+        ours = tuned_key(runner.name, runner.device.type, engine.location)
         archive.put_tuned(ours, {"ratio": 0.3, "select": "probe"})
         cfg, ratio = engine.blend_config(QueryOptions(select="probe"))
         assert ratio == 0.3 and cfg.ratios == (0.3,)

@@ -17,7 +17,7 @@ import torch
 from kvblend.archive.codec import LOSSLESS_CODECS
 
 from archive_helpers import DIM, HEADS, N_LAYERS, TOKENS, ar, layers, put, same  # noqa: F401 (ar: fixture)
-from kvblend.archive import CODECS, Archive, DocumentRecord, SegmentRecord, resolve_archive_path, segment_key
+from kvblend.archive import CODECS, Archive, DocumentRecord, SegmentRecord, resolve_location, segment_key
 from kvblend.archive import blobs as blobs_mod
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveModelMismatchError, ArchiveVersionError
 from support import REPO, run_in_threads
@@ -211,15 +211,15 @@ def test_readonly_open(tmp_path, ar):
             ro.put_profile("disk", {})
 
 
-def test_resolve_archive_path(monkeypatch, tmp_path):
+def test_resolve_location(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBLEND_ARCHIVE", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert resolve_archive_path("~/x") == Path.home() / "x"
-    assert resolve_archive_path(None) == tmp_path / "env"
+    assert resolve_location("~/x").path == Path.home() / "x"
+    assert resolve_location(None).path == tmp_path / "env"
     monkeypatch.delenv("KVBLEND_ARCHIVE")
-    assert resolve_archive_path(None) == tmp_path / "xdg" / "kvblend"
+    assert resolve_location(None).path == tmp_path / "xdg" / "kvblend"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert resolve_archive_path("") == Path.home() / ".cache" / "kvblend"
+    assert resolve_location("").path == Path.home() / ".cache" / "kvblend"
 
 
 # ---------------------------------------------------------------- locking and growth
@@ -326,7 +326,7 @@ def test_documents_embeddings_profiles_tuned_meta_stats(ar, tmp_path):
         ar.set_meta("format_version", 9)
 
     ar.touch(["nn1", "nn1", "nn2"])
-    s = ar.stats()
+    s = ar.stats().to_dict()
     assert (s["segments"], s["documents"], s["tokens"], s["hits"]) == (2, 2, 2 * TOKENS, 2)
     assert s["raw_bytes"] == 2 * 2 * N_LAYERS * HEADS * DIM * 2 * TOKENS
     assert s["bytes_per_token_raw"] == s["raw_bytes"] / s["tokens"]

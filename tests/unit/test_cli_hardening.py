@@ -110,7 +110,7 @@ def test_help_shows_no_type_placeholders_for_flags(command):
 def test_path_json(tmp_path):
     arc = build_archive(tmp_path / "arc")
     assert json.loads(run_cli("path", "--archive", arc, "--json", check=True).stdout) == \
-        {"path": str(arc), "exists": True}
+        {"path": str(arc), "store": "local", "exists": True}
     assert json.loads(run_cli("path", "--archive", tmp_path / "none", "--json", check=True).stdout)["exists"] is False
 
 

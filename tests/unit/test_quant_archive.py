@@ -68,7 +68,7 @@ def test_mixed_codec_archive_streams_each_segment_with_its_own_codec(runner, pro
     archive = engine.archive()
     records = store_mixed(runner, archive, prompt)
     assert [records[k].codec for k in ("chunk0", "chunk1", "chunk2")] == ["zstd-shuffle", "int8", "int4"]
-    per_token = archive.stats()["bytes_per_token_by_codec"]
+    per_token = archive.stats().bytes_per_token_by_codec
     assert per_token["int4"] < per_token["int8"] < per_token["zstd-shuffle"]
     # What the loader builds = the in-memory layout of the KV each codec decodes to (dequantized in place).
     decoded = [Segment(s.token_ids, kv=None if s.kv is None else

@@ -8,7 +8,8 @@ import sys
 from types import SimpleNamespace
 
 from kvblend.errors import ArchiveBusyError, ArchiveError, UsageError
-from kvblend.pipeline.query import ContextLengthError, NotFoundError
+from kvblend.errors import NotFoundError
+from kvblend.pipeline.query import ContextLengthError
 from kvblend.serve.app import error_for
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.responses import chunk_body, completion_body, finish_reason, request_share
