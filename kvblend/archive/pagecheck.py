@@ -271,6 +271,7 @@ class _Walker:
         self.free: set[int] = set()
         self.subdbs: list[tuple[str, _Db, int]] = []  # name, record, page of the main-tree leaf holding it
         self.id_lists: list[tuple[tuple[int, ...], int]] = []  # free page numbers, file offset of the list
+        self.records: dict[str, list[tuple[bytes, bytes]]] | None = None  # when collecting: table -> (key, value)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
 
@@ -430,6 +431,8 @@ class _Walker:
                 tree.count.entries += 1
                 if free:
                     self.id_list(buf[data:data + size], pgno * psize + data, pgno, i)
+                elif self.records is not None and tree.kind == "table":
+                    self.records.setdefault(tree.table, []).append((buf[o + NODE_HEADER:data], buf[data:data + size]))
 
     def value(self, tree: _Tree, pgno: int, i: int, buf: bytes, o: int, data: int, size: int, fl: int) -> int:
         """Check a flagged node's value; return how many entries it holds."""
@@ -446,6 +449,9 @@ class _Walker:
         if self.run(tree, pgno, i, first, size) and tree.kind == "free":
             start = first * self.psize + PAGE_HEADER
             self.id_list(os.pread(self.fd, size, start), start, pgno, i)
+        elif self.records is not None and tree.kind == "table" and first in self.overflow:
+            value = os.pread(self.fd, size, first * self.psize + PAGE_HEADER)  # the run was checked to hold it
+            self.records.setdefault(tree.table, []).append((buf[o + NODE_HEADER:data], value))
         return 1
 
     # -- overflow runs and the free list -----------------------------------------------------------------------
@@ -601,6 +607,16 @@ class _Walker:
         return counts
 
 
+def read_records(data_file: str | os.PathLike[str]) -> tuple[dict[str, list[tuple[bytes, bytes]]], PageReport]:
+    """Every (key, value) of every named table that sound pages of the newest snapshot hold, read with plain reads,
+    and the check's report.
+
+    For rebuilding a damaged index (repair.py): LMDB itself would follow the damage and could kill the process,
+    this walk skips it, so only the records on damaged pages (and below them) are lost.
+    """
+    return _walk_file(data_file, None, None, collect=True)
+
+
 def check_pages(data_file: str | os.PathLike[str], txnid: int | None = None,
                 tables: Iterable[str] | None = None) -> PageReport:
     """Walk every page LMDB could read in one snapshot of ``data_file``, with plain reads; never raises on damage.
@@ -621,6 +637,11 @@ def check_pages(data_file: str | os.PathLike[str], txnid: int | None = None,
     and pages the snapshot does not reach (free or stale pages nobody reads).
     An index file that cannot be opened at all raises the usual OSError.
     """
+    return _walk_file(data_file, txnid, tables)[1]
+
+
+def _walk_file(data_file: str | os.PathLike[str], txnid: int | None, tables: Iterable[str] | None,
+               collect: bool = False) -> tuple[dict[str, list[tuple[bytes, bytes]]], PageReport]:
     with open(data_file, "rb") as f:
         fd = f.fileno()
         metas, problems = _read_metas(fd)
@@ -629,13 +650,14 @@ def check_pages(data_file: str | os.PathLike[str], txnid: int | None = None,
             if txnid is not None and metas and not problems:
                 raise SnapshotMoved(f"no meta page holds transaction {txnid} any more")
             problems = problems or [PageProblem(-1, "no usable meta page", HEADER_TABLE)]
-            return PageReport(0, problems, -1, {})
+            return {}, PageReport(0, problems, -1, {})
         walker = _Walker(fd, os.fstat(fd).st_size, meta)  # size after the meta read: a writer only grows it
+        walker.records = {} if collect else None
         walker.problems.extend(problems)
         counts: dict[str, int] = {}
         try:
             counts = walker.walk(None if tables is None else {tables} if isinstance(tables, str) else set(tables))
         except _Stop:
             walker.problems.append(PageProblem(-1, f"checking stopped after {MAX_PROBLEMS} problems", HEADER_TABLE))
-    return PageReport(len(walker.visited), walker.problems, meta.txnid, counts,
-                      walker.visited, walker.overflow, walker.free)
+    return walker.records or {}, PageReport(len(walker.visited), walker.problems, meta.txnid, counts,
+                                            walker.visited, walker.overflow, walker.free)

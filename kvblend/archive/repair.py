@@ -34,6 +34,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from kvblend.archive import pagecheck
 from kvblend.archive.blobs import (
     BLOB_DIR,
     check_key,
@@ -44,12 +45,12 @@ from kvblend.archive.blobs import (
 )
 from kvblend.archive.codec import describe_payload, split_frames
 from kvblend.archive.index import (
+    DATA_FILE,
     DB_NAMES,
     INDEX_DIR,
     Index,
     has_blobs,
     index_problem,
-    lmdb_reason,
 )
 from kvblend.archive.local import (
     FORMAT_VERSION,
@@ -100,7 +101,7 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
         raise ArchiveError(f"archive directory {root} is not writable; rebuilding its index needs to write")
     report = RebuildReport()
     with WriterLock(root / LOCK_FILE).hold(wait), spending_reserve(root):
-        old = salvage(root, _hints(root))
+        old = salvage(root)
         report.problems = old.problems
         _refuse_newer(old, root)
         restored = _restore_segments(root, old, report)
@@ -109,13 +110,6 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
         report.old_index = _swap(root, fresh)
         _move_lost(root, report)
     return report
-
-
-def _hints(root: Path) -> dict[str, list[bytes]]:
-    """Keys to look up one by one in a damaged index: segment keys from blob names, documents from manifests."""
-    keys = sorted({Path(rel).name.split(".", 1)[0].encode() for rel, _, is_temp in scan_blob_dir(root) if not is_temp})
-    docs = [document_db_key(doc.path) for doc in read_manifests(root)[0]]
-    return {"segments": keys, "embeddings": keys, "documents": docs}
 
 
 def _refuse_newer(old: Salvage, root: Path) -> None:
@@ -322,68 +316,24 @@ class Salvage:
         return [d for d in self.json_rows("documents").values() if isinstance(d, dict) and d.get("path")]
 
 
-def salvage(root: Path, hints: dict[str, list[bytes]] | None = None) -> Salvage:
-    """Read every table of ``root``'s index that can still be read (an empty Salvage if none can).
-
-    ``hints``: table -> keys worth looking up one by one when its scan fails.
-    """
+def salvage(root: Path) -> Salvage:
+    """Every record of ``root``'s index that sound pages still hold (an empty Salvage if none can be read)."""
     found = Salvage()
     problem = index_problem(root)
     if problem is not None:
         if problem not in ("is missing", "is empty"):
             found.problems.append(f"the old index {problem}: nothing could be read from it")
         return found
+
+    # Plain reads of the sound pages (pagecheck.py), never LMDB itself: LMDB follows a damaged page's garbage
+    # pointers and can kill the process, which is the very damage a rebuild is run for.
     try:
-        # Read-only, without LMDB's reader table: the caller holds the writer lock, so no kvblend
-        # writer runs, and the damaged directory may not even take a lock file.
-        env = lmdb.open(str(root / INDEX_DIR), readonly=True, lock=False, max_dbs=len(DB_NAMES) + 2,
-                        subdir=True, readahead=False)
-    except lmdb.Error as e:
-        found.problems.append(f"the old index cannot be opened ({lmdb_reason(e)})")
+        tables, report = pagecheck.read_records(root / INDEX_DIR / DATA_FILE)
+    except OSError as e:
+        found.problems.append(f"the old index cannot be read ({e.strerror or e})")
         return found
-    try:
-        for name in DB_NAMES:
-            if not _read_table(env, name, found):
-                _look_up(env, name, (hints or {}).get(name, []), found)
-    finally:
-        env.close()
+    for name in DB_NAMES:
+        found.tables[name].update(tables.get(name, []))
+    for problem in report.problems[:10]:
+        found.problems.append(f"the old index is damaged: {problem}; the records on that page are lost")
     return found
-
-
-def _read_table(env: lmdb.Environment, name: str, found: Salvage) -> bool:
-    """Copy one table's rows into ``found`` until the first error; False if one stopped the scan."""
-    rows = found.tables[name]
-    try:
-        db = env.open_db(name.encode(), create=False)
-    except lmdb.NotFoundError:
-        return True
-    except lmdb.Error as e:
-        found.problems.append(f"table {name} cannot be opened ({lmdb_reason(e)})")
-        return False
-    try:
-        with env.begin(db=db, buffers=False) as txn:
-            for key, value in txn.cursor():
-                rows[bytes(key)] = bytes(value)
-    except lmdb.Error as e:
-        found.problems.append(f"table {name} is damaged after {len(rows)} records ({lmdb_reason(e)})")
-        return False
-    return True
-
-
-def _look_up(env: lmdb.Environment, name: str, keys: list[bytes], found: Salvage) -> None:
-    """Get each key on its own (a failed read poisons its transaction), skipping those already read."""
-    rows = found.tables[name]
-    try:
-        db = env.open_db(name.encode(), create=False)
-    except lmdb.Error:
-        return
-    for key in keys:
-        if key in rows:
-            continue
-        try:
-            with env.begin(db=db, buffers=False) as txn:
-                value = txn.get(key)
-        except lmdb.Error:
-            continue
-        if value is not None:
-            rows[key] = bytes(value)

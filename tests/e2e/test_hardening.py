@@ -68,19 +68,28 @@ def test_lost_index_rebuilt_then_query_answers_the_same(built, tmp_path):
     assert all(s["cached"] for s in result["segments"])  # embeddings and KV came back from the blobs
 
 
-def test_corrupted_index_page_is_one_line_for_query(built, tmp_path):
-    """Every page holding a segment record gets a garbage header: whatever query reads, LMDB says MDB_CORRUPTED."""
+def test_garbled_index_pages_are_one_line_for_query_and_the_rebuild_answers_again(built, tmp_path):
+    """The corruption users hit: bytes 16..4095 of index pages overwritten. LMDB followed the garbage and `query`
+    died of SIGBUS after its first token (the usage-count write); now it stops at once in one line, names the
+    repair, and after `verify --rebuild-index` answers as before."""
+    from kvblend.archive.pagecheck import check_pages
+
     arc = tmp_path / "arc"
     shutil.copytree(built, arc)
+    first = json.loads(_query(arc, "--no-prefix-cache").stdout)
     data = arc / "index" / "data.mdb"
-    raw = data.read_bytes()
-    pages = {at // 4096 for at in range(len(raw)) if raw.startswith(b'"key":"', at)}
+    report = check_pages(data)
     with open(data, "r+b") as f:
-        for page in pages:
-            f.seek(page * 4096)
-            f.write(b"\xff" * 16)
-    line = one_line_error(_query(arc))
-    assert "damaged" in line and "--rebuild-index" in line
+        for page in sorted(report.visited - report.overflow)[1:]:  # every tree page but the main tree's root
+            f.seek(page * 4096 + 16)
+            f.write(b"\xff" * (4096 - 16))
+    proc = _query(arc)
+    line = one_line_error(proc)
+    assert proc.returncode > 0 and "damaged" in line and "--rebuild-index" in line
+    run_cli("verify", "--rebuild-index", "--archive", arc, check=True)
+    again = _query(arc, "--no-prefix-cache")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["answer"] == first["answer"]
 
 
 def test_failed_model_load_leaves_a_new_archive_unbound(built, tmp_path):

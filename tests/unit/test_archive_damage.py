@@ -216,3 +216,53 @@ def test_rebuild_refuses_a_newer_archive_and_repairs_a_malformed_version(tmp_pat
     assert "not a positive integer" in one_line_error(run_cli("ls", "--archive", arc))
     assert rebuild_index(arc).segments_from_old_index == N_SEGMENTS
     assert run_cli("ls", "--archive", arc).returncode == 0
+
+
+def _live_pages(arc) -> list[int]:
+    """Every branch and leaf page the current snapshot reads (not stale copies LMDB left behind)."""
+    from kvblend.archive.pagecheck import check_pages
+
+    report = check_pages(arc / "index" / "data.mdb")
+    assert report.ok, report.problems
+    return sorted(report.visited - report.overflow)
+
+
+def _garble_page(arc, page: int) -> None:
+    """What users hit: bytes 16..4095 of a page overwritten (its header intact, its node pointers garbage)."""
+    with open(arc / "index" / "data.mdb", "r+b") as f:
+        f.seek(page * 4096 + 16)
+        f.write(b"\xff" * (4096 - 16))
+
+
+def test_no_garbled_index_page_ends_in_a_signal(tmp_path):
+    """Every page the index reads, garbled in turn: each command is one line and an exit code (never SIGBUS,
+    which LMDB died of when a node pointer led outside the file), and the rebuild restores the archive."""
+    built = build_archive(tmp_path / "built", n=40)
+    pages = _live_pages(built)
+    assert len(pages) > 3
+    for page in pages:
+        arc = tmp_path / f"p{page}"
+        shutil.copytree(built, arc)
+        _garble_page(arc, page)
+        for command in (["verify"], ["stats"], ["rm", "/docs/a.md"]):
+            proc = run_cli(*command, "--archive", arc, timeout=300)
+            line = one_line_error(proc)
+            assert proc.returncode > 0, (page, command, proc.returncode)  # SIGBUS was -7 (135 from a shell)
+            assert "damaged" in line and "--rebuild-index" in line, (page, command, line)
+        report = rebuild_index(arc)
+        assert report.segments_restored == 40, (page, report.problems)
+        assert run_cli("verify", "--archive", arc).returncode == 0, page
+
+
+def test_a_write_over_a_page_damaged_since_open_fails_and_changes_nothing(tmp_path):
+    """The archive opened clean; a page it would write through is damaged since: the write is refused in one
+    line before LMDB follows the garbage, and the file is as it was."""
+    arc = build_archive(tmp_path / "arc", n=40)
+    with Archive.open(arc) as ar:
+        for page in _live_pages(arc):
+            _garble_page(arc, page)
+        before = (arc / "index" / "data.mdb").read_bytes()
+        with pytest.raises(ArchiveDamagedError, match="index is corrupted.*--rebuild-index"):
+            ar.put_profile("nvme", {"read_GBps": 3.0})
+        assert ar.touch(["seg01"]) == 0  # usage counts never fail a query, and write nothing either
+    assert (arc / "index" / "data.mdb").read_bytes() == before
