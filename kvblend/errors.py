@@ -61,3 +61,8 @@ class ArchiveDamagedError(ArchiveError):
 
 class NotFoundError(UsageError):
     """A document or segment the archive does not hold (a server answers 404)."""
+
+
+class ArchiveUnavailableError(ArchiveError):
+    """The archive's store cannot be reached (a Redis server down, unreachable, or refusing the credentials);
+    a server answers 503."""

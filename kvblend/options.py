@@ -199,6 +199,7 @@ class QueryOptions:
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     loader_overlap: bool | None = None  # build layers on loader threads; None: where cores are spare
     cache_prefix: bool = True  # reuse (and after first use, archive) the instruction prefix's exact KV
+    restore_missing: bool = True  # a segment whose KV could not be read (evicted, damaged) is stored again
     keep_step_logits: bool = False
     forced_tokens: tuple[int, ...] | None = None
 

@@ -32,3 +32,30 @@ def default_runner():
     from kvblend.model import load_model
 
     return load_model(compute="cpu")
+
+
+@pytest.fixture(scope="session")
+def redis_single():
+    """One real redis-server for this test process (each xdist worker starts its own)."""
+    from redis_support import redis_server
+
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_single):
+    """The session's redis-server, emptied for this test."""
+    from redis_support import flush
+
+    flush(redis_single.url)
+    return redis_single.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes():
+    """A real three-master Redis Cluster on loopback for this test process."""
+    from redis_support import redis_cluster
+
+    with redis_cluster(3) as nodes:
+        yield nodes

@@ -251,6 +251,11 @@ class Archive:
             raise IndexError(f"segment {rec.key} has {len(rec.layers)} layers; layer {layer} requested")
         return rec
 
+    def claim(self, keys: Sequence[str]) -> list[str]:
+        """Of segments about to be prefilled, those this process should compute: on a shared store another node
+        may be computing the rest now (wait for them: each segment is prefilled once)."""
+        return self.store.claim(list(keys))
+
     def payload_intact(self, rec: SegmentRecord) -> bool:
         """A cheap pre-flight (no read): False when the segment's payload is surely missing or short."""
         return self.store.payload_intact(rec)

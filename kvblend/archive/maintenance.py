@@ -150,6 +150,10 @@ def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyRepo
                 continue  # a concurrent writer replaced or removed it: not corruption
             report.problems.extend(problems)
             bad.update(p.key for p in problems)
+        for key in store.lost_segments():  # a cache evicted the record: the segment is gone
+            report.problems.append(VerifyProblem(key, None, "its record is gone from the store (evicted); "
+                                                            "ingest its document again, or let a query recompute it"))
+            bad.add(key)
         dangling = _dangling_references(store, present, repair, report)
         for table in JSON_TABLES:
             for _ in store.json_items(table):

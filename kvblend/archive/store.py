@@ -150,6 +150,16 @@ class Store(ABC):
         surely missing or short. Stores where asking costs a round trip answer True and let the read tell."""
         return True
 
+    def claim(self, keys: Sequence[str]) -> list[str]:
+        """Of `keys` about to be prefilled, those this process should compute; the others another writer is
+        computing now (a shared store), so waiting for them stores each segment once. A store with one writer
+        at a time hands back all of them."""
+        return list(keys)
+
+    def lost_segments(self) -> list[str]:
+        """Segments the store lists whose record is gone (a cache evicted it); `verify` names them."""
+        return []
+
     @abstractmethod
     def touch(self, keys: Sequence[str]) -> int:
         """Record a use (last access now, one more hit); never fails the caller. Returns how many were found."""

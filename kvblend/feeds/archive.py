@@ -40,7 +40,7 @@ import torch
 
 from kvblend.archive import Archive, SegmentRecord
 from kvblend.defaults import DEFAULT_PREFETCH_DEPTH
-from kvblend.errors import CorruptBlobError, KvblendError
+from kvblend.errors import ArchiveUnavailableError, CorruptBlobError, KvblendError
 from kvblend.feeds.memory import assemble_layer
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV, Segment
@@ -49,10 +49,11 @@ from kvblend.types import LayerKV, Segment
 class SegmentUnavailable(KvblendError):
     """A cached segment's blob could not be used; recompute it."""
 
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"segment {key[:12]}: {reason}")
+    def __init__(self, key: str, reason: str, every: bool = False):
+        super().__init__(reason if every else f"segment {key[:12]}: {reason}")
         self.key = key
         self.reason = reason
+        self.every = every  # the store itself failed: no cached segment can be read
 
 
 @dataclass
@@ -202,22 +203,25 @@ class ArchiveFeed:
         return self._build(index, raw), None
 
     def _fetch_layer(self, index: int) -> dict[int, bytes]:
-        """Checksummed compressed payloads of the segments this layer needs (I/O: one pread each)."""
-        needed = self.schedule[index]
+        """Checksummed encoded payloads of the segments this layer needs: one batched read (a pread each from
+        local blobs; one pipelined round trip from Redis)."""
+        needed = [i for i, flag in enumerate(self.schedule[index]) if flag]
+        records = [self.records[self.segments[i].key] for i in needed]
+        t0 = time.perf_counter()
+        try:
+            results = self.archive.read_layers_raw(records, index)
+        except ArchiveUnavailableError as exc:  # the store went away: every cached segment is recomputed
+            raise SegmentUnavailable(records[0].key if records else "", str(exc), every=True) from exc
+        except OSError as exc:
+            raise SegmentUnavailable(records[0].key, f"unreadable blob ({exc.strerror or exc})") from exc
+        self.stats.read_s += time.perf_counter() - t0
         raw: dict[int, bytes] = {}
-        for i, seg in enumerate(self.segments):
-            if not needed[i]:
-                continue
-            t0 = time.perf_counter()
-            try:
-                raw[i] = self.archive.read_layer_raw(self.records[seg.key], index)
-            except CorruptBlobError as exc:
-                raise SegmentUnavailable(seg.key, str(exc)) from exc
-            except OSError as exc:
-                raise SegmentUnavailable(seg.key, f"unreadable blob ({exc.strerror or exc})") from exc
-            self.stats.read_s += time.perf_counter() - t0
-            self.stats.bytes_read += len(raw[i])
-            self.stats.raw_bytes += self.records[seg.key].raw_layer_bytes
+        for i, rec, result in zip(needed, records, results):
+            if isinstance(result, CorruptBlobError):
+                raise SegmentUnavailable(rec.key, str(result))
+            raw[i] = result
+            self.stats.bytes_read += len(result)
+            self.stats.raw_bytes += rec.raw_layer_bytes
         return raw
 
     def _decode(self, seg: Segment, index: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from kvblend.segmenter import split_into_segments
 from kvblend.types import LayerKV
 
 MIN_CHUNK_TOKENS = 16
+CLAIM_WAIT_S = 60.0  # how long to wait for a segment another node is prefilling before prefilling it here
 
 
 class StoreBehind:
@@ -190,26 +191,53 @@ def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, leve
     segments, docs = pending.take()
     if not segments and not docs:
         return
-    items: list[tuple[SegmentRecord, list[LayerKV]]] = []
-    embeddings = None
-    if segments:
-        runner, settings = res.runner, res.kv_settings()
-        t0 = time.perf_counter()
-        sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
-        kvs = precompute_kv(runner, [ids for _, _, ids in segments], sink_prefix=sink or None,
-                            batch_tokens=batch_tokens)
-        report.prefill_seconds += time.perf_counter() - t0
-        items = [(new_record(runner, key, text, ids, settings, len(sink)), kv)
-                 for (key, text, ids), kv in zip(segments, kvs)]
-        embeddings = get_embedder().embed([text for _, text, _ in segments])
-    store = functools.partial(_store, archive, items, embeddings, docs, codec, level, report)
+    mine = set(archive.claim([key for key, _, _ in segments]))  # the rest another node is prefilling now
+    theirs = [s for s in segments if s[0] not in mine]
+    ours = [s for s in segments if s[0] in mine]
+    if theirs:  # prefill ours in the meantime, then wait: by then theirs are usually stored
+        items, vectors = _prefill(res, ours, batch_tokens, report)
+        missing = _await_others(archive, theirs)
+        report.segments_reused += len(theirs) - len(missing)
+        late, late_vectors = _prefill(res, missing, batch_tokens, report)  # their writer gave up: ours after all
+        items, vectors = items + late, [*vectors, *late_vectors]
+    else:
+        items, vectors = _prefill(res, ours, batch_tokens, report)
+    store = functools.partial(_store, archive, items, vectors, docs, codec, level, report)
     if behind is None:
         store()
     else:
         behind.submit(store, [rec.key for rec, _ in items])
 
 
-def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], embeddings: np.ndarray | None,
+def _prefill(res: Resources, segments: list[tuple[str, str, list[int]]], batch_tokens: int,
+             report: IngestReport) -> tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]:
+    """Each segment prefilled alone (after the sink), with its record, and the texts' retrieval embeddings."""
+    if not segments:
+        return [], []
+    runner, settings = res.runner, res.kv_settings()
+    t0 = time.perf_counter()
+    sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
+    kvs = precompute_kv(runner, [ids for _, _, ids in segments], sink_prefix=sink or None, batch_tokens=batch_tokens)
+    report.prefill_seconds += time.perf_counter() - t0
+    items = [(new_record(runner, key, text, ids, settings, len(sink)), kv) for (key, text, ids), kv in zip(segments, kvs)]
+    return items, list(get_embedder().embed([text for _, text, _ in segments]))
+
+
+def _await_others(archive: Archive, segments: list[tuple[str, str, list[int]]],
+                  timeout_s: float = CLAIM_WAIT_S) -> list[tuple[str, str, list[int]]]:
+    """Wait for segments another writer claimed (a shared store: two nodes met the same passages) to be stored;
+    returns those that did not appear in time, for this writer to prefill after all."""
+    waiting = {seg[0]: seg for seg in segments}
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for key in [k for k in waiting if archive.has_segment(k)]:
+            del waiting[key]
+        if waiting:
+            time.sleep(0.05)
+    return list(waiting.values())
+
+
+def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], embeddings: list[np.ndarray],
            docs: list[DocumentRecord], codec: str, level: int, report: IngestReport) -> None:
     """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing."""
     if items:
@@ -249,8 +277,9 @@ def raw_kv_bytes(rec: SegmentRecord) -> int:
 
 
 def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC,
-                level: int = DEFAULT_LEVEL) -> list[SegmentRecord]:
-    """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
+                level: int = DEFAULT_LEVEL, replace: bool = False) -> list[SegmentRecord]:
+    """Archive exact texts as segments (no splitting): for --context-file --store, client chunks and the bench.
+    ``replace``: store even segments the archive lists (their KV could not be read: stored again)."""
     archive = res.archive(create=True)
     codec = check_codec(codec)
     items = []
@@ -259,7 +288,7 @@ def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC
         items.append((res.key_of(ids, codec), text, ids))
     todo = _Pending()
     for key, text, ids in {key: (key, text, ids) for key, text, ids in items}.values():  # one per key
-        if not archive.has_segment(key):
+        if replace or not archive.has_segment(key):
             todo.add(key, text, ids)
     if todo.segments:
         with archive.writer(wait=30.0):

@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from kvblend.archive import SegmentRecord
-from kvblend.errors import ArchiveBusyError, UsageError
+from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse, plan_prompt
 from kvblend.generation import Generation, generate
@@ -56,10 +56,10 @@ def run_query(
             on_warning(msg)
 
     t0 = time.perf_counter()
-    passages, infos, record_by_key = _passages(res, question, opts)
+    passages, infos, record_by_key = _passages(res, question, opts, warn)
     t_retrieved = time.perf_counter()
     prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
-    fused = fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
+    fused, unreadable = fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
     t_fused = time.perf_counter()
     gen = generate(res.runner, fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
                    forced_tokens=opts.forced_tokens)
@@ -69,6 +69,8 @@ def run_query(
         info.cached = cached_flags.get(info.key, info.cached)
     prefix_cached = bool(prompt[0].cached) and fused.mode != "full"  # cached only when opts.cache_prefix
     _record_use(res, prompt, fused, opts, warn)
+    if unreadable and opts.restore_missing:
+        restore_segments(res, [record_by_key[k] for k in unreadable if k in record_by_key], warn)
     timings = {
         "retrieval_s": t_retrieved - t0,
         "model_load_s": res.model_load_s,
@@ -105,7 +107,7 @@ def _result(opts: QueryOptions, ratio: float | None, ttft: float, fused: FusionR
 
 # ── passages ──
 def _passages(
-    res: Resources, question: str, opts: QueryOptions
+    res: Resources, question: str, opts: QueryOptions, warn: Warn
 ) -> tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]:
     """The prompt's passages in order: archived records, then --context-file texts."""
     records, infos = select_records(res, question, opts)
@@ -115,7 +117,7 @@ def _passages(
         texts = [res.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
         check_length(res, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
     for text in opts.context_texts:
-        seg, info, rec = context_segment(res, text, store=opts.store_context)
+        seg, info, rec = context_segment(res, text, store=opts.store_context, warn=warn)
         passages.append(seg)
         infos.append(info)
         if rec is not None:
@@ -154,22 +156,28 @@ def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[l
     return records, infos
 
 
-def context_segment(res: Resources, text: str, store: bool) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
-    """A --context-file text: cached if already archived, stored with --store, else computed.
+def context_segment(res: Resources, text: str, store: bool,
+                    warn: Warn | None = None) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
+    """A --context-file text (or a client's passage): cached if already archived, stored with --store, else
+    computed.
 
-    Storing is skipped (the text is computed in the prompt instead) while another
-    process holds the writer lock past store_texts' wait: an answer never fails for it.
+    Storing is skipped (the text is computed in the prompt instead) while another process holds the writer
+    lock past store_texts' wait, or while the store cannot be reached: an answer never fails for it.
     """
     ids = res.runner.tokenize(segment_text_for_kv(text))
     key = res.key_of(ids)
-    rec = res.archive().get_segment(key)
     stored = False
-    if rec is None and store:
-        try:
+    try:
+        rec = res.archive().get_segment(key)
+        if rec is None and store:
             rec = store_texts(res, [text])[0]
-            stored = True
-        except ArchiveBusyError:
-            rec = None
+            stored = rec is not None
+    except ArchiveBusyError:
+        rec = None
+    except ArchiveUnavailableError as exc:
+        if warn is not None:
+            warn(f"{exc}; computing the passage in the prompt")
+        rec = None
     cached = rec is not None
     seg = Segment(ids, cached=cached, key=key, base_position=rec.base_position if rec else 0)
     return seg, SegmentInfo(key, None, len(ids), cached, stored=stored), rec
@@ -209,7 +217,10 @@ def use_archived_prefix(res: Resources, prefix: Segment, record_by_key: dict[str
     what this prompt would compute: no mode but `full` recomputes it (kvblend.fusion.plan).
     """
     prefix.key = res.key_of(prefix.token_ids)
-    rec = res.archive().get_segment(prefix.key)
+    try:
+        rec = res.archive().get_segment(prefix.key)
+    except ArchiveUnavailableError:
+        return  # computed in the prompt; the passages' lookups say why
     if rec is not None and list(rec.token_ids) == list(prefix.token_ids):
         prefix.cached, prefix.base_position = True, 0
         record_by_key[prefix.key] = rec
@@ -254,11 +265,28 @@ def _record_use(res: Resources, prompt: list[Segment], fused: FusionResult, opts
         warn(f"could not record segment use: {exc}")
 
 
+def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -> None:
+    """Store again, prefilled alone, the passages whose KV could not be read (a cache evicted a layer, a blob was
+    damaged), so the next query hits: after the answer, never on its time to first token. A passage is restored
+    only under its own key (the same tokens, model and settings); an instruction prefix is archived by
+    :func:`archive_prefix` instead."""
+    texts = [rec.text for rec in records if rec.extra.get("role") != "prefix" and rec.text
+             and res.key_of(res.runner.tokenize(segment_text_for_kv(rec.text)), rec.codec) == rec.key]
+    if not texts or res.archive().readonly:
+        return
+    try:
+        store_texts(res, texts, replace=True)
+    except (ArchiveBusyError, ArchiveError) as exc:  # bookkeeping: the answer stands
+        warn(f"could not store the recomputed segments again: {exc}")
+
+
 # ── fusion over the archive ──
 def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
-                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> FusionResult:
-    """Fuse with the archive feed; a blob that fails mid-stream is recomputed instead."""
+                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> tuple[FusionResult, list[str]]:
+    """Fuse with the archive feed; a segment whose KV fails mid-stream is recomputed instead. Returns the fusion
+    and the keys of the segments that could not be read."""
     runner = res.runner
+    unreadable: list[str] = []
     while True:
         plan = plan_prompt(prompt, opts.mode)
         schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, runner.n_layers)
@@ -268,9 +296,14 @@ def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[st
             with feed:
                 fused = fuse(runner, prompt, opts.mode, blend_cfg, feed=feed)
             fused.stream = feed.stats
-            return fused
+            return fused, unreadable
         except SegmentUnavailable as exc:
-            warn(f"{exc}; recomputing that segment (run `kvblend verify --repair`)")
+            if exc.every:
+                warn(f"{exc}; recomputing every passage")
+            else:
+                warn(f"{exc}; recomputing that segment (run `kvblend verify --repair`)")
             for seg in prompt:
-                if seg.key == exc.key:
+                if seg.key == exc.key or (exc.every and seg.cached):
                     seg.cached = False
+                    if not exc.every and seg.key is not None:
+                        unreadable.append(seg.key)

@@ -23,6 +23,7 @@ from kvblend.defaults import (
     DEFAULT_SINK,
     SINK_TOKENS,
 )
+from kvblend.errors import ArchiveUnavailableError
 from kvblend.fusion import BlendConfig
 from kvblend.model.loading import load_model
 from kvblend.model.prefill import storage_dtype
@@ -164,6 +165,9 @@ class Resources:
         measured for the selection policy `select` (a floor found for one policy says nothing of another)."""
         if self._archive is None and not Archive.exists(self.location):
             return None  # no archive yet: nothing was tuned, and asking must not create one
-        stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.location))
+        try:
+            stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.location))
+        except ArchiveUnavailableError:
+            return None  # advice, not a requirement: the default ratio answers while the store is away
         tuned = TunedRatio.from_stored(stored)
         return tuned.ratio if tuned is not None and tuned.select == select else None

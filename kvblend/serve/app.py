@@ -27,7 +27,7 @@ from fastapi.responses import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvblend.errors import ArchiveBusyError, KvblendError, NotFoundError, UsageError
+from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
 from kvblend.pipeline.query import ContextLengthError
 from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import segment_source
@@ -62,6 +62,8 @@ def error_for(exc: BaseException) -> ApiError:
         return ApiError(400, str(exc), "invalid_value")
     if isinstance(exc, ArchiveBusyError):
         return ApiError(503, str(exc), "archive_busy", type="server_error")
+    if isinstance(exc, ArchiveUnavailableError):
+        return ApiError(503, str(exc), "archive_unavailable", type="server_error")
     if isinstance(exc, KvblendError):
         return ApiError(500, str(exc), "archive_error", type="server_error")
     log.error("request failed", exc_info=exc)

@@ -73,6 +73,7 @@ def query_options(req: ChatRequest) -> QueryOptions:
         docs=list(req.docs),
         context_texts=list(req.chunks),
         store_context=req.store,
+        restore_missing=req.store,
         template=PromptTemplate(system=req.system) if req.system else PromptTemplate(),
         sampling=SamplingConfig(req.max_tokens, req.temperature, req.top_p, req.seed),
     )

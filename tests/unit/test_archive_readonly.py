@@ -4,8 +4,6 @@ write nothing back; odd format versions are refused; a writer binds the model on
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import lmdb
 import pytest

@@ -17,7 +17,7 @@ import torch
 from kvblend.archive.codec import LOSSLESS_CODECS
 
 from archive_helpers import DIM, HEADS, N_LAYERS, TOKENS, ar, layers, put, same  # noqa: F401 (ar: fixture)
-from kvblend.archive import CODECS, Archive, DocumentRecord, SegmentRecord, resolve_location, segment_key
+from kvblend.archive import Archive, DocumentRecord, SegmentRecord, resolve_location, segment_key
 from kvblend.archive import blobs as blobs_mod
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveModelMismatchError, ArchiveVersionError
 from support import REPO, run_in_threads

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import cached_prompt, random_tokens, tiny_runner
+from support import cached_prompt, tiny_runner
 from kvblend.archive import Archive, SegmentRecord
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.feeds.memory import InMemoryFeed

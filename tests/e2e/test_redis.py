@@ -1,0 +1,143 @@
+"""The archive on a real redis-server with the real default model: the installed `kvblend` and `kvblend serve`
+against Redis as users run them, two serving nodes sharing one archive, eviction and faults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from redis_support import redis_server
+from serve_support import Server, ask, report
+from support import DOCS, kvblend_script, one_line_error, run_cli
+
+QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
+NAMES = ("plants.md", "sonar-products.md", "customers.md")
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """Three bundled documents: a small corpus to ingest quickly."""
+    root = tmp_path_factory.mktemp("redis-docs") / "docs"
+    root.mkdir()
+    for name in NAMES:
+        shutil.copy(DOCS / name, root / name)
+    return root
+
+
+def query(archive: str, *args: str, timeout: float = 600):
+    return run_cli("query", QUESTION, "--archive", archive, "--compute", "cpu", "--max-tokens", "8", "--json",
+                   *args, timeout=timeout)
+
+
+def test_query_from_redis_answers_exactly_as_from_a_local_archive(redis_url, docs, tmp_path):
+    """Same ingest, same query: the KV read from Redis is the local archive's, so the answer is the same."""
+    local = tmp_path / "local"
+    for archive in (redis_url, str(local)):
+        run_cli("ingest", docs, "--archive", archive, "--compute", "cpu", check=True)
+    from_redis = json.loads(query(redis_url, "--no-prefix-cache").stdout)
+    from_disk = json.loads(query(str(local), "--no-prefix-cache").stdout)
+    assert from_redis["answer"] == from_disk["answer"] and from_redis["answer"]
+    assert [s["key"] for s in from_redis["segments"]] == [s["key"] for s in from_disk["segments"]]
+    assert all(s["cached"] for s in from_redis["segments"]) and not from_redis["warnings"]
+    assert from_redis["recompute_share"] == from_disk["recompute_share"]
+    ls = json.loads(run_cli("ls", "--archive", redis_url, "--json", check=True).stdout)
+    assert sorted(d["name"] for d in ls) == sorted(NAMES) and all(d["missing_segments"] == 0 for d in ls)
+    assert run_cli("verify", "--archive", redis_url).returncode == 0
+
+
+def test_redis_killed_mid_ingest_then_rerun_resumes_and_nothing_is_half_visible(docs, tmp_path):
+    """SIGKILL the Redis (with an append-only file, so what it acknowledged survives) while an ingest writes:
+    the ingest fails in one line; after a restart the segments there are whole, and a rerun completes it."""
+    with redis_server("--appendonly", "yes", "--appendfsync", "always") as server:
+        proc = subprocess.Popen([*kvblend_script(), "ingest", str(docs), "--archive", server.url, "--compute", "cpu",
+                                 "--batch-tokens", "512"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not int(server.cli("dbsize").strip() or 0) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first layers are landing
+        server.kill()
+        out, err = proc.communicate(timeout=120)
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        assert proc.returncode != 0 and "Traceback" not in err and len(lines) == 1, err
+        assert "cannot reach Redis" in lines[0]
+        server.start()  # same port, same directory: the append-only file is replayed
+        assert run_cli("verify", "--archive", server.url).returncode == 0  # whole segments or none
+        run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", check=True)
+        ls = json.loads(run_cli("ls", "--archive", server.url, "--json", check=True).stdout)
+        assert sorted(d["name"] for d in ls) == sorted(NAMES) and all(d["missing_segments"] == 0 for d in ls)
+        gc = json.loads(run_cli("gc", "--archive", server.url, "--json", check=True).stdout)
+        assert run_cli("verify", "--archive", server.url).returncode == 0 and gc["orphans"] is not None
+
+
+def test_an_lru_cache_evicts_and_query_recomputes_then_stores_again(docs, tmp_path):
+    """Redis as a cache (maxmemory + allkeys-lru): evicted layers are misses, the answer still comes, the
+    segment is stored again, `verify` names what is missing and `gc --max-size` evicts on Redis too."""
+    with redis_server("--maxmemory", "16mb", "--maxmemory-policy", "allkeys-lru") as server:
+        run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", check=True)  # ~28 MB into 16 MB
+        verify = run_cli("verify", "--archive", server.url, "--json")
+        assert verify.returncode == 1 and json.loads(verify.stdout)["problems"]  # named, not hidden
+        answer = query(server.url, "--doc", NAMES[0])
+        result = json.loads(answer.stdout) if answer.returncode == 0 else None
+        if result is None:  # the document's record itself was evicted: a clear one-line miss, no traceback
+            assert "no such segment" in one_line_error(answer) or "no such document" in one_line_error(answer)
+        else:
+            assert result["answer"]
+        stats = json.loads(run_cli("stats", "--archive", server.url, "--json", check=True).stdout)
+        assert stats["store"] == "redis" and stats["redis_policy"] == "allkeys-lru"
+        assert stats["redis_maxmemory_bytes"] == 16 * 1024 * 1024
+        run_cli("verify", "--repair", "--archive", server.url, check=True)
+        gc = json.loads(run_cli("gc", "--max-size", "1B", "--archive", server.url, "--json", check=True).stdout)
+        assert run_cli("verify", "--archive", server.url).returncode == 0 and isinstance(gc["evicted"], list)
+
+
+def test_two_serving_nodes_share_one_archive(docs, tmp_path):
+    """Passages a client sends to node A are hits on node B, documents ingested with the CLI are retrieved by
+    both, and when Redis dies a served request still answers by recomputing (retrieval alone is a 503)."""
+    with redis_server() as server:
+        _two_nodes(server.url, docs, tmp_path)
+
+
+def _two_nodes(redis_url: str, docs, tmp_path) -> None:
+    run_cli("ingest", docs, "--archive", redis_url, "--compute", "cpu", check=True)
+    a = Server(redis_url, tmp_path / "a.log")
+    b = Server(redis_url, tmp_path / "b.log")
+    try:
+        passages = [f"Passage {i}: the Tern-{i} sonar is tested in Bergen on pier {i}." for i in range(3)]
+        first = ask(a.client(), passages, "Where is the Tern-1 tested?", max_tokens=4)
+        second = ask(b.client(), passages, "Where is the Tern-1 tested?", max_tokens=4)
+        assert [s["source"] for s in report(first)["segments"]] == ["computed"] * 3
+        assert [s["source"] for s in report(second)["segments"]] == ["hit"] * 3
+        assert report(second)["recompute_share"] < report(first)["recompute_share"]
+        for node in (a, b):
+            retrieved = node.client().chat.completions.create(
+                model="kvblend", messages=[{"role": "user", "content": QUESTION}], max_tokens=2,
+                extra_body={"kvblend": {"top_k": 2}})
+            assert {s["document"] for s in report(retrieved)["segments"]} & set(NAMES)  # (client passages too)
+            assert all(s["source"] == "hit" for s in report(retrieved)["segments"])
+        stores = json.loads(run_cli("stats", "--archive", redis_url, "--json", check=True).stdout)
+        assert stores["segments_stored_total"] == len(NAMES) + 3 + 1  # documents, passages, instruction prefix
+    finally:
+        b.stop()
+    try:
+        import redis
+
+        redis.Redis.from_url(redis_url).shutdown(nosave=True)
+    except Exception:  # the connection drops as the server exits
+        pass
+    try:
+        alive = ask(a.client(), [f"Fresh passage {time.time()}: Kestrel labs are in Tromsø."],
+                    "Where are the Kestrel labs?", max_tokens=3)
+        assert alive.choices[0].message.content is not None
+        assert report(alive)["segments"][0]["source"] == "computed"
+        import openai
+
+        with pytest.raises(openai.APIStatusError) as info:
+            a.client().chat.completions.create(model="kvblend", messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=2)
+        assert info.value.status_code == 503 and "cannot reach Redis" in str(info.value)
+    finally:
+        a.stop()
+        assert "Traceback" not in (tmp_path / "a.log").read_text()
