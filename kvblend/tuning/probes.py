@@ -180,6 +180,15 @@ def measure_ram_read(segments: Sequence[Sequence[bytes]], runs: int = 3) -> Read
     return ReadMeasurement(rate, rate, total, len(arrays), None, rates, rates)
 
 
+def measure_store_read(store, segments: Sequence[Sequence[bytes]], runs: int = 3) -> ReadMeasurement:
+    """A network store (Redis): scratch payloads written there, then read back as the loader reads them, one
+    pipelined fetch per layer over every segment. Its memory has no page cache to evict: cold = warm."""
+    rates = store.measure_reads(segments, runs=max(1, runs))
+    rate = statistics.median(rates)
+    total = sum(len(p) for seg in segments for p in seg)
+    return ReadMeasurement(rate, rate, total, sum(len(seg) for seg in segments), None, rates, rates)
+
+
 # ───────────────────────────────── codec ─────────────────────────────────
 
 

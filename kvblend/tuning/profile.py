@@ -31,7 +31,8 @@ PROFILE_VERSION = 1
 #: Storage labels `profile --device` accepts besides a directory path.
 DISK_LABELS = ("nvme", "ssd", "hdd")
 RAM_LABEL = "ram"
-DEVICE_LABELS = (*DISK_LABELS, RAM_LABEL)
+REDIS_LABEL = "redis"  # an archive on Redis: the network and the server's memory
+DEVICE_LABELS = (*DISK_LABELS, RAM_LABEL, REDIS_LABEL)
 
 #: A typical prompt when nothing better is known: top-k segments of the default chunk size.
 TYPICAL_PROMPT_TOKENS = DEFAULT_TOP_K * DEFAULT_CHUNK_TOKENS

@@ -29,6 +29,7 @@ from kvblend.tuning.profile import (
     DEVICE_LABELS,
     DISK_LABELS,
     RAM_LABEL,
+    REDIS_LABEL,
     TYPICAL_PROMPT_TOKENS,
     LoadAvg,
     ModelInfo,
@@ -66,7 +67,9 @@ class ProfileSettings:
 
 
 def _locate(archive, device: str | None, label: str | None) -> tuple[str | None, str, str]:
-    """(directory or None for RAM, storage label, where the label came from) for `--device`/`--label`."""
+    """(directory, URL or None for RAM, storage label, where the label came from) for `--device`/`--label`."""
+    if archive.location.is_redis and device in (None, REDIS_LABEL):
+        return archive.location.key, label or REDIS_LABEL, "given" if label else "the archive is on Redis"
     if device is None or device in DISK_LABELS:
         where: str | None = archive.location.key
         store_label = label or device
@@ -87,8 +90,8 @@ def _stored_bytes_per_token_layer(archive, n_layers: int, fallback: float) -> fl
     """The archive's real bytes per token-layer when it holds segments, else the sample's."""
     try:
         st = archive.stats()
-        if st.get("tokens"):
-            return st["bytes_per_token_stored"] / n_layers
+        if st.tokens:
+            return st.bytes_per_token_stored / n_layers
     except Exception:  # a damaged archive is `verify`'s business, not the profiler's
         pass
     return fallback
@@ -116,6 +119,8 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
     log(f"storage: {store_label} ({where or 'in memory'}), {len(scratch)} segments × {n_layers} layers")
     if where is None:
         reads = probes.measure_ram_read(scratch, runs=settings.warm_runs)
+    elif archive.location.is_redis and where == archive.location.key:
+        reads = probes.measure_store_read(archive.store, scratch, runs=settings.warm_runs)
     else:
         reads = probes.measure_disk_read(where, scratch, cold_runs=settings.cold_runs, warm_runs=settings.warm_runs)
     log(f"codec: {sample.codec}")
@@ -137,7 +142,8 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
         model=ModelInfo(runner.name, runner.fingerprint, runner.n_layers, runner.n_kv_heads, runner.head_dim,
                         str(runner.dtype).replace("torch.", ""), runner.max_positions),
         compute=runner.device.type,
-        storage=StorageInfo(store_label, where, label_source, filesystem_of(where) if where else None,
+        storage=StorageInfo(store_label, where, label_source,
+                            filesystem_of(where) if where and not archive.location.is_redis else None,
                             reads.scratch_bytes, reads.reads, reads.cold_resident_fraction,
                             reads.cold_runs_MBps, reads.warm_runs_MBps),
         read_cold_MBps=reads.read_cold_MBps,
