@@ -71,21 +71,51 @@ class DecodeState:
 
     def step(self, token: int) -> torch.Tensor:
         """Feed one token at the next position; return the next-token logits."""
-        r = self.runner
-        p = self.length
-        pos = torch.tensor([[p]], device=r.device)
-        cos, sin = r.rope(pos)
-        hidden = r.embed(torch.tensor([[token]], device=r.device))
-        for layer in range(r.n_layers):
-            q, k, v = r.project_qkv(layer, hidden, cos, sin)
-            self.k[layer][:, :, p : p + 1] = k
-            self.v[layer][:, :, p : p + 1] = v
-            keys, values = self.k[layer][:, :, : p + 1], self.v[layer][:, :, : p + 1]
+        return decode_step(self.runner, [self], [token])[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+
+@torch.inference_mode()
+def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+    """One token for each of several sequences, in one forward pass: every weight is read once for all of them.
+
+    On a CPU, decoding a small model is bound by reading its weights, so a batch of eight costs little more
+    than one. Each sequence keeps its own KV buffers and position (ragged lengths, no padding): the
+    projections and MLPs run batched, and each sequence's one query attends over its own keys, exactly as it
+    would alone. Returns next-token logits, [len(states), vocab] in float32.
+    """
+    device = runner.device
+    positions = torch.tensor([[st.length] for st in states], device=device)
+    cos, sin = runner.rope(positions)
+    hidden = runner.embed(torch.tensor([[t] for t in tokens], device=device))
+    for layer in range(runner.n_layers):
+        q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+        outs = []
+        for i, st in enumerate(states):
+            p = st.length
+            st.k[layer][:, :, p : p + 1] = k[i : i + 1]
+            st.v[layer][:, :, p : p + 1] = v[i : i + 1]
+            keys, values = st.k[layer][:, :, : p + 1], st.v[layer][:, :, : p + 1]
             # One query at the newest position sees every key (inside any sliding window).
-            attn = r.attend(layer, q, keys, values, query_positions=pos[0])
-            hidden = r.finish_layer(layer, hidden, attn)
-        self.length += 1
-        return r.logits(hidden)[0, -1]
+            outs.append(runner.attend(layer, q[i : i + 1], keys, values, query_positions=positions[i]))
+        hidden = runner.finish_layer(layer, hidden, outs[0] if len(outs) == 1 else torch.cat(outs, dim=0))
+    for st in states:
+        st.length += 1
+    return runner.logits(hidden)[:, -1]
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability under the model's distribution, and the `top` most likely tokens with
+    theirs (OpenAI's `logprobs` / `top_logprobs`), from the same logits the sampler used."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(logp, top)
+        alternatives = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return float(logp[token]), alternatives
 
 
 @torch.inference_mode()

@@ -7,8 +7,9 @@
 """
 
 from kvblend.fusion.config import BlendConfig
-from kvblend.fusion.fuse import CachedKVFeed, FusionResult, fuse
+from kvblend.fusion.fuse import CachedKVFeed, FusionResult, fuse, fuse_steps
 from kvblend.fusion.plan import Plan, feed_schedule, plan_prompt
 from kvblend.options import MODES
 
-__all__ = ["MODES", "BlendConfig", "CachedKVFeed", "FusionResult", "Plan", "feed_schedule", "fuse", "plan_prompt"]
+__all__ = ["MODES", "BlendConfig", "CachedKVFeed", "FusionResult", "Plan", "feed_schedule", "fuse", "fuse_steps",
+           "plan_prompt"]

@@ -46,7 +46,7 @@ from kvblend.fusion.policies import Check, head_mask, question_rows, select
 from kvblend.fusion.probe import KeptLayers, probe_pass
 from kvblend.fusion.selection import budget, keep_top
 from kvblend.model.runner import ModelRunner
-from kvblend.types import LayerKV, Segment
+from kvblend.types import LayerKV, Segment, Steps, drain
 
 
 class CachedKVFeed(Protocol):
@@ -91,7 +91,6 @@ class FusionResult:
         return self.recomputed_token_layers / max(1, self.total_token_layers)
 
 
-@torch.inference_mode()
 def fuse(
     runner: ModelRunner,
     segments: Sequence[Segment],
@@ -100,6 +99,22 @@ def fuse(
     feed: CachedKVFeed | None = None,
 ) -> FusionResult:
     """Build the prompt's KV in `mode`; return it with the last token's logits."""
+    return drain(fuse_steps(runner, segments, mode, blend, feed))
+
+
+@torch.inference_mode()
+def fuse_steps(
+    runner: ModelRunner,
+    segments: Sequence[Segment],
+    mode: str = "blend",
+    blend: BlendConfig | None = None,
+    feed: CachedKVFeed | None = None,
+    rows_per_step: int | None = None,
+) -> Steps[FusionResult]:
+    """:func:`fuse` in steps: it yields after every layer and, with `rows_per_step`, within a layer after every
+    `rows_per_step` tokens' projections and every `rows_per_step` queries' attention and MLP, so a server can
+    decode other requests' next tokens in between (vLLM's chunked prefill). Without `rows_per_step` every
+    layer is computed whole, exactly as :func:`fuse` computes it."""
     blend = blend or BlendConfig()
     if mode == "blend":
         blend.validate(runner.n_layers)
@@ -118,9 +133,8 @@ def fuse(
     mode_effective = mode if n_cached else "full"
     exact = never_recomputed(plan, mode_effective, blend)
 
-    start = time.perf_counter()
     ids = torch.tensor([plan.token_ids], device=device)
-    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact)
+    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact, rows_per_step)
     if mode_effective == "blend" and blend.selects:
         loop.set_selection(blend, plan, _approximate(segments, mode, exact), exact)
     hidden = runner.embed(ids)
@@ -128,10 +142,10 @@ def fuse(
     if active is not None:
         hidden = hidden[:, active]
     if loop.probing:
-        loop.probe(ids)
-    hidden, active = loop.run(hidden, active)
+        yield from loop.probe(ids)
+    hidden, active = yield from loop.run(hidden, active)
     last_logits = runner.logits(hidden[:, -1:])[0, -1]
-    compute_s = time.perf_counter() - start
+    compute_s = loop.busy_s()
     return FusionResult(
         kv=loop.kv,
         last_logits=last_logits,
@@ -172,8 +186,10 @@ class _LayerLoop:
     """
 
     def __init__(self, runner: ModelRunner, feed: CachedKVFeed | None, schedule: dict[int, list[bool]], T: int,
-                 always: torch.Tensor, n_approx: int):
+                 always: torch.Tensor, n_approx: int, rows_per_step: int | None = None):
         self.runner, self.feed, self.schedule, self.T = runner, feed, schedule, T
+        self.rows = rows_per_step
+        self._busy, self._resumed = 0.0, time.perf_counter()
         self.always, self.n_approx = always, n_approx
         self.checks: dict[int, float] = {}
         self.blend: BlendConfig | None = None
@@ -192,18 +208,28 @@ class _LayerLoop:
         self.candidates = ~self.always
         self.candidates[:exact] = False
 
-    def probe(self, ids: torch.Tensor) -> None:
+    def busy_s(self) -> float:
+        """Time spent computing, not counting the pauses at :meth:`pause` (other requests' turns)."""
+        return self._busy + time.perf_counter() - self._resumed
+
+    def pause(self) -> Steps[None]:
+        """A safe point between units of work."""
+        self._busy += time.perf_counter() - self._resumed
+        yield
+        self._resumed = time.perf_counter()
+
+    def probe(self, ids: torch.Tensor) -> Steps[None]:
         """The probe pass (kvblend.fusion.probe); the main loop then reads the layers it kept."""
         positions = torch.arange(self.T, device=ids.device)
         rows = positions[self.always]
         first_scored = positions[question_rows(positions, self.always, self.candidates)][0]
         score_from = int(torch.searchsorted(rows, first_scored))  # the question: a suffix of the rows
-        self.probe_scores, kept = probe_pass(self.runner, self.feed, ids, rows, score_from, self.candidates,
-                                             self.cos_all, self.sin_all)
+        self.probe_scores, kept = yield from probe_pass(self.runner, self.feed, ids, rows, score_from,
+                                                        self.candidates, self.cos_all, self.sin_all, self.pause)
         self.probe_cost = int(rows.numel()) * self.runner.n_layers
         self.feed = KeptLayers(kept)
 
-    def run(self, hidden: torch.Tensor, active: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, hidden: torch.Tensor, active: torch.Tensor | None) -> Steps[tuple[torch.Tensor, torch.Tensor | None]]:
         """All layers; returns the last hidden states and the final active set."""
         runner, T = self.runner, self.T
         for layer in range(runner.n_layers):
@@ -211,7 +237,7 @@ class _LayerLoop:
                 active, hidden = self._preselect(active, hidden)
             self.active_counts.append(T if active is None else int(active.numel()))
             cos, sin = (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
-            q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+            q, k, v = yield from self._project(layer, hidden, cos, sin)
             computed = active  # positions whose fresh K/V this layer has (None: all)
             ratio = self.checks.get(layer, 1.0) if layer else 1.0  # a layer-0 check was made before it
             cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
@@ -234,10 +260,44 @@ class _LayerLoop:
                 q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
                 if active.numel() == T:  # everything kept: exactly the full computation from here on
                     active = None
-            attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
+            hidden = yield from self._attend_and_finish(layer, q, layer_k, layer_v, active, hidden)
             self.kv.append((layer_k, layer_v))
-            hidden = runner.finish_layer(layer, hidden, attn)
+            yield from self.pause()
         return hidden, active
+
+    def _chunks(self, n: int) -> list[slice]:
+        """Row ranges of at most `rows_per_step` (one range: the whole layer at once, as fuse() computes it)."""
+        if not self.rows or n <= self.rows:
+            return [slice(0, n)]
+        return [slice(i, min(n, i + self.rows)) for i in range(0, n, self.rows)]
+
+    def _project(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Steps[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Q/K/V of the active rows (a token's projections depend only on its own hidden state)."""
+        chunks = self._chunks(hidden.shape[1])
+        if len(chunks) == 1:
+            return self.runner.project_qkv(layer, hidden, cos, sin)
+        parts = []
+        for rows in chunks:
+            parts.append(self.runner.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
+            yield from self.pause()
+        q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
+        return q, k, v
+
+    def _attend_and_finish(self, layer: int, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
+                           active: torch.Tensor | None, hidden: torch.Tensor) -> Steps[torch.Tensor]:
+        """Attention of the kept queries over the layer's whole KV, then o_proj + MLP: by query rows when
+        chunked (every key is already in place, so each chunk sees exactly what the whole would)."""
+        runner, chunks = self.runner, self._chunks(q.shape[2])
+        if len(chunks) == 1:
+            return runner.finish_layer(layer, hidden, runner.attend(layer, q, layer_k, layer_v, query_positions=active))
+        positions = active if active is not None else torch.arange(self.T, device=q.device)
+        parts = []
+        for rows in chunks:
+            attn = runner.attend(layer, q[:, :, rows], layer_k, layer_v, query_positions=positions[rows])
+            parts.append(runner.finish_layer(layer, hidden[:, rows], attn))
+            yield from self.pause()
+        return torch.cat(parts, dim=1)
 
     def _preselect(self, active: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A check at layer 0 (the probe's only, see BlendConfig.validate): the probe's scores need no

@@ -18,10 +18,12 @@ patched in place).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvblend.model.runner import ModelRunner
-from kvblend.types import LayerKV
+from kvblend.types import LayerKV, Steps
 
 
 class KeptLayers:
@@ -47,10 +49,11 @@ def probe_pass(
     candidates: torch.Tensor,
     cos_all: torch.Tensor,
     sin_all: torch.Tensor,
-) -> tuple[torch.Tensor, list[LayerKV]]:
+    pause: Callable[[], Steps[None]] | None = None,
+) -> Steps[tuple[torch.Tensor, list[LayerKV]]]:
     """Run the `rows` (positions, ascending) through every layer over the feed's cached KV.
 
-    Returns the probe score per position ([T] float32: per layer, the maximum over heads
+    In steps: it yields (through `pause`) after every layer. Returns the probe score per position ([T] float32: per layer, the maximum over heads
     of the mean attention of rows[score_from:] (the question), normalised to sum 1 over the `candidates`
     mask, then averaged over layers) and every layer's KV as read from the feed, with
     the rows' probe K/V written in (the main loop recomputes those rows anyway).
@@ -70,6 +73,8 @@ def probe_pass(
         per_token = probs[0, :, score_from:].mean(dim=1).amax(dim=0)  # [T]: the most attentive head
         total += per_token / per_token.dot(weights).clamp_min(1e-12)
         hidden = runner.finish_layer(layer, hidden, _attention_output(runner, probs, layer_v, hidden.dtype))
+        if pause is not None:
+            yield from pause()
     return total / runner.n_layers, kept
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvblend.defaults import DEFAULT_BATCH_TOKENS
 from kvblend.model.runner import ModelRunner
-from kvblend.types import LayerKV
+from kvblend.types import LayerKV, Steps, drain
 
 
 def storage_dtype(runner: ModelRunner) -> torch.dtype:
@@ -48,13 +48,25 @@ def precompute_kv(
     instruction prefix that takes the attention-sink role) whose KV is dropped;
     the segment's base position is then len(sink_prefix).
     """
+    return drain(precompute_kv_steps(runner, token_lists, sink_prefix, batch_tokens, on_batch))
+
+
+def precompute_kv_steps(
+    runner: ModelRunner,
+    token_lists: Sequence[list[int]],
+    sink_prefix: list[int] | None = None,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    on_batch: Callable[[list[int], int], None] | None = None,
+) -> Steps[list[list[LayerKV]]]:
+    """:func:`precompute_kv` in steps: it yields after every layer of every batch (a server prefills a client's
+    new passages between other requests' decode steps)."""
     prefix = list(sink_prefix or [])
     dtype = storage_dtype(runner)
     results: list[list[LayerKV] | None] = [None] * len(token_lists)
     lengths = [len(t) + len(prefix) for t in token_lists]
     for batch in batches_by_tokens(lengths, batch_tokens):
         rows = [prefix + list(token_lists[i]) for i in batch]
-        kv_rows = runner.prefill_batch(rows, drop_prefix=len(prefix))
+        kv_rows = yield from runner.prefill_steps(rows, drop_prefix=len(prefix))
         for i, layers in zip(batch, kv_rows):
             results[i] = [(k.to("cpu", dtype).contiguous(), v.to("cpu", dtype).contiguous()) for k, v in layers]
         if on_batch is not None:

@@ -35,7 +35,7 @@ from kvblend.model.attention import (
 )
 from kvblend.model.rope import Rotations, apply_rope, rotate_k
 from kvblend.model.source import check_architecture
-from kvblend.types import LayerKV
+from kvblend.types import LayerKV, Steps, drain
 
 
 @dataclass
@@ -206,16 +206,23 @@ class ModelRunner:
         return rotate_k(k, cos, sin, out)
 
     # ── plain prefill, batched (used for segment precompute and as the `full` reference) ──
-    @torch.inference_mode()
     def prefill_batch(
         self, batch: list[list[int]], drop_prefix: int = 0, start_position: int = 0
     ) -> list[list[LayerKV]]:
+        """Prefill several token lists alone and return each one's per-layer KV (see :meth:`prefill_steps`)."""
+        return drain(self.prefill_steps(batch, drop_prefix, start_position))
+
+    @torch.inference_mode()
+    def prefill_steps(
+        self, batch: list[list[int]], drop_prefix: int = 0, start_position: int = 0
+    ) -> Steps[list[list[LayerKV]]]:
         """Prefill several token lists alone, padded right, and return each one's per-layer KV.
 
         Right padding needs no extra mask: a real token never attends forward, so pads
         cannot leak into it. `drop_prefix` tokens at the start of each row (a shared
         instruction prefix used as attention sink) are computed but not returned.
-        KV comes back as [kv_heads, n, head_dim] per layer, on the compute device.
+        KV comes back as [kv_heads, n, head_dim] per layer, on the compute device. It yields
+        after every layer, so a server can interleave it with other requests' decode steps.
         """
         if not batch or any(len(ids) == 0 for ids in batch):
             raise UsageError("cannot prefill an empty segment")
@@ -233,6 +240,7 @@ class ModelRunner:
             for row, tokens in enumerate(batch):
                 out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
             hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
+            yield
         return out
 
 

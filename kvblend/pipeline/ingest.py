@@ -27,14 +27,14 @@ from kvblend.archive import (
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.documents import iter_documents
 from kvblend.errors import UsageError
-from kvblend.model.prefill import precompute_kv
+from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import IngestReport
 from kvblend.prompt import segment_text_for_kv
 from kvblend.retrieval import get_embedder
 from kvblend.segmenter import split_into_segments
-from kvblend.types import LayerKV
+from kvblend.types import LayerKV, Steps, drain
 
 MIN_CHUNK_TOKENS = 16
 CLAIM_WAIT_S = 60.0  # how long to wait for a segment another node is prefilling before prefilling it here
@@ -188,6 +188,12 @@ def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, leve
            report: IngestReport, behind: StoreBehind | None = None) -> None:
     """Prefill pending segments and embed them here; store them (and then the documents
     that needed them) on `behind`'s thread while the next batch prefills, else inline."""
+    drain(_flush_steps(res, archive, pending, codec, level, batch_tokens, report, behind))
+
+
+def _flush_steps(res: Resources, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
+                 report: IngestReport, behind: StoreBehind | None = None) -> Steps[None]:
+    """:func:`_flush` in steps (it yields after every layer of prefill, and while it waits for another node)."""
     segments, docs = pending.take()
     if not segments and not docs:
         return
@@ -195,13 +201,13 @@ def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, leve
     theirs = [s for s in segments if s[0] not in mine]
     ours = [s for s in segments if s[0] in mine]
     if theirs:  # prefill ours in the meantime, then wait: by then theirs are usually stored
-        items, vectors = _prefill(res, ours, batch_tokens, report)
-        missing = _await_others(archive, theirs)
+        items, vectors = yield from _prefill(res, ours, batch_tokens, report)
+        missing = yield from _await_others(archive, theirs)
         report.segments_reused += len(theirs) - len(missing)
-        late, late_vectors = _prefill(res, missing, batch_tokens, report)  # their writer gave up: ours after all
+        late, late_vectors = yield from _prefill(res, missing, batch_tokens, report)  # their writer gave up
         items, vectors = items + late, [*vectors, *late_vectors]
     else:
-        items, vectors = _prefill(res, ours, batch_tokens, report)
+        items, vectors = yield from _prefill(res, ours, batch_tokens, report)
     store = functools.partial(_store, archive, items, vectors, docs, codec, level, report)
     if behind is None:
         store()
@@ -210,21 +216,22 @@ def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, leve
 
 
 def _prefill(res: Resources, segments: list[tuple[str, str, list[int]]], batch_tokens: int,
-             report: IngestReport) -> tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]:
+             report: IngestReport) -> Steps[tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]]:
     """Each segment prefilled alone (after the sink), with its record, and the texts' retrieval embeddings."""
     if not segments:
         return [], []
     runner, settings = res.runner, res.kv_settings()
     t0 = time.perf_counter()
     sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
-    kvs = precompute_kv(runner, [ids for _, _, ids in segments], sink_prefix=sink or None, batch_tokens=batch_tokens)
+    kvs = yield from precompute_kv_steps(runner, [ids for _, _, ids in segments], sink_prefix=sink or None,
+                                         batch_tokens=batch_tokens)
     report.prefill_seconds += time.perf_counter() - t0
     items = [(new_record(runner, key, text, ids, settings, len(sink)), kv) for (key, text, ids), kv in zip(segments, kvs)]
     return items, list(get_embedder().embed([text for _, text, _ in segments]))
 
 
 def _await_others(archive: Archive, segments: list[tuple[str, str, list[int]]],
-                  timeout_s: float = CLAIM_WAIT_S) -> list[tuple[str, str, list[int]]]:
+                  timeout_s: float = CLAIM_WAIT_S) -> Steps[list[tuple[str, str, list[int]]]]:
     """Wait for segments another writer claimed (a shared store: two nodes met the same passages) to be stored;
     returns those that did not appear in time, for this writer to prefill after all."""
     waiting = {seg[0]: seg for seg in segments}
@@ -233,7 +240,8 @@ def _await_others(archive: Archive, segments: list[tuple[str, str, list[int]]],
         for key in [k for k in waiting if archive.has_segment(k)]:
             del waiting[key]
         if waiting:
-            time.sleep(0.05)
+            yield  # a server decodes its running requests meanwhile
+            time.sleep(0.01)
     return list(waiting.values())
 
 
@@ -280,6 +288,12 @@ def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC
                 level: int = DEFAULT_LEVEL, replace: bool = False) -> list[SegmentRecord]:
     """Archive exact texts as segments (no splitting): for --context-file --store, client chunks and the bench.
     ``replace``: store even segments the archive lists (their KV could not be read: stored again)."""
+    return drain(store_texts_steps(res, texts, codec, level, replace))
+
+
+def store_texts_steps(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL,
+                      replace: bool = False) -> Steps[list[SegmentRecord]]:
+    """:func:`store_texts` in steps (it yields after every layer of prefill)."""
     archive = res.archive(create=True)
     codec = check_codec(codec)
     items = []
@@ -292,5 +306,5 @@ def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC
             todo.add(key, text, ids)
     if todo.segments:
         with archive.writer(wait=30.0):
-            _flush(res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
+            yield from _flush_steps(res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
     return [archive.get_segment(k) for k, _, _ in items]

@@ -13,20 +13,21 @@ segment is recomputed and a warning names it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from kvblend.archive import SegmentRecord
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
-from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse, plan_prompt
+from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import storage_dtype
-from kvblend.pipeline.ingest import new_record, store_texts
+from kvblend.pipeline.ingest import new_record, store_texts_steps
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
 from kvblend.prompt import assemble_prompt, segment_text_for_kv
 from kvblend.retrieval import get_embedder, top_k
-from kvblend.types import Segment
+from kvblend.types import Segment, Steps, drain
 
 Warn = Callable[[str], None]
 
@@ -43,6 +44,40 @@ def run_query(
     on_warning: Warn | None = None,
 ) -> QueryResult:
     """Answer `question` from archived segments with the chosen mode."""
+    prepared = drain(prepare_steps(res, question, opts, on_warning))
+    gen = generate(res.runner, prepared.fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
+                   forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None)
+    drain(finish_steps(res, prepared))
+    result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s)
+    result.timings["model_load_s"] = res.model_load_s
+    return result
+
+
+@dataclass
+class Prepared:
+    """A query up to its first token's logits: the prompt, its fused KV, and what it took to get there."""
+
+    opts: QueryOptions
+    ratio: float | None
+    prompt: list[Segment]
+    fused: FusionResult
+    infos: list[SegmentInfo]
+    record_by_key: dict[str, SegmentRecord]
+    unreadable: list[str]  # segments whose KV could not be read (recomputed in the prompt; stored again after)
+    warnings: list[str]
+    retrieval_s: float
+    fusion_s: float  # from the start to the fused KV (retrieval, stored misses, streaming, fusion)
+    warn: Warn
+
+    @property
+    def prefix_cached(self) -> bool:
+        return bool(self.prompt[0].cached) and self.fused.mode != "full"  # cached only with opts.cache_prefix
+
+
+def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning: Warn | None = None,
+                  rows_per_step: int | None = None) -> Steps[Prepared]:
+    """Retrieve, store the passages the archive misses, assemble the prompt, stream its KV and fuse, in steps
+    (a server runs a new request's steps between its running requests' decode steps; see fuse_steps)."""
     opts.validate()
     if not question or not question.strip():
         raise UsageError("empty question")
@@ -56,50 +91,51 @@ def run_query(
             on_warning(msg)
 
     t0 = time.perf_counter()
-    passages, infos, record_by_key = _passages(res, question, opts, warn)
+    passages, infos, record_by_key = yield from _passages(res, question, opts, warn)
     t_retrieved = time.perf_counter()
     prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
-    fused, unreadable = fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
-    t_fused = time.perf_counter()
-    gen = generate(res.runner, fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
-                   forced_tokens=opts.forced_tokens)
-    ttft = (t_fused - t0) + gen.first_token_s
+    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step)
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
-    prefix_cached = bool(prompt[0].cached) and fused.mode != "full"  # cached only when opts.cache_prefix
-    _record_use(res, prompt, fused, opts, warn)
-    if unreadable and opts.restore_missing:
-        restore_segments(res, [record_by_key[k] for k in unreadable if k in record_by_key], warn)
+    return Prepared(opts, ratio, prompt, fused, infos, record_by_key, unreadable, warnings, t_retrieved - t0,
+                    time.perf_counter() - t0, warn)
+
+
+def finish_steps(res: Resources, prepared: Prepared) -> Steps[None]:
+    """After the answer: archive a freshly computed instruction prefix, touch the segments used (for gc), and
+    store again the passages whose KV could not be read."""
+    _record_use(res, prepared.prompt, prepared.fused, prepared.opts, prepared.warn)
+    if prepared.unreadable and prepared.opts.restore_missing:
+        records = [prepared.record_by_key[k] for k in prepared.unreadable if k in prepared.record_by_key]
+        yield from restore_segments(res, records, prepared.warn)
+
+
+def answered(prepared: Prepared, gen: Generation, ttft: float) -> QueryResult:
+    """The report of an answered query (`ttft`: from its start to its first token, as the caller measured it)."""
+    fused = prepared.fused
     timings = {
-        "retrieval_s": t_retrieved - t0,
-        "model_load_s": res.model_load_s,
+        "retrieval_s": prepared.retrieval_s,
         "load_wait_s": fused.load_wait_s,
         "recompute_s": fused.compute_s - fused.load_wait_s,
-        "fusion_s": t_fused - t_retrieved,
+        "fusion_s": prepared.fusion_s - prepared.retrieval_s,
         "ttft_s": ttft,
         "decode_s": gen.decode_s,
     }
-    return _result(opts, ratio, ttft, fused, gen, infos, timings, warnings, prefix_cached)
-
-
-def _result(opts: QueryOptions, ratio: float | None, ttft: float, fused: FusionResult, gen: Generation,
-            infos: list[SegmentInfo], timings: dict[str, float], warnings: list[str],
-            prefix_cached: bool) -> QueryResult:
     return QueryResult(
         answer=gen.text,
-        mode=opts.mode,
-        ratio=ratio,
+        mode=prepared.opts.mode,
+        ratio=prepared.ratio,
         ttft_s=ttft,
         load_wait_s=fused.load_wait_s,
         prompt_tokens=len(fused.token_ids),
         recomputed_tokens=fused.active_per_layer[-1],
         recompute_share=fused.recompute_share,
-        segments=infos,
+        segments=prepared.infos,
         tokens_per_s=gen.tokens_per_s,
         timings=timings,
-        warnings=warnings,
-        prefix_cached=prefix_cached,
+        warnings=prepared.warnings,
+        prefix_cached=prepared.prefix_cached,
         fusion=fused,
         generation=gen,
     )
@@ -108,7 +144,7 @@ def _result(opts: QueryOptions, ratio: float | None, ttft: float, fused: FusionR
 # ── passages ──
 def _passages(
     res: Resources, question: str, opts: QueryOptions, warn: Warn
-) -> tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]:
+) -> Steps[tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]]:
     """The prompt's passages in order: archived records, then --context-file texts."""
     records, infos = select_records(res, question, opts)
     passages = [Segment(list(r.token_ids), cached=True, key=r.key, base_position=r.base_position) for r in records]
@@ -117,7 +153,7 @@ def _passages(
         texts = [res.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
         check_length(res, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
     for text in opts.context_texts:
-        seg, info, rec = context_segment(res, text, store=opts.store_context, warn=warn)
+        seg, info, rec = yield from context_segment_steps(res, text, store=opts.store_context, warn=warn)
         passages.append(seg)
         infos.append(info)
         if rec is not None:
@@ -158,6 +194,12 @@ def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[l
 
 def context_segment(res: Resources, text: str, store: bool,
                     warn: Warn | None = None) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
+    """:func:`context_segment_steps` in one go."""
+    return drain(context_segment_steps(res, text, store, warn))
+
+
+def context_segment_steps(res: Resources, text: str, store: bool,
+                          warn: Warn | None = None) -> Steps[tuple[Segment, SegmentInfo, SegmentRecord | None]]:
     """A --context-file text (or a client's passage): cached if already archived, stored with --store, else
     computed.
 
@@ -170,7 +212,7 @@ def context_segment(res: Resources, text: str, store: bool,
     try:
         rec = res.archive().get_segment(key)
         if rec is None and store:
-            rec = store_texts(res, [text])[0]
+            rec = (yield from store_texts_steps(res, [text]))[0]
             stored = rec is not None
     except ArchiveBusyError:
         rec = None
@@ -265,7 +307,7 @@ def _record_use(res: Resources, prompt: list[Segment], fused: FusionResult, opts
         warn(f"could not record segment use: {exc}")
 
 
-def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -> None:
+def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -> Steps[None]:
     """Store again, prefilled alone, the passages whose KV could not be read (a cache evicted a layer, a blob was
     damaged), so the next query hits: after the answer, never on its time to first token. A passage is restored
     only under its own key (the same tokens, model and settings); an instruction prefix is archived by
@@ -275,16 +317,17 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
     if not texts or res.archive().readonly:
         return
     try:
-        store_texts(res, texts, replace=True)
+        yield from store_texts_steps(res, texts, replace=True)
     except (ArchiveBusyError, ArchiveError) as exc:  # bookkeeping: the answer stands
         warn(f"could not store the recomputed segments again: {exc}")
 
 
 # ── fusion over the archive ──
 def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
-                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> tuple[FusionResult, list[str]]:
-    """Fuse with the archive feed; a segment whose KV fails mid-stream is recomputed instead. Returns the fusion
-    and the keys of the segments that could not be read."""
+                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn,
+                   rows_per_step: int | None = None) -> Steps[tuple[FusionResult, list[str]]]:
+    """Fuse with the archive feed, in steps (fuse_steps); a segment whose KV fails mid-stream is recomputed
+    instead. Returns the fusion and the keys of the segments that could not be read."""
     runner = res.runner
     unreadable: list[str] = []
     while True:
@@ -294,7 +337,7 @@ def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[st
                            depth=opts.prefetch_depth, overlap=opts.loader_overlap)
         try:
             with feed:
-                fused = fuse(runner, prompt, opts.mode, blend_cfg, feed=feed)
+                fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed, rows_per_step)
             fused.stream = feed.stats
             return fused, unreadable
         except SegmentUnavailable as exc:

@@ -18,7 +18,7 @@ from kvblend.fusion import BlendConfig, feed_schedule, fuse, plan_prompt
 from kvblend.model.prefill import storage_dtype
 from kvblend.pipeline import Engine, QueryOptions
 from kvblend.pipeline.query import fuse_streaming
-from kvblend.types import Segment
+from kvblend.types import Segment, drain
 
 CODEC_OF = {"chunk0": "lossless", "chunk1": "int8", "chunk2": "int4"}
 
@@ -122,12 +122,12 @@ def test_corrupt_quantized_blob_is_found_by_verify_and_recomputed_by_query(runne
     segs = streamed(prompt)
     warnings: list[str] = []
     opts = QueryOptions(mode="blend", ratio=0.3)
-    fused, unreadable = fuse_streaming(engine, segs, records, opts, BlendConfig.single(0.3), warnings.append)
+    fused, unreadable = drain(fuse_streaming(engine, segs, records, opts, BlendConfig.single(0.3), warnings.append))
     assert unreadable == ["chunk2"]
     assert len(warnings) == 1 and "chunk2" in warnings[0] and "recomputing" in warnings[0]
     assert [s.cached for s in segs] == [False, True, True, False, False]  # only the damaged one recomputed
-    again, _ = fuse_streaming(engine, [Segment(s.token_ids, cached=s.cached, key=s.key) for s in segs], records,
-                              opts, BlendConfig.single(0.3), warnings.append)
+    again, _ = drain(fuse_streaming(engine, [Segment(s.token_ids, cached=s.cached, key=s.key) for s in segs],
+                                    records, opts, BlendConfig.single(0.3), warnings.append))
     assert torch.equal(fused.last_logits, again.last_logits) and len(warnings) == 1
 
 
