@@ -200,6 +200,7 @@ class QueryOptions:
     loader_overlap: bool | None = None  # build layers on loader threads; None: where cores are spare
     cache_prefix: bool = True  # reuse (and after first use, archive) the instruction prefix's exact KV
     restore_missing: bool = True  # a segment whose KV could not be read (evicted, damaged) is stored again
+    max_stored_tokens: int | None = None  # new passages stored by one query, at most (None: no bound)
     keep_step_logits: bool = False
     forced_tokens: tuple[int, ...] | None = None
 

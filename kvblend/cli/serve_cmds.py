@@ -6,14 +6,18 @@ kvblend.serve (FastAPI, uvicorn, torch) is imported inside the command, so
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
 
-from kvblend.cli.common import ArchiveOpt, ComputeOpt, ModelOpt
+from kvblend.cli.common import ArchiveOpt, ComputeOpt, ModelOpt, parse_size
 from kvblend.errors import UsageError
 
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_BATCH = 8  # kvblend.serve.scheduler.DEFAULT_MAX_BATCH (spelled here so --help needs no torch)
+DEFAULT_MAX_STORED_TOKENS = 4096  # ~80 MB of lossless KV of the default model
+API_KEY_ENV = "KVBLEND_API_KEY"
 
 
 def register(app: typer.Typer) -> None:
@@ -21,25 +25,40 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. 0.0.0.0 listens on every interface: the server is then reachable by anyone who can reach the port, so give it an --api-key."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue",
-                                  help="Requests that may wait for the model; one more is answered 429."),
+    max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests that may wait for a place in the batch; one more is answered 429."),
+    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, "--max-batch", help="Sequences decoded together in one forward pass (continuous batching); a new request joins when one leaves."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help=f"Require this key as a Bearer token on every route but /health (default: ${API_KEY_ENV}; none: no authentication).", show_default=False),
+    max_archive_size: Optional[str] = typer.Option(None, "--max-archive-size", help="Keep the archive's payloads under this size while serving, e.g. 500MB: least-recently-used segments are evicted (as `gc --max-size`).", show_default=False),
+    max_stored_tokens: int = typer.Option(DEFAULT_MAX_STORED_TOKENS, "--max-stored-tokens", help="New passages one request may store, in tokens; beyond it they are computed in the prompt, not stored (0: store none)."),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
 ) -> None:
-    """Serve an OpenAI-compatible chat API (/v1/chat/completions) that reuses archived KV.
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) that reuses archived KV.
 
     Questions alone are answered from the archive's top-k segments; passages sent in the
     user message (text parts, or blocks split by <<<chunk>>>) reuse their archived KV,
     and a passage not yet archived is computed and stored for the next request.
+    Requests that decode share one forward pass per step (continuous batching).
     Logs go to stderr; SIGTERM or Ctrl-C shut down gracefully.
     """
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be between 1 and 65535, not {port}")
     if max_queue < 1:
         raise UsageError("--max-queue must be at least 1")
-    from kvblend.serve.server import run_server
+    if max_batch < 1:
+        raise UsageError("--max-batch must be at least 1")
+    if max_stored_tokens < 0:
+        raise UsageError("--max-stored-tokens must be at least 0")
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise UsageError("--api-key must not be empty")
+    bound = parse_size(max_archive_size) if max_archive_size is not None else None
+    if bound is not None and bound < 1:
+        raise UsageError("--max-archive-size must be more than 0 bytes")
+    from kvblend.serve.server import ServeOptions, run_server
 
-    run_server(host, port, archive, model, compute, max_queue)
+    run_server(ServeOptions(host, port, archive, model, compute, max_queue, max_batch, key, bound,
+                            max_stored_tokens))

@@ -45,7 +45,7 @@ from kvblend.fusion.plan import (
 from kvblend.fusion.policies import Check, head_mask, question_rows, select
 from kvblend.fusion.probe import KeptLayers, probe_pass
 from kvblend.fusion.selection import budget, keep_top
-from kvblend.model.runner import ModelRunner
+from kvblend.model.runner import ModelRunner, row_chunks
 from kvblend.types import LayerKV, Segment, Steps, drain
 
 
@@ -99,7 +99,7 @@ def fuse(
     feed: CachedKVFeed | None = None,
 ) -> FusionResult:
     """Build the prompt's KV in `mode`; return it with the last token's logits."""
-    return drain(fuse_steps(runner, segments, mode, blend, feed))
+    return drain(fuse_steps(runner, segments, mode, blend, feed, rows_per_step=0))
 
 
 @torch.inference_mode()
@@ -111,10 +111,10 @@ def fuse_steps(
     feed: CachedKVFeed | None = None,
     rows_per_step: int | None = None,
 ) -> Steps[FusionResult]:
-    """:func:`fuse` in steps: it yields after every layer and, with `rows_per_step`, within a layer after every
-    `rows_per_step` tokens' projections and every `rows_per_step` queries' attention and MLP, so a server can
-    decode other requests' next tokens in between (vLLM's chunked prefill). Without `rows_per_step` every
-    layer is computed whole, exactly as :func:`fuse` computes it."""
+    """:func:`fuse` in steps: it yields after every layer and, with `rows_per_step` (default: the runner's
+    `step_rows`), within a layer after every `rows_per_step` tokens' projections and every `rows_per_step`
+    queries' attention and MLP, so a server can decode other requests' next tokens in between (vLLM's
+    chunked prefill). Without it every layer is computed whole, exactly as :func:`fuse` computes it."""
     blend = blend or BlendConfig()
     if mode == "blend":
         blend.validate(runner.n_layers)
@@ -134,7 +134,8 @@ def fuse_steps(
     exact = never_recomputed(plan, mode_effective, blend)
 
     ids = torch.tensor([plan.token_ids], device=device)
-    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact, rows_per_step)
+    rows = runner.step_rows if rows_per_step is None else rows_per_step
+    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact, rows)
     if mode_effective == "blend" and blend.selects:
         loop.set_selection(blend, plan, _approximate(segments, mode, exact), exact)
     hidden = runner.embed(ids)
@@ -267,9 +268,7 @@ class _LayerLoop:
 
     def _chunks(self, n: int) -> list[slice]:
         """Row ranges of at most `rows_per_step` (one range: the whole layer at once, as fuse() computes it)."""
-        if not self.rows or n <= self.rows:
-            return [slice(0, n)]
-        return [slice(i, min(n, i + self.rows)) for i in range(0, n, self.rows)]
+        return row_chunks(n, self.rows)
 
     def _project(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Steps[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -27,6 +27,11 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
+def last_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query at the newest position: it may see every key, so no mask (decoding, one token per step)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+
 def is_short_suffix(query_positions: torch.Tensor, n_keys: int) -> bool:
     """Are the queries exactly positions p..n_keys-1 with p at most a quarter of the keys?
 

@@ -31,6 +31,7 @@ from kvblend.model.attention import (
     dense_causal,
     dense_suffix,
     is_short_suffix,
+    last_query,
     sparse_queries,
 )
 from kvblend.model.rope import Rotations, apply_rope, rotate_k
@@ -46,6 +47,10 @@ class ModelRunner:
     tokenizer: object = None  # optional for pure-tensor use (tests); needed to tokenize and decode
     name: str = "model"
     fingerprint: str = ""
+    # Work done in steps (fuse_steps, prefill_steps) also yields inside a layer, every `step_rows` tokens, so a
+    # server's running streams wait for at most that much of one layer (vLLM's chunked prefill); None: whole
+    # layers, which a one-off query computes bit for bit as before.
+    step_rows: int | None = None
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +168,8 @@ class ModelRunner:
         dense = window is None or window >= n_keys
         if query_positions is None and dense:
             out = dense_causal(q, k, v, scale)
+        elif dense and q.shape[2] == 1 and int(query_positions[-1]) == n_keys - 1:
+            out = last_query(q, k, v, scale)  # decoding: the newest position sees every key, no mask to build
         elif dense and is_short_suffix(query_positions, n_keys):
             out = dense_suffix(q, k, v, scale)
         else:
@@ -235,11 +242,25 @@ class ModelRunner:
         cos, sin = self.rope(positions.expand(len(batch), -1))
         hidden = self.embed(ids)
         out: list[list[LayerKV]] = [[] for _ in batch]
+        chunks = row_chunks(width, self.step_rows)
         for layer in range(self.n_layers):
-            q, k, v = self.project_qkv(layer, hidden, cos, sin)
+            if len(chunks) == 1:
+                q, k, v = self.project_qkv(layer, hidden, cos, sin)
+                hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
+            else:  # by token ranges: every key is computed first, then each range's queries attend causally
+                parts = []
+                for rows in chunks:
+                    parts.append(self.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
+                    yield
+                q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
+                done = []
+                for rows in chunks:
+                    attn = self.attend(layer, q[:, :, rows], k, v, query_positions=positions[rows] - start_position)
+                    done.append(self.finish_layer(layer, hidden[:, rows], attn))
+                    yield
+                hidden = torch.cat(done, dim=1)
             for row, tokens in enumerate(batch):
                 out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
-            hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
             yield
         return out
 
@@ -248,3 +269,10 @@ def _rope_type(rotary_emb: torch.nn.Module) -> tuple[str, ...]:
     """The rotary embedding's rope type(s) (per layer type in models that mix them)."""
     kind = getattr(rotary_emb, "rope_type", "default") or "default"
     return tuple(kind.values()) if isinstance(kind, dict) else (str(kind),)
+
+
+def row_chunks(n: int, rows: int | None) -> list[slice]:
+    """[0, n) in ranges of at most `rows` (None or 0: one range)."""
+    if not rows or n <= rows:
+        return [slice(0, n)]
+    return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvblend.archive import SegmentRecord
-from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, UsageError
+from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
@@ -74,10 +74,10 @@ class Prepared:
         return bool(self.prompt[0].cached) and self.fused.mode != "full"  # cached only with opts.cache_prefix
 
 
-def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning: Warn | None = None,
-                  rows_per_step: int | None = None) -> Steps[Prepared]:
+def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning: Warn | None = None) -> Steps[Prepared]:
     """Retrieve, store the passages the archive misses, assemble the prompt, stream its KV and fuse, in steps
-    (a server runs a new request's steps between its running requests' decode steps; see fuse_steps)."""
+    (a server runs a new request's steps between its running requests' decode steps; see fuse_steps and
+    ModelRunner.step_rows)."""
     opts.validate()
     if not question or not question.strip():
         raise UsageError("empty question")
@@ -94,7 +94,7 @@ def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning:
     passages, infos, record_by_key = yield from _passages(res, question, opts, warn)
     t_retrieved = time.perf_counter()
     prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
-    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step)
+    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
@@ -146,14 +146,18 @@ def _passages(
     res: Resources, question: str, opts: QueryOptions, warn: Warn
 ) -> Steps[tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]]:
     """The prompt's passages in order: archived records, then --context-file texts."""
-    records, infos = select_records(res, question, opts)
+    records, infos = select_records(res, question, opts, warn)
     passages = [Segment(list(r.token_ids), cached=True, key=r.key, base_position=r.base_position) for r in records]
     record_by_key = {r.key: r for r in records}
+    lengths = [len(res.runner.tokenize(segment_text_for_kv(t))) for t in opts.context_texts]
     if opts.context_texts:  # before any text is stored: a prompt that cannot fit stores nothing
-        texts = [res.runner.tokenize(segment_text_for_kv(t)) for t in opts.context_texts]
-        check_length(res, sum(len(p.token_ids) for p in passages) + sum(map(len, texts)), opts)
-    for text in opts.context_texts:
-        seg, info, rec = yield from context_segment_steps(res, text, store=opts.store_context, warn=warn)
+        check_length(res, sum(len(p.token_ids) for p in passages) + sum(lengths), opts)
+    stored_tokens = 0
+    for text, n in zip(opts.context_texts, lengths):
+        # a request stores at most max_stored_tokens of new passages: the rest is computed in the prompt
+        store = opts.store_context and (opts.max_stored_tokens is None or stored_tokens + n <= opts.max_stored_tokens)
+        seg, info, rec = yield from context_segment_steps(res, text, store=store, warn=warn)
+        stored_tokens += n if info.stored else 0
         passages.append(seg)
         infos.append(info)
         if rec is not None:
@@ -163,16 +167,28 @@ def _passages(
     return passages, infos, record_by_key
 
 
-def select_records(res: Resources, question: str, opts: QueryOptions) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
-    """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order."""
+def select_records(res: Resources, question: str, opts: QueryOptions,
+                   warn: Warn | None = None) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
+    """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order.
+
+    A pinned document that lost segments (evicted, damaged and dropped) answers from the rest with a warning;
+    one with nothing left is NotFoundError (a server answers 404), never silently other documents' passages.
+    """
     archive = res.archive(create=False)
     records: list[SegmentRecord] = []
     infos: list[SegmentInfo] = []
     for name in opts.docs:
         doc = archive.find_document(name)
-        for key in doc.segment_keys:
-            records.append(archive.find_segment(key))
-            infos.append(SegmentInfo(key, doc.display_name, records[-1].n_tokens, True))
+        present = [rec for rec in (archive.get_segment(k) for k in doc.segment_keys) if rec is not None]
+        if not present:
+            raise NotFoundError(f"document {doc.display_name} has no segments left in the archive (evicted or "
+                                "damaged): ingest it again")
+        if (len(present) < len(doc.segment_keys) or doc.incomplete) and warn is not None:
+            warn(f"document {doc.display_name} lost segments (evicted or damaged): answering from the "
+                 f"{len(present)} left; ingest it again to restore it")
+        for rec in present:
+            records.append(rec)
+            infos.append(SegmentInfo(rec.key, doc.display_name, rec.n_tokens, True))
     for key in opts.segment_keys:
         rec = archive.find_segment(key)
         records.append(rec)
@@ -324,8 +340,7 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
 
 # ── fusion over the archive ──
 def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
-                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn,
-                   rows_per_step: int | None = None) -> Steps[tuple[FusionResult, list[str]]]:
+                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> Steps[tuple[FusionResult, list[str]]]:
     """Fuse with the archive feed, in steps (fuse_steps); a segment whose KV fails mid-stream is recomputed
     instead. Returns the fusion and the keys of the segments that could not be read."""
     runner = res.runner
@@ -337,7 +352,7 @@ def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[st
                            depth=opts.prefetch_depth, overlap=opts.loader_overlap)
         try:
             with feed:
-                fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed, rows_per_step)
+                fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed)
             fused.stream = feed.stats
             return fused, unreadable
         except SegmentUnavailable as exc:

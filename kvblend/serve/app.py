@@ -1,53 +1,49 @@
-"""The HTTP routes: OpenAI's chat completions and models, plus /health and /metrics.
+"""The HTTP routes: OpenAI's chat completions, legacy completions and models, plus /health and /metrics.
 
-A request is parsed, queued for the model worker, and its events (tokens, then
+A request is parsed, queued for the scheduler, and its events (tokens, then
 the result or an error) become a JSON response or server-sent events. The
 status is decided by the first event, before any byte is sent: a streamed
 request that fails (unknown document, prompt too long) still gets its 404 or
 400, not a 200 with an error inside. While a request waits or decodes, a
-client that disconnects cancels it (kvblend.serve.worker).
+client that disconnects cancels it (kvblend.serve.scheduler). With an API key
+every route but /health needs it as a Bearer token, as vLLM's --api-key does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
 from kvblend.pipeline.query import ContextLengthError
-from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import segment_source
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.responses import (
     chunk_body,
     completion_body,
     completion_id,
-    finish_reason,
     kvblend_report,
     models_body,
     request_share,
     usage,
 )
-from kvblend.serve.schema import ApiError, ChatRequest, parse_body, parse_chat_request
-from kvblend.serve.worker import Job, ModelWorker
+from kvblend.serve.scheduler import Completed, Job, Scheduler, TokenEvent
+from kvblend.serve.schema import ApiError, ChatRequest, parse_body, parse_chat_request, parse_completion_request
 
 log = logging.getLogger("kvblend.serve")
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
+OPEN_PATHS = {"/health"}  # answered without the API key (load balancers' health checks)
 
 
 def error_for(exc: BaseException) -> ApiError:
@@ -70,14 +66,15 @@ def error_for(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}", "internal_error", type="server_error")
 
 
-def create_app(worker: ModelWorker, metrics: Metrics, model: str, archive: Path) -> FastAPI:
-    """The ASGI app around a started engine; the worker runs for the app's lifespan."""
+def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
+               api_key: str | None = None) -> FastAPI:
+    """The ASGI app around a started engine; the scheduler runs for the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        scheduler.start()
         yield
-        await worker.stop()
+        await scheduler.stop()
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
@@ -89,18 +86,29 @@ def create_app(worker: ModelWorker, metrics: Metrics, model: str, archive: Path)
     def refuse(exc: ApiError) -> JSONResponse:
         metrics.request(exc.status)
         headers = {"Retry-After": "1"} if exc.status == 429 else None
+        if exc.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        if api_key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return refuse(ApiError(401, "Incorrect API key provided: pass it as a Bearer token "
+                                            "(the key given to `kvblend serve --api-key`)", "invalid_api_key"))
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else "http_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), code).body(), status_code=exc.status_code)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def complete(request: Request, parse: Callable[[dict], ChatRequest]) -> Response:
         try:
-            req = parse_chat_request(parse_body(await request.body()))
-            job = worker.submit(req)
+            req = parse(parse_body(await request.body()))
+            job = scheduler.submit(req)
         except ApiError as exc:
             return refuse(exc)
         first = await next_event(request, job)
@@ -108,7 +116,7 @@ def create_app(worker: ModelWorker, metrics: Metrics, model: str, archive: Path)
             return refuse(error_for(first[1]))
         if first[0] == "cancelled":
             return closed()
-        cid = completion_id()
+        cid = completion_id(req.legacy)
         if req.stream:
             metrics.request(200)
             return StreamingResponse(sse(job, req, cid, first), media_type="text/event-stream",
@@ -120,39 +128,53 @@ def create_app(worker: ModelWorker, metrics: Metrics, model: str, archive: Path)
             return refuse(error_for(value)) if kind == "error" else closed()
         metrics.request(200)
         observe(value, job)
-        return JSONResponse(completion_body(cid, model, value, req.max_tokens, job.queue_wait_s))
+        return JSONResponse(completion_body(cid, model, value, job.queue_wait_s, req.legacy))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await complete(request, parse_chat_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, parse_completion_request)
 
     async def sse(job: Job, req: ChatRequest, cid: str, first: tuple[str, Any]) -> AsyncIterator[str]:
-        """The OpenAI stream: a role chunk, content deltas, a final chunk (finish_reason + kvblend), [DONE].
+        """The OpenAI stream: per choice a role chunk (chat), text deltas, a final chunk (finish_reason; the
+        first choice's also carries `kvblend`), then a usage chunk if asked, then [DONE].
 
         Leaving early (the client went away: the response task is cancelled) cancels the job."""
         try:
-            yield event(chunk_body(cid, model, {"role": "assistant", "content": ""}))
+            if not req.legacy:
+                for i in range(req.n):
+                    yield event(chunk_body(cid, model, i, False, role=True))
             kind, value = first
-            started = False
+            started = [False] * req.n
             while kind == "token":
-                text = value if started else value.lstrip()  # as the non-streamed answer, which is stripped
-                started = started or bool(text)
-                if text:
-                    yield event(chunk_body(cid, model, {"content": text}))
+                token: TokenEvent = value
+                text = token.text if started[token.choice] else token.text.lstrip()  # as the whole answer is stripped
+                started[token.choice] = started[token.choice] or bool(text)
+                if text or token.logprobs:
+                    yield event(chunk_body(cid, model, token.choice, req.legacy, text, logprobs=token.logprobs))
                 kind, value = await job.events.get()
             if kind == "done":
                 observe(value, job)
-                yield event(chunk_body(cid, model, {}, finish_reason(value, req.max_tokens),
-                                       kvblend=kvblend_report(value, job.queue_wait_s)))
+                for choice in value.choices:
+                    extra = {"kvblend": kvblend_report(value.result, job.queue_wait_s)} if choice.index == 0 else {}
+                    yield event(chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason, **extra))
                 if req.include_usage:
-                    yield event({**chunk_body(cid, model, {}), "choices": [], "usage": usage(value)})
+                    yield event({**chunk_body(cid, model, 0, req.legacy), "choices": [], "usage": usage(value)})
             elif kind == "error":
                 yield event(error_for(value).body())
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a no-op once done
 
-    def observe(result: QueryResult, job: Job) -> None:
+    def observe(done: Completed, job: Job) -> None:
+        result = done.result
         sources = [segment_source(s) for s in result.segments]
         metrics.answered(result.ttft_s, request_share(result), sources)
-        log.info("answered: %d prompt tokens, ttft %.3fs, recompute share %.3f, %d hit / %d computed, "
-                 "queue wait %.3fs", result.prompt_tokens, result.ttft_s, request_share(result),
+        log.info("answered: %d prompt tokens, %d choice(s), ttft %.3fs, recompute share %.3f, %d hit / %d computed, "
+                 "queue wait %.3fs", result.prompt_tokens, len(done.choices), result.ttft_s, request_share(result),
                  sources.count("hit"), sources.count("computed"), job.queue_wait_s)
 
     @app.get("/v1/models")
@@ -161,12 +183,12 @@ def create_app(worker: ModelWorker, metrics: Metrics, model: str, archive: Path)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": model, "archive": str(archive),
-                             "queue_depth": worker.depth, "busy": worker.busy})
+        return JSONResponse({"status": "ok", "model": model, "store": store, "queue_depth": scheduler.depth,
+                             "running": scheduler.running, "max_batch": scheduler.max_batch, "busy": scheduler.busy})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(worker.depth, worker.busy),
+        return PlainTextResponse(metrics.render(scheduler.depth, scheduler.busy, scheduler.running),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -10,7 +10,7 @@ or ingested from a file with the same text, hits the same archived KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations: request parsing must not import the pipeline (torch)
@@ -22,11 +22,25 @@ CHUNK_SEPARATOR = "<<<chunk>>>"
 
 @dataclass(frozen=True)
 class Conversation:
-    """What a chat request asks: an optional system prompt, client passages, one question."""
+    """What a chat request asks: an optional system prompt, client passages, one question, and the earlier turns
+    of a multi-turn chat as (role, text)."""
 
     system: str | None
     chunks: list[str]
     question: str
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+
+def question_with_history(history: list[tuple[str, str]], question: str) -> str:
+    """The question as the prompt carries it: after the passages, with the earlier turns before it.
+
+    Earlier turns go *after* the passages, in the question's segment (always computed), so the instruction
+    prefix and the passages keep their archived KV whatever the conversation said before.
+    """
+    if not history:
+        return question
+    turns = [f"{'User' if role == 'user' else 'Assistant'}: {text}" for role, text in history]
+    return "Earlier in this conversation:\n" + "\n".join(turns) + "\n\nNow: " + question
 
 
 def split_blocks(text: str) -> list[str]:

@@ -63,8 +63,8 @@ class Metrics:
             self.share.observe(share)
             self.segments.update(sources)
 
-    def render(self, queue_depth: int, busy: bool) -> str:
-        """The exposition text; queue depth and busy are sampled by the caller now."""
+    def render(self, queue_depth: int, busy: bool, running: int = 0) -> str:
+        """The exposition text; queue depth, busy and running sequences are sampled by the caller now."""
         with self._lock:
             lines = _family("kvblend_requests_total", "counter", "Chat completion requests by HTTP status.")
             lines += [f'kvblend_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
@@ -80,6 +80,8 @@ class Metrics:
         lines.append(f"kvblend_queue_depth {queue_depth}")
         lines += _family("kvblend_busy", "gauge", "1 while the model works on a request.")
         lines.append(f"kvblend_busy {int(busy)}")
+        lines += _family("kvblend_running_sequences", "gauge", "Sequences admitted to the batch (prefilling or decoding).")
+        lines.append(f"kvblend_running_sequences {running}")
         return "\n".join(lines) + "\n"
 
 

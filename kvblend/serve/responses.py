@@ -1,4 +1,5 @@
-"""Response bodies in OpenAI's shapes, each carrying what kvblend did in a `kvblend` object.
+"""Response bodies in OpenAI's shapes (chat completions and legacy completions), each carrying what kvblend did
+in a `kvblend` object.
 
 OpenAI clients keep fields they do not know (`response.model_extra`), so the
 `kvblend` report rides along without breaking any client.
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import segments_report
+from kvblend.serve.scheduler import ChoiceResult, Completed
 
 
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+def completion_id(legacy: bool = False) -> str:
+    return f"{'cmpl' if legacy else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
 
 
 def request_share(result: QueryResult) -> float:
@@ -45,47 +48,62 @@ def kvblend_report(result: QueryResult, queue_wait_s: float) -> dict:
     }
 
 
-def finish_reason(result: QueryResult, max_tokens: int) -> str:
-    """'length' when generation stopped at max_tokens, else 'stop'."""
-    gen = result.generation
-    if gen is not None and not gen.stopped_on_eos and len(gen.token_ids) >= max_tokens:
-        return "length"
-    return "stop"
+def usage(done: Completed) -> dict:
+    completion = sum(len(c.token_ids) for c in done.choices)
+    prompt = done.result.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def usage(result: QueryResult) -> dict:
-    completion = len(result.generation.token_ids) if result.generation is not None else 0
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    return None if entries is None else {"content": entries}
 
 
-def completion_body(cid: str, model: str, result: QueryResult, max_tokens: int, queue_wait_s: float) -> dict:
-    """A non-streamed `chat.completion`."""
+def legacy_logprobs(entries: list[dict] | None) -> dict | None:
+    """The legacy completions API's logprobs: parallel lists, the alternatives as {token: logprob}."""
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def _choice(choice: ChoiceResult, legacy: bool) -> dict:
+    if legacy:
+        return {"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason,
+                "logprobs": legacy_logprobs(choice.logprobs)}
+    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+            "finish_reason": choice.finish_reason, "logprobs": chat_logprobs(choice.logprobs)}
+
+
+def completion_body(cid: str, model: str, done: Completed, queue_wait_s: float, legacy: bool) -> dict:
+    """A non-streamed `chat.completion` (or legacy `text_completion`)."""
     return {
         "id": cid,
-        "object": "chat.completion",
+        "object": "text_completion" if legacy else "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": result.answer},
-            "finish_reason": finish_reason(result, max_tokens),
-            "logprobs": None,
-        }],
-        "usage": usage(result),
-        "kvblend": kvblend_report(result, queue_wait_s),
+        "choices": [_choice(c, legacy) for c in done.choices],
+        "usage": usage(done),
+        "kvblend": kvblend_report(done.result, queue_wait_s),
     }
 
 
-def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, **extra) -> dict:
-    """One streamed `chat.completion.chunk` (extra: usage, kvblend, or choices=[] for the usage chunk)."""
-    body = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-    }
+def chunk_body(cid: str, model: str, index: int, legacy: bool, text: str | None = None, role: bool = False,
+               finish: str | None = None, logprobs: list[dict] | None = None, **extra: Any) -> dict:
+    """One streamed chunk of a choice (extra: usage, kvblend, or choices=[] for the usage chunk)."""
+    if legacy:
+        choice: dict = {"index": index, "text": text or "", "finish_reason": finish,
+                        "logprobs": legacy_logprobs(logprobs) if logprobs else None}
+    else:
+        delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "finish_reason": finish,
+                  "logprobs": chat_logprobs(logprobs) if logprobs else None}
+    body = {"id": cid, "object": "text_completion" if legacy else "chat.completion.chunk",
+            "created": int(time.time()), "model": model, "choices": [choice]}
     body.update(extra)
     return body
 

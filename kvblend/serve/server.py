@@ -3,15 +3,17 @@
 The model and the archive are opened before uvicorn starts, so a bad --model
 or --archive is one error line and an exit, not a server that never becomes
 healthy; /health answers only once the model is loaded. uvicorn handles
-SIGTERM and Ctrl-C: it stops accepting, waiting requests get a 503, the one
-in flight may finish within GRACE_S (then it stops at its next token and its
-stream ends with an error event), and only then does the worker's model thread
-finish and the archive close, so no write is cut short.
+SIGTERM and Ctrl-C: it stops accepting, waiting requests get a 503, those
+in flight may finish within GRACE_S (then they stop at their next step and
+their streams end with an error event), and only then does the scheduler's
+model thread finish and the archive close, so no write is cut short.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 import logging
 import logging.config
 import socket
@@ -21,25 +23,27 @@ from uvicorn.config import LOGGING_CONFIG
 
 from kvblend.errors import UsageError
 from kvblend.pipeline import Engine
+from kvblend.pipeline.query import Prepared
 from kvblend.serve.app import create_app
 from kvblend.serve.metrics import Metrics
-from kvblend.serve.worker import ModelWorker
+from kvblend.serve.scheduler import Scheduler
+from kvblend.types import Steps
 
 GRACE_S = 10  # seconds the request in flight gets to finish after SIGTERM / Ctrl-C
 log = logging.getLogger("kvblend.serve")
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, telling the worker as soon as shutdown begins: waiting requests are
-    refused and the running one is cut after GRACE_S with an error event, so every stream
-    ends well-formed before uvicorn's own (later) deadline would drop the connection."""
+    """uvicorn's server, telling the scheduler as soon as shutdown begins: waiting requests are
+    refused and running ones are cut after GRACE_S with an error event, so every stream ends
+    well-formed before uvicorn's own (later) deadline would drop the connection."""
 
-    def __init__(self, config: uvicorn.Config, worker: ModelWorker):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
         super().__init__(config)
-        self.worker = worker
+        self.scheduler = scheduler
 
     async def shutdown(self, sockets=None) -> None:
-        self.worker.begin_shutdown(GRACE_S)
+        self.scheduler.begin_shutdown(GRACE_S)
         await super().shutdown(sockets)
 
 
@@ -63,21 +67,59 @@ def check_port(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def run_server(host: str, port: int, archive: str | None, model: str | None, compute: str | None,
-               max_queue: int) -> None:
+def archive_bound(engine: Engine, max_bytes: int) -> Callable[[Prepared], Steps[None]]:
+    """After a request that stored something: evict least-recently-used segments until the archive's payloads
+    fit `max_bytes` again (`gc --max-size` while serving), so no client can fill the disk or the Redis."""
+
+    def after(prepared: Prepared) -> Steps[None]:
+        yield
+        if not any(info.stored for info in prepared.infos) and not prepared.unreadable:
+            return
+        archive = engine.archive()
+        if archive.size_bytes(include_index=False) > max_bytes:
+            report = archive.gc(max_size_bytes=max_bytes)
+            log.info("archive over --max-archive-size: evicted %d segments (%d bytes)", len(report.evicted),
+                     report.freed_bytes)
+
+    return after
+
+
+def run_server(options: ServeOptions) -> None:
     """Load the model once, then serve until SIGTERM or Ctrl-C."""
-    check_port(host, port)
+    check_port(options.host, options.port)
     logging.config.dictConfig(log_config())
-    engine = Engine(archive, model, compute)
+    engine = Engine(options.archive, options.model, options.compute)
     try:
         log.info("loading %s; archive %s", engine.model_name, engine.location)
-        engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
+        archive = engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
-        log.info("model loaded in %.1fs on %s", engine.model_load_s, engine.runner.device)
-        worker = ModelWorker(engine, max_queue)
-        app = create_app(worker, Metrics(), engine.model_name, engine.location)
-        config = uvicorn.Config(app, host=host, port=port, log_config=log_config(), lifespan="on",
+        log.info("model loaded in %.1fs on %s; batches of up to %d sequences", engine.model_load_s,
+                 engine.runner.device, options.max_batch)
+        if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
+            log.warning("listening on %s without --api-key: anyone who can reach port %d can use this server",
+                        options.host, options.port)
+        bound = archive_bound(engine, options.max_archive_bytes) if options.max_archive_bytes else None
+        scheduler = Scheduler(engine, options.max_queue, options.max_batch, after_request=bound,
+                              max_stored_tokens=options.max_stored_tokens)
+        app = create_app(scheduler, Metrics(), engine.model_name, archive.store.kind, options.api_key)
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_config=log_config(), lifespan="on",
                                 timeout_graceful_shutdown=2 * GRACE_S)
-        Server(config, worker).run()
+        Server(config, scheduler).run()
     finally:
         engine.close()
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`kvblend serve`'s options, parsed."""
+
+    host: str
+    port: int
+    archive: str | None
+    model: str | None
+    compute: str | None
+    max_queue: int
+    max_batch: int
+    api_key: str | None
+    max_archive_bytes: int | None
+    max_stored_tokens: int | None

@@ -21,7 +21,7 @@ from support import run_cli
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    srv = Server(root / "archive", root / "server.log")
+    srv = Server(root / "archive", root / "server.log", 4, "--max-batch", "4")
     yield srv
     srv.stop()
 
@@ -94,7 +94,7 @@ def test_errors_are_openai_shaped_with_the_right_status(server):
     assert status == 400 and body["error"]["code"] == "invalid_json"
     assert set(body["error"]) >= {"message", "type", "code"}
     client = server.client()
-    for extra in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 0.5}):
         with pytest.raises(openai.BadRequestError) as info:
             ask(client, [], "Q?", **extra)
         assert info.value.status_code == 400 and info.value.body["code"] == "unsupported_parameter"
@@ -144,7 +144,7 @@ def test_eight_concurrent_clients_are_all_answered(server):
 
 
 def test_a_full_queue_answers_429(server):
-    outcomes = run_clients(server, clients=16, per_client=1)  # 1 running + 8 waiting at most
+    outcomes = run_clients(server, clients=16, per_client=1)  # 4 in the batch + 4 waiting at most
     refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
     assert refused and all(o.status_code == 429 and o.body["code"] == "rate_limit_exceeded" for o in refused)
     assert all(not isinstance(o, Exception) or isinstance(o, openai.RateLimitError) for o in outcomes)

@@ -1,0 +1,187 @@
+"""What real clients send to `kvblend serve`, through the official `openai` client (raw HTTP only for what a client
+library would refuse to send): multi-turn chats, stop, logprobs, n, ignore_eos / min_tokens, legacy completions,
+continuous batching that changes no answer, an API key, and a bounded archive."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import uuid
+
+import openai
+import pytest
+
+from serve_support import PASSAGES, Server, ask, get, post_raw, report
+
+QUESTION = "Where is the Skua-7 assembled?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-api")
+    srv = Server(root / "archive", root / "server.log", 8, "--max-batch", "8")
+    yield srv
+    srv.stop()
+    assert "Traceback" not in (root / "server.log").read_text()
+
+
+def test_the_openai_client_gets_multi_turn_stop_logprobs_n_ignore_eos_and_legacy_completions(server):
+    client = server.client()
+    parts = [{"type": "text", "text": t} for t in [*PASSAGES, QUESTION]]
+    chat = client.chat.completions.create(model="kvblend", max_tokens=6, messages=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Which company builds survey drones?"},
+        {"role": "assistant", "content": "Norrow Marine builds them."},
+        {"role": "user", "content": parts}])
+    assert chat.choices[0].message.content and [s["source"] for s in report(chat)["segments"]] == ["computed"] * 2
+
+    plain = client.chat.completions.create(model="kvblend", max_tokens=8, messages=[{"role": "user", "content": parts}])
+    text = plain.choices[0].message.content
+    words = text.split()
+    assert len(words) >= 3
+    cut = client.chat.completions.create(model="kvblend", max_tokens=8, stop=[words[2], "\n\n"],
+                                         messages=[{"role": "user", "content": parts}])
+    assert cut.choices[0].finish_reason == "stop" and words[2] not in cut.choices[0].message.content
+    assert text.startswith(cut.choices[0].message.content.strip())
+
+    lp = client.chat.completions.create(model="kvblend", max_tokens=4, logprobs=True, top_logprobs=3,
+                                        messages=[{"role": "user", "content": parts}])
+    entries = lp.choices[0].logprobs.content
+    assert len(entries) == lp.usage.completion_tokens > 0  # one entry per token
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the chosen token is the top one
+        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-5)
+
+    two = client.chat.completions.create(model="kvblend", max_tokens=6, n=2, temperature=0.8, seed=7,
+                                         messages=[{"role": "user", "content": parts}])
+    assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
+    again = client.chat.completions.create(model="kvblend", max_tokens=6, n=2, temperature=0.8, seed=7,
+                                           messages=[{"role": "user", "content": parts}])
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]  # seeded
+
+    forced = client.chat.completions.create(model="kvblend", max_tokens=12, messages=[{"role": "user", "content": parts}],
+                                            extra_body={"ignore_eos": True, "min_tokens": 12})
+    assert forced.usage.completion_tokens == 12 and forced.choices[0].finish_reason == "length"
+
+    legacy = client.completions.create(model="kvblend", max_tokens=5, logprobs=2,
+                                       prompt="\n<<<chunk>>>\n".join([*PASSAGES, QUESTION]))
+    assert legacy.object == "text_completion" and legacy.choices[0].text
+    assert len(legacy.choices[0].logprobs.tokens) == len(legacy.choices[0].logprobs.token_logprobs) > 0
+    assert [s["source"] for s in legacy.model_extra["kvblend"]["segments"]] == ["hit", "hit"]
+
+    stream = client.chat.completions.create(model="kvblend", max_tokens=6, n=2, stream=True,
+                                            messages=[{"role": "user", "content": parts}])
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts[0] == texts[1] and texts[0] and set(finishes) == {0, 1}  # greedy: two identical samples
+
+
+@pytest.mark.parametrize("body", [
+    {"stop": ["a", "b", "c", "d", "e"]}, {"stop": 7}, {"stop": [""]}, {"n": 0}, {"n": 9}, {"n": "2"},
+    {"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"},
+    {"max_tokens": 4, "min_tokens": 9}, {"min_tokens": -1}, {"ignore_eos": "yes"}, {"max_completion_tokens": 0},
+    {"messages": [{"role": "assistant", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"id": "x"}]},
+                  {"role": "user", "content": "q2"}]},
+    {"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]},
+])
+def test_malformed_new_parameters_are_400_in_openai_shape(server, body):
+    payload = {"model": "kvblend", "messages": [{"role": "user", "content": "Where?"}], **body}
+    status, reply = post_raw(server.url + "/v1/chat/completions", json.dumps(payload).encode())
+    assert status == 400, (body, reply)
+    assert set(reply["error"]) >= {"message", "type", "code"}
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"prompt": ""}, {"prompt": "x", "logprobs": 9},
+                                  {"prompt": "x", "suffix": "y"}])
+def test_malformed_legacy_completions_are_400(server, body):
+    status, reply = post_raw(server.url + "/v1/completions", json.dumps({"model": "kvblend", **body}).encode())
+    assert status == 400 and reply["error"]["code"], (body, reply)
+
+
+def test_json_nested_a_hundred_thousand_deep_is_a_400_not_a_500(server):
+    status, reply = post_raw(server.url + "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and reply["error"]["code"] == "invalid_json"
+    assert get(server.url + "/health")[0] == 200
+
+
+def test_batching_changes_no_answer(server):
+    """The same greedy answers, token for token (and log-probabilities within 1e-4), whether each request ran
+    alone or all of them ran together in one batch."""
+    client = server.client()
+    tag = uuid.uuid4().hex[:6]
+    requests = [([f"{p} ({tag}-{i})" for p in PASSAGES], f"{q} ({i})")
+                for i, q in enumerate(["Where is the Skua-7 assembled?", "Who sells the drones?",
+                                       "Which office sells Norrow drones?", "What does Norrow Marine build?"])]
+
+    def one(passages, question):
+        r = ask(client, passages, question, max_tokens=10, logprobs=True, extra_body={"ignore_eos": True})
+        return r.choices[0].message.content, [e.logprob for e in r.choices[0].logprobs.content]
+
+    alone = [one(*r) for r in requests]  # also stores the passages: the batched run hits, as the alone run did not
+    alone = [one(*r) for r in requests]
+    together: list = [None] * len(requests)
+
+    def run(i):
+        together[i] = one(*requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (text_alone, lp_alone), (text_batched, lp_batched) in zip(alone, together):
+        assert text_batched == text_alone
+        assert all(abs(a - b) < 1e-4 for a, b in zip(lp_alone, lp_batched))
+
+
+def test_health_shows_no_paths_and_documents_are_named_as_ingested(server):
+    health = json.loads(get(server.url + "/health")[1])
+    assert set(health) >= {"status", "model", "store", "queue_depth", "running", "max_batch"}
+    assert "/" not in json.dumps(health).replace("127.0.0.1", "")  # no filesystem path of the server's
+
+
+def test_an_api_key_guards_every_route_but_health(tmp_path):
+    srv = Server(tmp_path / "archive", tmp_path / "server.log", 4, env={"KVBLEND_API_KEY": "k-123"})
+    try:
+        assert get(srv.url + "/health")[0] == 200
+        with pytest.raises(openai.AuthenticationError) as info:
+            ask(srv.client(), PASSAGES[:1], QUESTION, max_tokens=2)
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        assert ask(srv.client(api_key="k-123"), PASSAGES[:1], QUESTION, max_tokens=2).choices[0].message.content
+    finally:
+        srv.stop()
+
+
+def test_the_archive_stays_under_its_bound_while_serving(tmp_path):
+    """--max-archive-size evicts least-recently-used segments while serving; --max-stored-tokens caps what one
+    request may store; every request is answered."""
+    from kvblend.archive import Archive
+
+    srv = Server(tmp_path / "archive", tmp_path / "server.log", 4, "--max-archive-size", "25MB",
+                 "--max-stored-tokens", "300")
+    try:
+        client = srv.client()
+        for i in range(6):
+            passage = f"Record {i}: " + " ".join(f"the harbour logbook entry {i}.{j} names vessel {j}." for j in range(30))
+            r = ask(client, [passage], "Which vessel is named first?", max_tokens=2)
+            assert r.choices[0].message.content is not None
+            stored = [s for s in report(r)["segments"] if s["source"] == "computed"]
+            assert stored
+        big = " ".join(f"filler sentence number {j} about nothing." for j in range(80))  # > 300 tokens
+        r = ask(client, [big], "What is this?", max_tokens=2)
+        assert r.choices[0].message.content is not None
+    finally:
+        srv.stop()
+    with Archive.open(tmp_path / "archive", readonly=True) as ar:
+        assert ar.size_bytes(include_index=False) <= 25_000_000
+        assert not any(rec.n_tokens > 300 for rec in ar.iter_segments() if rec.extra.get("role") != "prefix")
