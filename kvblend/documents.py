@@ -65,7 +65,7 @@ class Document:
     name: str = ""  # relative to the directory it was found under (a file given alone: its file name)
 
     @classmethod
-    def of(cls, path: str, text: str) -> "Document":
+    def of(cls, path: str, text: str) -> Document:
         return cls(path=path, text=text, content_hash=content_hash(text))
 
 
@@ -105,7 +105,7 @@ def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
             before = len(docs)
             _read_file(file, name, docs, skipped)
             # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
-            docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name):]) for d in docs[before:]]
+            docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name) :]) for d in docs[before:]]
     return docs, skipped
 
 

@@ -10,8 +10,8 @@ per-step concatenation (9 tok/s → see BENCHMARKS.md on a 3k-token prompt).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -154,7 +154,7 @@ def generate(
         tokens.append(token)
         if on_token is not None:
             text = runner.tokenizer.decode(tokens, skip_special_tokens=True)
-            on_token(text[len(emitted):])
+            on_token(text[len(emitted) :])
             emitted = text
         if step + 1 == limit:
             break

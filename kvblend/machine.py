@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Machine:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Machine":
+    def from_dict(cls, d: Mapping[str, Any]) -> Machine:
         return cls(str(d.get("hostname", "?")), str(d.get("cpu", "?")), d.get("cores"), d.get("gpu"))
 
 
@@ -94,9 +95,11 @@ def describe_machine(runner=None) -> str:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
         compute = f", compute {dev.type} ({name}, {str(runner.dtype).replace('torch.', '')})"
     load = loadavg()
-    return (f"{socket.gethostname()}: {cpu_model()}, {os.cpu_count()} cores"
-            f"{'' if mem is None else f', {mem:.0f} GiB RAM'}{compute}, torch {torch.__version__}"
-            f"{'' if load is None else f', load {load:.2f}'}")
+    return (
+        f"{socket.gethostname()}: {cpu_model()}, {os.cpu_count()} cores"
+        f"{'' if mem is None else f', {mem:.0f} GiB RAM'}{compute}, torch {torch.__version__}"
+        f"{'' if load is None else f', load {load:.2f}'}"
+    )
 
 
 def filesystem_of(path: str) -> dict[str, str] | None:

@@ -14,6 +14,7 @@ loading a model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -95,7 +96,7 @@ SINKS: tuple[str, ...] = tuple(s.value for s in Sink)
 def choice(enum: type[StrEnum], value: object, flag: str) -> StrEnum:
     """`value` as a member of `enum`, or a usage error naming the flag and every choice."""
     try:
-        return enum(value)
+        return enum(str(value)) if isinstance(value, str) else enum(value)  # type: ignore[arg-type]
     except ValueError:
         names = ", ".join(m.value for m in enum)
         raise UsageError(f"{flag} must be one of {names}, not {value!r}") from None
@@ -116,8 +117,10 @@ def check_check_layers(layers: tuple[int, ...], select: Select, flag: str = "--c
     if list(layers) != sorted(set(layers)) or layers[0] < 0:
         raise UsageError(f"{flag} must be distinct, ascending layer numbers >= 0, not {','.join(map(str, layers))}")
     if layers[0] == 0 and not select.scores_before_layer_0:
-        raise UsageError(f"{flag} 0 cannot tell which tokens matter for --select {select}: a token's layer-0 KV "
-                         "does not depend on the other tokens; use 1 or deeper (or --select probe)")
+        raise UsageError(
+            f"{flag} 0 cannot tell which tokens matter for --select {select}: a token's layer-0 KV "
+            "does not depend on the other tokens; use 1 or deeper (or --select probe)"
+        )
     return layers
 
 
@@ -184,15 +187,15 @@ class QueryOptions:
     vocabulary, not by the constructor.
     """
 
-    mode: Mode = Mode(DEFAULT_MODE)
+    mode: str = Mode(DEFAULT_MODE)  # a Mode (a plain string is converted on construction); likewise below
     ratio: float | None = None  # None: tuned ratio if any, else DEFAULT_RATIO
-    check_layers: tuple[int, ...] | None = None
-    deviation: Deviation = Deviation(DEFAULT_DEVIATION)
-    select: Select = Select(DEFAULT_SELECT)
+    check_layers: Sequence[int] | None = None
+    deviation: str = Deviation(DEFAULT_DEVIATION)
+    select: str = Select(DEFAULT_SELECT)
     top_k: int = DEFAULT_TOP_K
-    docs: tuple[str, ...] = ()
-    segment_keys: tuple[str, ...] = ()
-    context_texts: tuple[str, ...] = ()
+    docs: Sequence[str] = ()  # tuples once constructed (lists are converted), so options hash by value
+    segment_keys: Sequence[str] = ()
+    context_texts: Sequence[str] = ()
     store_context: bool = False
     template: PromptTemplate = field(default_factory=PromptTemplate)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -202,7 +205,7 @@ class QueryOptions:
     restore_missing: bool = True  # a segment whose KV could not be read (evicted, damaged) is stored again
     max_stored_tokens: int | None = None  # new passages stored by one query, at most (None: no bound)
     keep_step_logits: bool = False
-    forced_tokens: tuple[int, ...] | None = None
+    forced_tokens: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         for name, enum in (("mode", Mode), ("deviation", Deviation), ("select", Select)):

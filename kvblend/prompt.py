@@ -20,8 +20,14 @@ from kvblend.types import Segment
 if TYPE_CHECKING:  # annotations only: assembling a prompt needs a tokenizer, not torch
     from kvblend.model.runner import ModelRunner
 
-__all__ = ["MUSIQUE_TEMPLATE", "PromptTemplate", "assemble_prompt", "segment_text_for_kv", "split_template",
-           "template_sink"]
+__all__ = [
+    "MUSIQUE_TEMPLATE",
+    "PromptTemplate",
+    "assemble_prompt",
+    "segment_text_for_kv",
+    "split_template",
+    "template_sink",
+]
 
 CONTEXT_MARKER = "\u2063KVBLEND_PASSAGES\u2063"
 SEGMENT_SEPARATOR = "\n\n"

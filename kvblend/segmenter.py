@@ -90,9 +90,7 @@ class _Unit:
     anchor: bool = False
 
 
-def split_into_segments(
-    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512
-) -> list[str]:
+def split_into_segments(text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512) -> list[str]:
     """Split ``text`` into segments of at most ``chunk_tokens`` tokens.
 
     ``count_tokens(s)`` must return the number of tokens in ``s`` (e.g.
@@ -103,9 +101,7 @@ def split_into_segments(
     return [text[a:b] for a, b in split_into_spans(text, count_tokens, chunk_tokens)]
 
 
-def split_into_spans(
-    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512
-) -> list[tuple[int, int]]:
+def split_into_spans(text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512) -> list[tuple[int, int]]:
     """Same split as :func:`split_into_segments`, as ``(start, end)`` offsets into ``text``."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise UsageError(f"chunk size must be a positive number of tokens, got {chunk_tokens!r}")
@@ -131,9 +127,7 @@ def split_into_spans(
     if not units:
         return []
     # A text that fits in one chunk is one segment, anchors or not.
-    estimate = sum(u.tokens for u in units) + sum(
-        _gap_cost(text, a, b, count) for a, b in zip(units, units[1:])
-    )
+    estimate = sum(u.tokens for u in units) + sum(_gap_cost(text, a, b, count) for a, b in zip(units, units[1:]))
     if estimate <= chunk_tokens * 1.1 and count(units[0].start, units[-1].end) <= chunk_tokens:
         return [(units[0].start, units[-1].end)]
     return _pack(text, units, count, chunk_tokens)

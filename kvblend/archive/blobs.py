@@ -30,7 +30,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,6 @@ BLOB_SUFFIX = ".kvb"
 TMP_MARKER = ".tmp-"  # temp files: ".<name>.tmp-<pid>-<random>" in the blob's own directory
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-
 
 
 def blob_relpath(key: str, generation: str = "") -> str:
@@ -118,8 +117,9 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
     except BaseException as e:
         unlink_quiet(tmp)
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
-            raise ArchiveError(f"disk full while writing {final}; free space or shrink the archive "
-                               "with `kvblend gc --max-size`") from None
+            raise ArchiveError(
+                f"disk full while writing {final}; free space or shrink the archive with `kvblend gc --max-size`"
+            ) from None
         if isinstance(e, OSError):
             raise ArchiveError(f"cannot write {final}: {e.strerror or e}") from None
         raise
@@ -130,10 +130,8 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
 
 def unlink_quiet(path: Path) -> None:
     """Delete a file that may already be gone."""
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def unlink_blob(root: Path, relpath: str) -> int:
@@ -252,10 +250,8 @@ class BlobReader:
             for cache in self._all:
                 while cache:
                     _, fd = cache.popitem()
-                    try:
+                    with suppress(OSError):
                         os.close(fd)
-                    except OSError:
-                        pass
             self._all.clear()
         self._tls = threading.local()
 
@@ -330,8 +326,11 @@ def iter_manifest_files(root: Path) -> list[tuple[str, bool]]:
         entries = sorted(os.scandir(root / MANIFEST_DIR), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return [(f"{MANIFEST_DIR}/{e.name}", is_temp_name(e.name)) for e in entries
-            if e.is_file(follow_symlinks=False) and (is_temp_name(e.name) or e.name.endswith(MANIFEST_SUFFIX))]
+    return [
+        (f"{MANIFEST_DIR}/{e.name}", is_temp_name(e.name))
+        for e in entries
+        if e.is_file(follow_symlinks=False) and (is_temp_name(e.name) or e.name.endswith(MANIFEST_SUFFIX))
+    ]
 
 
 def read_manifests(root: Path) -> tuple[list[DocumentRecord], list[str]]:
@@ -352,9 +351,15 @@ def read_manifests(root: Path) -> tuple[list[DocumentRecord], list[str]]:
     return docs, unreadable
 
 
-def write_segment_blobs(root: Path, items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str,
-                        level: int, committed: Callable[[str], SegmentRecord | None], model: Model = Model(),
-                        embeddings: Mapping[str, Any] | None = None) -> list[SegmentRecord]:
+def write_segment_blobs(
+    root: Path,
+    items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]],
+    codec: str,
+    level: int,
+    committed: Callable[[str], SegmentRecord | None],
+    model: Model = Model(),
+    embeddings: Mapping[str, Any] | None = None,
+) -> list[SegmentRecord]:
     """Write one blob per new key (repeats: first wins); return the filled-in records, not yet committed.
 
     ``committed(key)`` is the record the index holds now, if any (its blob
@@ -375,8 +380,9 @@ def write_segment_blobs(root: Path, items: Iterable[tuple[SegmentRecord, Sequenc
             rec = describe(record, layers, codec)
             rec.blob = new_blob_path(rec.key, committed(rec.key))
             about = blob_metadata(rec, model, (embeddings or {}).get(rec.key))
-            payloads = (encode_layer(k, v, codec, level, segment=about if i == 0 else None)
-                        for i, (k, v) in enumerate(layers))
+            payloads = (
+                encode_layer(k, v, codec, level, segment=about if i == 0 else None) for i, (k, v) in enumerate(layers)
+            )
             rec.layers = write_blob(root, rec.blob, payloads, sync_dir=False)
             written.append(rec.blob)
             dirs.add((root / rec.blob).parent)

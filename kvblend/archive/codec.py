@@ -164,8 +164,13 @@ def _check_pair(k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v differ: {tuple(k.shape)} {k.dtype} vs {tuple(v.shape)} {v.dtype}")
 
 
-def encode_layer(k: torch.Tensor, v: torch.Tensor, codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL,
-                 segment: dict | None = None) -> bytes:
+def encode_layer(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codec: str = DEFAULT_CODEC,
+    level: int = DEFAULT_LEVEL,
+    segment: dict | None = None,
+) -> bytes:
     """Encode one layer's K and V (CPU or not; copied to CPU) into a compressed payload.
 
     ``segment``: the segment's own description (key, token ids, text, ...),
@@ -273,7 +278,7 @@ def split_frames(data: bytes) -> list[tuple[int, int, bytes]]:
     frame. A frame with a checksum (every blob written since it was added)
     is verified as it is decompressed. Raises CorruptBlobError.
     """
-    frames = []
+    frames: list[tuple[int, int, bytes]] = []
     view = memoryview(data)
     offset = 0
     while offset < len(data):
@@ -345,8 +350,9 @@ def _declared(meta: dict, name: str) -> tuple[torch.dtype, list[int]]:
     return dtype, shape
 
 
-def measure(shapes: tuple[tuple[int, int, int], ...] = ((8, 512, 64), (3, 128, 64)),
-            level: int = DEFAULT_LEVEL, repeat: int = 5) -> list[dict]:
+def measure(
+    shapes: tuple[tuple[int, int, int], ...] = ((8, 512, 64), (3, 128, 64)), level: int = DEFAULT_LEVEL, repeat: int = 5
+) -> list[dict]:
     """Compression ratio and speed of each codec on random-normal KV (the numbers quoted above)."""
 
     import torch
@@ -366,18 +372,26 @@ def measure(shapes: tuple[tuple[int, int, int], ...] = ((8, 512, 64), (3, 128, 6
                 for _ in range(repeat):
                     decode_layer(data, codec)
                 t2 = time.perf_counter()
-                rows.append({"shape": shape, "dtype": dtype_name(dtype), "codec": codec,
-                             "stored_fraction": len(data) / raw,
-                             "encode_MBps": repeat * raw / (t1 - t0) / 1e6,
-                             "decode_MBps": repeat * raw / (t2 - t1) / 1e6})
+                rows.append(
+                    {
+                        "shape": shape,
+                        "dtype": dtype_name(dtype),
+                        "codec": codec,
+                        "stored_fraction": len(data) / raw,
+                        "encode_MBps": repeat * raw / (t1 - t0) / 1e6,
+                        "decode_MBps": repeat * raw / (t2 - t1) / 1e6,
+                    }
+                )
     return rows
 
 
 if __name__ == "__main__":
     for row in measure():
-        print(f"{str(row['shape']):14s} {row['dtype']:9s} {row['codec']:13s} stored/raw {row['stored_fraction']:.3f} "
-              f"({1 / row['stored_fraction']:.2f}x)  encode {row['encode_MBps']:.0f} MB/s  "
-              f"decode {row['decode_MBps']:.0f} MB/s")
+        print(
+            f"{str(row['shape']):14s} {row['dtype']:9s} {row['codec']:13s} stored/raw {row['stored_fraction']:.3f} "
+            f"({1 / row['stored_fraction']:.2f}x)  encode {row['encode_MBps']:.0f} MB/s  "
+            f"decode {row['decode_MBps']:.0f} MB/s"
+        )
 
 
 def shuffle(t: torch.Tensor) -> torch.Tensor:
@@ -461,14 +475,19 @@ def decode_checked(record: SegmentRecord, layer: int, data: bytes, lazy: bool = 
     codes (same ``shape``/``dtype``) for the loader to dequantize in place.
     """
     if record.codec not in CODECS:  # written by a newer kvblend: unreadable here, so recompute
-        raise CorruptBlobError(f"segment {record.key} uses codec {record.codec!r}, unknown to this kvblend",
-                               record.key, layer)
+        raise CorruptBlobError(
+            f"segment {record.key} uses codec {record.codec!r}, unknown to this kvblend", record.key, layer
+        )
     try:
         k, v = decode_layer(data, record.codec, lazy)
     except CorruptBlobError as e:
         raise CorruptBlobError(f"segment {record.key} layer {layer}: {e}", record.key, layer) from None
     want = (record.kv_heads, record.n_tokens, record.head_dim)
     if tuple(k.shape) != want or tuple(v.shape) != want or dtype_name(k.dtype) != record.dtype:
-        raise CorruptBlobError(f"segment {record.key} layer {layer}: payload is {tuple(k.shape)} {k.dtype}, "
-                               f"record says {want} {record.dtype}", record.key, layer)
+        raise CorruptBlobError(
+            f"segment {record.key} layer {layer}: payload is {tuple(k.shape)} {k.dtype}, "
+            f"record says {want} {record.dtype}",
+            record.key,
+            layer,
+        )
     return k, v

@@ -77,9 +77,17 @@ class Archive:
         return where.is_redis or archive_exists(where.path or Path())
 
     @classmethod
-    def open(cls, location: str | os.PathLike[str] | Location, *, create: bool = True, model_name: str | None = None,
-             model_fingerprint: str | None = None, readonly: bool = False, defer_binding: bool = False,
-             initial_map_size: int = DEFAULT_MAP_SIZE) -> Archive:
+    def open(
+        cls,
+        location: str | os.PathLike[str] | Location,
+        *,
+        create: bool = True,
+        model_name: str | None = None,
+        model_fingerprint: str | None = None,
+        readonly: bool = False,
+        defer_binding: bool = False,
+        initial_map_size: int = DEFAULT_MAP_SIZE,
+    ) -> Archive:
         """Open (or create) the archive at ``location``: a directory, or a ``redis://`` URL.
 
         Refuses, with one actionable line, an archive written by a newer format
@@ -97,11 +105,18 @@ class Archive:
         if where.redis is not None:
             from kvblend.archive.redis_store import RedisStore
 
-            store = RedisStore.open(where.redis, create=create, readonly=readonly, asked=asked,
-                                    defer_binding=defer_binding)
+            store = RedisStore.open(
+                where.redis, create=create, readonly=readonly, asked=asked, defer_binding=defer_binding
+            )
         else:
-            store = LocalStore.open(where.path or Path(), create=create, readonly=readonly, asked=asked,
-                                    defer_binding=defer_binding, map_size=initial_map_size)
+            store = LocalStore.open(
+                where.path or Path(),
+                create=create,
+                readonly=readonly,
+                asked=asked,
+                defer_binding=defer_binding,
+                map_size=initial_map_size,
+            )
         return cls(store, where, asked)
 
     def close(self) -> None:
@@ -195,8 +210,9 @@ class Archive:
             raise NotFoundError(f"no such segment in the archive: {name}{hint}")
         return rec
 
-    def put_segment(self, record: SegmentRecord, layers: Sequence[LayerKV], codec: str = DEFAULT_CODEC,
-                    level: int = DEFAULT_LEVEL) -> SegmentRecord:
+    def put_segment(
+        self, record: SegmentRecord, layers: Sequence[LayerKV], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL
+    ) -> SegmentRecord:
         """Encode and store one segment's KV (every layer) and commit its record.
 
         ``record`` carries key, token_ids, text, base_position, extra; shape, dtype, codec and layer entries are
@@ -205,9 +221,13 @@ class Archive:
         """
         return self.put_segments([(record, layers)], codec=codec, level=level)[0]
 
-    def put_segments(self, items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str = DEFAULT_CODEC,
-                     level: int = DEFAULT_LEVEL, embeddings: dict[str, np.ndarray] | None = None,
-                     ) -> list[SegmentRecord]:
+    def put_segments(
+        self,
+        items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]],
+        codec: str = DEFAULT_CODEC,
+        level: int = DEFAULT_LEVEL,
+        embeddings: dict[str, np.ndarray] | None = None,
+    ) -> list[SegmentRecord]:
         """Batch :meth:`put_segment`: every payload stored, then the records (and ``embeddings``, key -> vector)
         committed together, so no crash leaves a segment that retrieval cannot see. Repeated keys are stored
         once (first wins)."""
@@ -244,8 +264,9 @@ class Archive:
         else:
             found = self.store.get_segment(key_or_record)
             if found is None:
-                raise CorruptBlobError(f"segment {key_or_record} is not in the archive (evicted or removed)",
-                                       key_or_record, layer)
+                raise CorruptBlobError(
+                    f"segment {key_or_record} is not in the archive (evicted or removed)", key_or_record, layer
+                )
             rec = found
         if not 0 <= layer < len(rec.layers):
             raise IndexError(f"segment {rec.key} has {len(rec.layers)} layers; layer {layer} requested")
@@ -300,8 +321,11 @@ class Archive:
         if doc is not None:
             return doc
         tail = name.lstrip("/")
-        matches = [d for d in self.iter_documents()
-                   if d.display_name == name or d.path.endswith("/" + tail) or d.display_name.endswith("/" + tail)]
+        matches = [
+            d
+            for d in self.iter_documents()
+            if d.display_name == name or d.path.endswith("/" + tail) or d.display_name.endswith("/" + tail)
+        ]
         if len(matches) > 1:
             raise UsageError(f"document name {name} is ambiguous ({len(matches)} documents end with it)")
         if not matches:
@@ -313,11 +337,18 @@ class Archive:
         out = []
         for doc in self.iter_documents():
             present = [s for s in (self.store.get_segment(k) for k in doc.segment_keys) if s is not None]
-            out.append(DocumentSummary(
-                name=doc.display_name, path=doc.path, segments=len(doc.segment_keys),
-                missing_segments=len(doc.segment_keys) - len(present), tokens=doc.n_tokens,
-                bytes=sum(s.stored_bytes for s in present),
-                last_used=max((s.last_access or 0 for s in present), default=0) or None, ingested=doc.ingested))
+            out.append(
+                DocumentSummary(
+                    name=doc.display_name,
+                    path=doc.path,
+                    segments=len(doc.segment_keys),
+                    missing_segments=len(doc.segment_keys) - len(present),
+                    tokens=doc.n_tokens,
+                    bytes=sum(s.stored_bytes for s in present),
+                    last_used=max((s.last_access or 0 for s in present), default=0) or None,
+                    ingested=doc.ingested,
+                )
+            )
         return out
 
     def remove_documents(self, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
@@ -339,8 +370,11 @@ class Archive:
             raise ArchiveError(f"meta entry {name!r} is managed by the archive")
         self.store.put_json("meta", name, value)
 
-    def put_embeddings(self, keys: Iterable[str] | Iterable[tuple[str, np.ndarray]],
-                       vectors: np.ndarray | Sequence[np.ndarray] | None = None) -> None:
+    def put_embeddings(
+        self,
+        keys: Iterable[str] | Iterable[tuple[str, np.ndarray]],
+        vectors: np.ndarray | Sequence[np.ndarray] | None = None,
+    ) -> None:
         """Store retrieval embeddings, deleted with their segments.
 
         ``put_embeddings(keys, matrix)`` (row i belongs to keys[i]) or ``put_embeddings([(key, vector), ...])``.

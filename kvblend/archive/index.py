@@ -43,8 +43,13 @@ DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB; sparse on Linux, grown by doubling on MapFu
 
 #: LMDB errors that mean the index file itself is damaged (not a full disk or a permission problem).
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
-    lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError,
-    lmdb.IncompatibleError, lmdb.ProblemError, lmdb.VersionMismatchError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.PanicError,
+    lmdb.IncompatibleError,
+    lmdb.ProblemError,
+    lmdb.VersionMismatchError,
     lmdb.BadTxnError,  # a transaction LMDB flagged after it met a damaged page
 )
 
@@ -107,16 +112,23 @@ class Index:
     written, and a torn read then surfaces as a damaged-index error.
     """
 
-    def __init__(self, path: Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE,
-                 lock: bool = True):
+    def __init__(self, path: Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE, lock: bool = True):
         self.path = path
         self.root = path.parent
         self.readonly = readonly
         self._rw = _SharedExclusiveLock()
         try:
-            self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readonly=readonly,
-                                 create=not readonly, max_dbs=len(DB_NAMES) + 2, readahead=False,
-                                 meminit=False, lock=lock)
+            self.env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                subdir=True,
+                readonly=readonly,
+                create=not readonly,
+                max_dbs=len(DB_NAMES) + 2,
+                readahead=False,
+                meminit=False,
+                lock=lock,
+            )
         except DAMAGE_ERRORS as e:
             raise damaged(self.root, f"its index cannot be opened ({lmdb_reason(e)})") from None
         except lmdb.Error as e:
@@ -132,7 +144,8 @@ class Index:
         is refused before this process creates or touches anything in it.
         """
         db = self._open_existing(b"meta")
-        return None if db is None else self.read(lambda txn: txn.get(key.encode(), db=db))
+        value = None if db is None else self.read(lambda txn: txn.get(key.encode(), db=db))
+        return None if value is None else bytes(value)
 
     def peek_count(self, table: str) -> int:
         """Entries of a table before the tables are opened (or created); 0 when it does not exist."""
@@ -164,6 +177,7 @@ class Index:
             for name in DB_NAMES:
                 self.dbs[name] = self._open_existing(name.encode())
         else:
+
             def create(txn: lmdb.Transaction) -> None:
                 for name in DB_NAMES:
                     self.dbs[name] = self.env.open_db(name.encode(), txn=txn, create=True)
@@ -216,8 +230,9 @@ class Index:
             except DAMAGE_ERRORS as e:
                 raise self._damaged(e) from None
             except lmdb.Error as e:  # e.g. ENOSPC while data.mdb grows: the transaction was aborted
-                raise ArchiveError(f"index write failed, nothing was committed ({lmdb_reason(e)}); "
-                                   f"free space or check {self.path}") from None
+                raise ArchiveError(
+                    f"index write failed, nothing was committed ({lmdb_reason(e)}); free space or check {self.path}"
+                ) from None
 
     def _refuse_damaged_pages(self, txnid: int) -> None:
         """Before a write touches the index, walk the pages it could touch (pagecheck.py): LMDB would follow a
@@ -241,7 +256,8 @@ class Index:
 
     def get(self, db: str, key: bytes) -> bytes | None:
         handle = self.dbs[db]
-        return None if handle is None else self.read(lambda txn: txn.get(key, db=handle))
+        value = None if handle is None else self.read(lambda txn: txn.get(key, db=handle))
+        return None if value is None else bytes(value)
 
     def count(self, db: str) -> int:
         handle = self.dbs[db]
@@ -259,7 +275,8 @@ class Index:
             return
         after: bytes | None = None
         while True:
-            def chunk(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+
+            def chunk(txn: lmdb.Transaction, after: bytes | None = after) -> list[tuple[bytes, bytes]]:
                 cur = txn.cursor(db=handle)
                 out: list[tuple[bytes, bytes]] = []
                 if after is None:
@@ -331,8 +348,10 @@ def open_index(path: Path, *, readonly: bool = False, map_size: int = DEFAULT_MA
         index = _OPEN.get(key)
         if index is not None:
             if index.readonly and not readonly:
-                raise ArchiveError(f"archive index {path} is already open read-only in this process; "
-                                   "close it before opening it for writing")
+                raise ArchiveError(
+                    f"archive index {path} is already open read-only in this process; "
+                    "close it before opening it for writing"
+                )
             index._refs += 1
             return index
         index = Index(path, readonly=readonly, map_size=map_size, lock=lock)
@@ -449,8 +468,10 @@ def check_index_file(root: Path, *, fresh_ok: bool) -> bool:
             raise damaged(root, f"its index {INDEX_DIR}/{DATA_FILE} {problem} but segment blobs remain")
         if fresh_ok:
             return False
-        raise ArchiveDamagedError(f"{root} holds no archive index yet ({INDEX_DIR}/{DATA_FILE} {problem[3:]}); "
-                                  "run `kvblend ingest PATH` to create one")
+        raise ArchiveDamagedError(
+            f"{root} holds no archive index yet ({INDEX_DIR}/{DATA_FILE} {problem[3:]}); "
+            "run `kvblend ingest PATH` to create one"
+        )
     raise damaged(root, f"its index {INDEX_DIR}/{DATA_FILE} {problem}")
 
 

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,8 +94,6 @@ LOCK_FILE = "lock"  # the writer's flock (see lock.py)
 INDEX_FILES = ("data.mdb", "lock.mdb")
 
 
-
-
 def archive_exists(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds an archive (its index directory), without opening or creating it."""
     return (Path(path) / INDEX_DIR).is_dir()
@@ -140,17 +138,15 @@ def index_bytes(root: Path) -> int:
     """Bytes of the LMDB files (the map is sparse, so this is what the index really takes)."""
     total = 0
     for name in INDEX_FILES:
-        try:
+        with suppress(FileNotFoundError):
             total += (root / INDEX_DIR / name).stat().st_size
-        except FileNotFoundError:
-            pass
     return total
 
 
 FORMAT_VERSION = 1
 
 
-def check_version(raw: bytes | None, root: Path) -> int | None:
+def check_version(raw: bytes | memoryview | None, root: Path) -> int | None:
     """The stored ``format_version`` (None when absent); refuse a newer or a malformed one.
 
     Only positive integers are versions: 1.5, 0, -1 or "1" were never written
@@ -159,14 +155,15 @@ def check_version(raw: bytes | None, root: Path) -> int | None:
     if raw is None:
         return None
     try:
-        version: Any = json.loads(raw)
+        version: Any = json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError):
         version = raw[:20]
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise damaged(root, f"its format version {version!r} is not a positive integer")
     if version > FORMAT_VERSION:
-        raise ArchiveVersionError(f"archive format v{version} is newer than this kvblend supports "
-                                  f"(v{FORMAT_VERSION}); upgrade kvblend")
+        raise ArchiveVersionError(
+            f"archive format v{version} is newer than this kvblend supports (v{FORMAT_VERSION}); upgrade kvblend"
+        )
     return version
 
 
@@ -181,8 +178,9 @@ def recorded(txn: lmdb.Transaction, meta: Any, root: Path, asked: Model) -> Mode
     return have
 
 
-def stamp(txn: lmdb.Transaction, meta: Any, root: Path, asked: Model, *, version: bool = True,
-          model: bool = True) -> Model:
+def stamp(
+    txn: lmdb.Transaction, meta: Any, root: Path, asked: Model, *, version: bool = True, model: bool = True
+) -> Model:
     """Check, then record what is missing: the format version (with ``created``) and/or the model.
 
     A fingerprint is recorded when none is; a name when it comes with a new
@@ -206,14 +204,16 @@ def stamp(txn: lmdb.Transaction, meta: Any, root: Path, asked: Model, *, version
     return Model(name, fp)
 
 
-def needs_stamp(txn: lmdb.Transaction, meta: Any, root: Path, asked: Model, *, version: bool = True,
-                model: bool = True) -> bool:
+def needs_stamp(
+    txn: lmdb.Transaction, meta: Any, root: Path, asked: Model, *, version: bool = True, model: bool = True
+) -> bool:
     """Whether :func:`stamp` would write anything (so opening an up-to-date archive needs no write)."""
     have = recorded(txn, meta, root, asked)
     if version and txn.get(b"format_version", db=meta) is None:
         return True
-    return model and (bool(asked.fingerprint and not have.fingerprint)
-                      or bool(asked.name and not (have.name or have.fingerprint)))
+    return model and (
+        bool(asked.fingerprint and not have.fingerprint) or bool(asked.name and not (have.name or have.fingerprint))
+    )
 
 
 def _mismatch_message(root: Path, have: Model, asked: Model) -> str:
@@ -259,17 +259,16 @@ class _Flock:
                 if time.monotonic() >= deadline:
                     raise ArchiveBusyError(
                         f"another kvblend process is writing to this archive (pid {_holder(fd)}); "
-                        "retry when it is done, or pass --wait to wait for it") from None
+                        "retry when it is done, or pass --wait to wait for it"
+                    ) from None
                 time.sleep(0.05)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        try:
+        with suppress(OSError):
             os.ftruncate(fd, 0)
-        except OSError:
-            pass
         os.close(fd)  # closing the last descriptor releases the flock
 
 
@@ -327,8 +326,7 @@ class WriterLock:
         else:
             got = self._mutex.acquire(timeout=float(wait))
         if not got:
-            raise ArchiveBusyError("another thread of this process is writing to this archive; "
-                                   "retry when it is done")
+            raise ArchiveBusyError("another thread of this process is writing to this archive; retry when it is done")
         try:
             if self._depth == 0:
                 self._flock.acquire(wait)
@@ -362,8 +360,9 @@ def put_embedding_rows(txn: lmdb.Transaction, dbs: dict[str, Any], rows: Sequenc
 Dbs = dict[str, Any]  # the index's named sub-databases
 
 
-def commit_segments(txn: lmdb.Transaction, dbs: Dbs, records: list[SegmentRecord],
-                    embedding_rows: Sequence[tuple[bytes, bytes]] = ()) -> tuple[list[SegmentRecord], list[str]]:
+def commit_segments(
+    txn: lmdb.Transaction, dbs: Dbs, records: list[SegmentRecord], embedding_rows: Sequence[tuple[bytes, bytes]] = ()
+) -> tuple[list[SegmentRecord], list[str]]:
     """Write segment records (and their embeddings); returns (the records, blobs of replaced records)."""
     put_embedding_rows(txn, dbs, embedding_rows)
     db = dbs["segments"]
@@ -397,8 +396,9 @@ def bump_usage(txn: lmdb.Transaction, dbs: Dbs, keys: Sequence[str], now: float)
     return n
 
 
-def drop_segments(txn: lmdb.Transaction, dbs: Dbs, keys: Iterable[str],
-                  mark_documents: bool = True) -> tuple[list[str], list[str]]:
+def drop_segments(
+    txn: lmdb.Transaction, dbs: Dbs, keys: Iterable[str], mark_documents: bool = True
+) -> tuple[list[str], list[str]]:
     """Delete segment records and their embeddings; returns (document paths marked, blobs to unlink).
 
     With ``mark_documents``, documents listing a dropped key lose it and get
@@ -415,13 +415,13 @@ def drop_segments(txn: lmdb.Transaction, dbs: Dbs, keys: Iterable[str],
                 blobs.append(blob)
             txn.delete(kb, db=dbs["segments"])
         txn.delete(kb, db=dbs["embeddings"])
-    marked = []
+    marked: list[str] = []
     if mark_documents and drop:
-        updates = []
-        for kb, raw in txn.cursor(db=dbs["documents"]):
-            d = load_record(raw)
+        updates: list[tuple[bytes, dict[str, Any]]] = []
+        for doc_key, value in txn.cursor(db=dbs["documents"]):
+            d = load_record(value)
             if drop.intersection(d.get("segment_keys", [])):
-                updates.append((bytes(kb), d))
+                updates.append((bytes(doc_key), d))
         for kb, d in updates:
             marked.append(_mark_incomplete(txn, dbs, kb, d, drop))
     return marked, blobs
@@ -494,8 +494,9 @@ class Opened:
     model: Model  # the model the archive records
 
 
-def open_parts(path: str | os.PathLike[str], *, create: bool, readonly: bool, asked: Model,
-               defer_binding: bool, map_size: int) -> Opened:
+def open_parts(
+    path: str | os.PathLike[str], *, create: bool, readonly: bool, asked: Model, defer_binding: bool, map_size: int
+) -> Opened:
     """Check and open the archive at ``path``; raises a one-line ArchiveError for every refusal."""
     root = Path(path).expanduser().absolute()
     denied = None
@@ -503,8 +504,9 @@ def open_parts(path: str | os.PathLike[str], *, create: bool, readonly: bool, as
         readonly, denied = True, f"archive directory {root} is not writable"
     prepare_dir(root, create=create and not readonly, readonly=readonly)
     check_index_file(root, fresh_ok=create and not readonly)
-    index = open_index(root / INDEX_DIR, readonly=readonly, map_size=map_size,
-                       lock=not readonly or _reader_table_usable(root))
+    index = open_index(
+        root / INDEX_DIR, readonly=readonly, map_size=map_size, lock=not readonly or _reader_table_usable(root)
+    )
     try:
         problems = check_index_pages(index)  # before LMDB reads a page: a damaged one could kill the process
         if problems:
@@ -544,8 +546,7 @@ def _bind(index: Index, root: Path, asked: Model, *, version: bool, model: bool)
     when binding is deferred.
     """
     meta = index.dbs["meta"]
-    if (version or model) and index.read(
-            lambda txn: needs_stamp(txn, meta, root, asked, version=version, model=model)):
+    if (version or model) and index.read(lambda txn: needs_stamp(txn, meta, root, asked, version=version, model=model)):
         return index.write(lambda txn: stamp(txn, meta, root, asked, version=version, model=model))
     return index.read(lambda txn: recorded(txn, meta, root, asked))
 
@@ -572,10 +573,21 @@ class LocalStore(Store):
         self._closed = False
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, create: bool, readonly: bool, asked: Model,
-             defer_binding: bool, map_size: int = DEFAULT_MAP_SIZE) -> LocalStore:
-        return cls(open_parts(path, create=create, readonly=readonly, asked=asked, defer_binding=defer_binding,
-                              map_size=map_size))
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool,
+        readonly: bool,
+        asked: Model,
+        defer_binding: bool,
+        map_size: int = DEFAULT_MAP_SIZE,
+    ) -> LocalStore:
+        return cls(
+            open_parts(
+                path, create=create, readonly=readonly, asked=asked, defer_binding=defer_binding, map_size=map_size
+            )
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -638,8 +650,14 @@ class LocalStore(Store):
     def count_segments(self) -> int:
         return self.index.count("segments")
 
-    def put_segments(self, items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str, level: int,
-                     embeddings: dict[str, Any] | None, asked: Model) -> list[SegmentRecord]:
+    def put_segments(
+        self,
+        items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]],
+        codec: str,
+        level: int,
+        embeddings: dict[str, Any] | None,
+        asked: Model,
+    ) -> list[SegmentRecord]:
         """Write and fsync every blob, then commit ONE index transaction (two LMDB fsyncs for the batch)."""
         with self.ensure_writer():
             model = Model(self.model.name or asked.name, self.model.fingerprint or asked.fingerprint)
@@ -744,14 +762,17 @@ class LocalStore(Store):
         wanted = [name_db_key(k, "embedding") for k in keys]
         db = self.index.dbs["embeddings"]
         got = [] if db is None else self.index.read(lambda txn: [(kb.decode(), txn.get(kb, db=db)) for kb in wanted])
-        return embedding_matrix([(k, v) for k, v in got if v is not None])
+        return embedding_matrix([(k, bytes(v)) for k, v in got if v is not None])
 
     # ── upkeep ──
     def leftovers(self) -> list[Leftover]:
         """Temp files and blobs no record names. Under the writer lock a temp file is never a live writer's."""
         referenced = {rec.blob for rec in self.iter_segments()}
-        return [Leftover(rel, size, is_temp) for rel, size, is_temp in scan_blob_dir(self.root)
-                if is_temp or (rel.endswith(BLOB_SUFFIX) and rel not in referenced)]
+        return [
+            Leftover(rel, size, is_temp)
+            for rel, size, is_temp in scan_blob_dir(self.root)
+            if is_temp or (rel.endswith(BLOB_SUFFIX) and rel not in referenced)
+        ]
 
     def delete_leftovers(self, leftovers: Sequence[Leftover]) -> int:
         with self.ensure_writer():

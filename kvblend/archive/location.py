@@ -81,20 +81,26 @@ def parse_redis_url(url: str) -> RedisAddress:
         parts = urlsplit(url)
         port = parts.port or DEFAULT_REDIS_PORT
     except ValueError:
-        raise UsageError(f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])") \
-            from None
+        raise UsageError(
+            f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])"
+        ) from None
     if parts.scheme.lower() not in REDIS_SCHEMES or not parts.hostname:
         raise UsageError(f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])")
     if parts.query or parts.fragment:
         raise UsageError(f"--archive {_shown(url)}: a Redis URL takes no query or fragment")
     db_text = parts.path.strip("/") or "0"
     if not db_text.isdigit():
-        raise UsageError(f"--archive {_shown(url)}: the database must be a number (redis://host:port/0), "
-                         f"not {db_text!r}")
-    return RedisAddress(host=parts.hostname, port=port, db=int(db_text),
-                        username=unquote(parts.username) if parts.username else None,
-                        password=unquote(parts.password) if parts.password else None,
-                        tls=parts.scheme.lower() == "rediss")
+        raise UsageError(
+            f"--archive {_shown(url)}: the database must be a number (redis://host:port/0), not {db_text!r}"
+        )
+    return RedisAddress(
+        host=parts.hostname,
+        port=port,
+        db=int(db_text),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        tls=parts.scheme.lower() == "rediss",
+    )
 
 
 def _shown(url: str) -> str:

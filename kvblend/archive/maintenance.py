@@ -121,9 +121,14 @@ class ArchiveStats:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         usage = d.pop("usage")
-        return {"path": self.location, **d, "bytes_per_token_raw": self.bytes_per_token_raw,
-                "bytes_per_token_stored": self.bytes_per_token_stored, "compression_ratio": self.compression_ratio,
-                **usage}
+        return {
+            "path": self.location,
+            **d,
+            "bytes_per_token_raw": self.bytes_per_token_raw,
+            "bytes_per_token_stored": self.bytes_per_token_stored,
+            "compression_ratio": self.compression_ratio,
+            **usage,
+        }
 
 
 # ---------------------------------------------------------------- verify
@@ -151,8 +156,14 @@ def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyRepo
             report.problems.extend(problems)
             bad.update(p.key for p in problems)
         for key in store.lost_segments():  # a cache evicted the record: the segment is gone
-            report.problems.append(VerifyProblem(key, None, "its record is gone from the store (evicted); "
-                                                            "ingest its document again, or let a query recompute it"))
+            report.problems.append(
+                VerifyProblem(
+                    key,
+                    None,
+                    "its record is gone from the store (evicted); "
+                    "ingest its document again, or let a query recompute it",
+                )
+            )
             bad.add(key)
         dangling = _dangling_references(store, present, repair, report)
         for table in JSON_TABLES:
@@ -201,8 +212,7 @@ def _replaced_meanwhile(store: Store, rec: SegmentRecord) -> bool:
     return now is None or now.blob != rec.blob or now.layers != rec.layers
 
 
-def _dangling_references(store: Store, present: set[str], repair: bool,
-                         report: VerifyReport) -> dict[str, list[str]]:
+def _dangling_references(store: Store, present: set[str], repair: bool, report: VerifyReport) -> dict[str, list[str]]:
     """Document path -> its segment keys that are not in the archive (each also reported as a problem)."""
     dangling: dict[str, list[str]] = {}
     for doc in store.iter_documents():
@@ -211,8 +221,9 @@ def _dangling_references(store: Store, present: set[str], repair: bool,
         if missing and not repair:  # without the lock a writer may have added it since the scan
             missing = [k for k in missing if not store.has_segment(k)]
         for k in missing:
-            report.problems.append(VerifyProblem(k, None, f"document {doc.path} lists a segment "
-                                                          "that is not in the archive"))
+            report.problems.append(
+                VerifyProblem(k, None, f"document {doc.path} lists a segment that is not in the archive")
+            )
         if missing:
             dangling[doc.path] = missing
     return dangling
@@ -276,8 +287,18 @@ def stats(store: Store, location: str) -> ArchiveStats:
         sums[0] += rec.n_tokens
         sums[1] += rec.stored_bytes
     return ArchiveStats(
-        location=location, store=store.kind, format_version=FORMAT_VERSION, model_name=store.model.name,
-        model_fingerprint=store.model.fingerprint, segments=n, documents=store.count_documents(), tokens=tokens,
-        stored_bytes=stored, raw_bytes=raw, hits=hits, codecs=codecs,
+        location=location,
+        store=store.kind,
+        format_version=FORMAT_VERSION,
+        model_name=store.model.name,
+        model_fingerprint=store.model.fingerprint,
+        segments=n,
+        documents=store.count_documents(),
+        tokens=tokens,
+        stored_bytes=stored,
+        raw_bytes=raw,
+        hits=hits,
+        codecs=codecs,
         bytes_per_token_by_codec={c: (b / t if t else 0.0) for c, (t, b) in sorted(per_codec.items())},
-        usage=store.usage())
+        usage=store.usage(),
+    )

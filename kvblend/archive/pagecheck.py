@@ -382,7 +382,7 @@ class _Walker:
                 self.problem(pgno, f"node {i} runs past the end of the page", tree.table)
                 return []
             if i:  # the first key of a branch page is implicitly "lowest" and never compared
-                key = buf[o + NODE_HEADER:end] if tree.key is None else tree.key(buf[o + NODE_HEADER:end])
+                key = buf[o + NODE_HEADER : end] if tree.key is None else tree.key(buf[o + NODE_HEADER : end])
                 if prev is not None and key <= prev:
                     self.problem(pgno, f"node {i}'s key is not above node {i - 1}'s", tree.table)
                     return []
@@ -417,7 +417,7 @@ class _Walker:
             if data + (8 if fl & F_BIGDATA else size) > limit:
                 self.problem(pgno, f"node {i} runs past the end of the page", tree.table)
                 return
-            key = buf[o + NODE_HEADER:data] if keyfn is None else keyfn(buf[o + NODE_HEADER:data])
+            key = buf[o + NODE_HEADER : data] if keyfn is None else keyfn(buf[o + NODE_HEADER : data])
             if prev is not None and key <= prev:
                 self.problem(pgno, f"node {i}'s key is not above node {i - 1}'s", tree.table)
                 return
@@ -430,9 +430,11 @@ class _Walker:
             else:
                 tree.count.entries += 1
                 if free:
-                    self.id_list(buf[data:data + size], pgno * psize + data, pgno, i)
+                    self.id_list(buf[data : data + size], pgno * psize + data, pgno, i)
                 elif self.records is not None and tree.kind == "table":
-                    self.records.setdefault(tree.table, []).append((buf[o + NODE_HEADER:data], buf[data:data + size]))
+                    self.records.setdefault(tree.table, []).append(
+                        (buf[o + NODE_HEADER : data], buf[data : data + size])
+                    )
 
     def value(self, tree: _Tree, pgno: int, i: int, buf: bytes, o: int, data: int, size: int, fl: int) -> int:
         """Check a flagged node's value; return how many entries it holds."""
@@ -442,7 +444,7 @@ class _Walker:
             if tree.kind != "main" or fl & F_BIGDATA or size != DB_RECORD:
                 self.problem(pgno, f"node {i} is not a valid sub-database record", tree.table)
                 return 1
-            name = buf[o + NODE_HEADER:data].decode("utf-8", "backslashreplace")
+            name = buf[o + NODE_HEADER : data].decode("utf-8", "backslashreplace")
             self.subdbs.append((name, _Db.read(buf, data), pgno))
             return 1
         first = _U64.unpack_from(buf, data)[0]
@@ -451,7 +453,7 @@ class _Walker:
             self.id_list(os.pread(self.fd, size, start), start, pgno, i)
         elif self.records is not None and tree.kind == "table" and first in self.overflow:
             value = os.pread(self.fd, size, first * self.psize + PAGE_HEADER)  # the run was checked to hold it
-            self.records.setdefault(tree.table, []).append((buf[o + NODE_HEADER:data], value))
+            self.records.setdefault(tree.table, []).append((buf[o + NODE_HEADER : data], value))
         return 1
 
     # -- overflow runs and the free list -----------------------------------------------------------------------
@@ -509,8 +511,12 @@ class _Walker:
         """Every page the free list names must be a real page that no tree uses, named once."""
         for ids, start in self.id_lists:
             found = set(ids)
-            if (len(found) == len(ids) and (not ids or (min(ids) >= 2 and max(ids) <= self.last_pg))
-                    and found.isdisjoint(self.seen) and found.isdisjoint(self.free)):
+            if (
+                len(found) == len(ids)
+                and (not ids or (min(ids) >= 2 and max(ids) <= self.last_pg))
+                and found.isdisjoint(self.seen)
+                and found.isdisjoint(self.free)
+            ):
                 self.free |= found
                 continue
             for j, pg in enumerate(ids):
@@ -534,8 +540,13 @@ class _Walker:
     def duplicates(self, tree: _Tree, pgno: int, i: int, buf: bytes, data: int, size: int, fl: int) -> int:
         """Check a node's duplicate values: an inline sub-page, or a sub-tree; return how many there are."""
         flags = tree.db.flags
-        dups = _Tree(tree.table, tree.db, "dups", _key_order(flags, MDB_INTEGERDUP, MDB_REVERSEDUP),
-                     dupfixed=bool(flags & MDB_DUPFIXED))
+        dups = _Tree(
+            tree.table,
+            tree.db,
+            "dups",
+            _key_order(flags, MDB_INTEGERDUP, MDB_REVERSEDUP),
+            dupfixed=bool(flags & MDB_DUPFIXED),
+        )
         if fl & F_SUBDATA:
             if size != DB_RECORD:
                 self.problem(pgno, f"node {i}'s duplicates record is {size} bytes, not {DB_RECORD}", tree.table)
@@ -571,12 +582,17 @@ class _Walker:
         """A P_LEAF2 page (duplicates of ``ksize`` bytes packed after the header); return how many."""
         lower, upper = _HEADER.unpack_from(buf, at)[3:]
         n = (lower - PAGE_HEADER) >> 1
-        if lower & 1 or not PAGE_HEADER <= lower <= upper <= size or n < 1 or ksize < 1 \
-                or PAGE_HEADER + n * ksize > size:
+        if (
+            lower & 1
+            or not PAGE_HEADER <= lower <= upper <= size
+            or n < 1
+            or ksize < 1
+            or PAGE_HEADER + n * ksize > size
+        ):
             self.problem(pgno, f"a fixed-size duplicates page ({n} x {ksize} bytes) does not fit", dups.table)
             return 0
         base = at + PAGE_HEADER
-        keys = [buf[base + j * ksize:base + (j + 1) * ksize] for j in range(n)]
+        keys = [buf[base + j * ksize : base + (j + 1) * ksize] for j in range(n)]
         if dups.key is not None:
             keys = [dups.key(k) for k in keys]
         if any(a >= b for a, b in itertools.pairwise(keys)):
@@ -592,8 +608,7 @@ class _Walker:
         m = self.meta
         if m.main.flags & ~_DB_FLAGS:
             self.problem(m.page, f"the main tree has unknown flags 0x{m.main.flags:x}", MAIN_TABLE)
-        self.tree(_Tree(MAIN_TABLE, m.main, "main", _key_order(m.main.flags, MDB_INTEGERKEY, MDB_REVERSEKEY)),
-                  m.page)
+        self.tree(_Tree(MAIN_TABLE, m.main, "main", _key_order(m.main.flags, MDB_INTEGERKEY, MDB_REVERSEKEY)), m.page)
         counts: dict[str, int] = {}
         for name, db, where in self.subdbs:
             if db.flags & ~_DB_FLAGS:
@@ -617,8 +632,9 @@ def read_records(data_file: str | os.PathLike[str]) -> tuple[dict[str, list[tupl
     return _walk_file(data_file, None, None, collect=True)
 
 
-def check_pages(data_file: str | os.PathLike[str], txnid: int | None = None,
-                tables: Iterable[str] | None = None) -> PageReport:
+def check_pages(
+    data_file: str | os.PathLike[str], txnid: int | None = None, tables: Iterable[str] | None = None
+) -> PageReport:
     """Walk every page LMDB could read in one snapshot of ``data_file``, with plain reads; never raises on damage.
 
     ``txnid``: walk the snapshot of that transaction (the caller holds an
@@ -640,8 +656,9 @@ def check_pages(data_file: str | os.PathLike[str], txnid: int | None = None,
     return _walk_file(data_file, txnid, tables)[1]
 
 
-def _walk_file(data_file: str | os.PathLike[str], txnid: int | None, tables: Iterable[str] | None,
-               collect: bool = False) -> tuple[dict[str, list[tuple[bytes, bytes]]], PageReport]:
+def _walk_file(
+    data_file: str | os.PathLike[str], txnid: int | None, tables: Iterable[str] | None, collect: bool = False
+) -> tuple[dict[str, list[tuple[bytes, bytes]]], PageReport]:
     with open(data_file, "rb") as f:
         fd = f.fileno()
         metas, problems = _read_metas(fd)
@@ -659,5 +676,6 @@ def _walk_file(data_file: str | os.PathLike[str], txnid: int | None, tables: Ite
             counts = walker.walk(None if tables is None else {tables} if isinstance(tables, str) else set(tables))
         except _Stop:
             walker.problems.append(PageProblem(-1, f"checking stopped after {MAX_PROBLEMS} problems", HEADER_TABLE))
-    return walker.records or {}, PageReport(len(walker.visited), walker.problems, meta.txnid, counts,
-                                            walker.visited, walker.overflow, walker.free)
+    return walker.records or {}, PageReport(
+        len(walker.visited), walker.problems, meta.txnid, counts, walker.visited, walker.overflow, walker.free
+    )

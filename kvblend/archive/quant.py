@@ -4,8 +4,9 @@ Why this shape (measurements in codec.py's docstring and FORMAT.md 3.2):
 
 * **K per channel.** Keys have outlier channels (SmolLM2: the largest channel
   of a head is 4-15x the median one in mean magnitude, and sits up to 10 std
-  off zero); one scale per token would spend the whole code range on them. Each channel gets its own (scale, min), shared by a
-  group of ``k_group`` consecutive tokens so the scales cost little.
+  off zero); one scale per token would spend the whole code range on them. Each
+  channel gets its own (scale, min), shared by a group of ``k_group`` consecutive
+  tokens so the scales cost little.
 * **V per token.** Values have milder channels (1.3-6.6x); their error lands in the
   attention output token by token, so each token gets (scale, min) per
   group of ``v_group`` channels.
@@ -82,13 +83,15 @@ class Quantized:
 
     def to(self, device: Any = None, non_blocking: bool = False) -> Quantized:
         """Codes and scales moved (a quarter to a half of the fp16 bytes cross the bus)."""
-        return replace(self, codes=self.codes.to(device, non_blocking=non_blocking),
-                       scale=self.scale.to(device, non_blocking=non_blocking),
-                       zero=self.zero.to(device, non_blocking=non_blocking))
+        return replace(
+            self,
+            codes=self.codes.to(device, non_blocking=non_blocking),
+            scale=self.scale.to(device, non_blocking=non_blocking),
+            zero=self.zero.to(device, non_blocking=non_blocking),
+        )
 
     def pin_memory(self) -> Quantized:
-        return replace(self, codes=self.codes.pin_memory(), scale=self.scale.pin_memory(),
-                       zero=self.zero.pin_memory())
+        return replace(self, codes=self.codes.pin_memory(), scale=self.scale.pin_memory(), zero=self.zero.pin_memory())
 
     def unpacked(self) -> torch.Tensor:
         """The codes as uint8 [H, n, D], one per value (int4: two contiguous uint8 passes)."""
@@ -141,14 +144,19 @@ def _fill_tokens(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     full = n // group
     if full:
         m = full * group
-        _scale_shift(values[:, :m].unflatten(1, (full, group)), scale[:, :full, None], zero[:, :full, None],
-                     out[:, :m].unflatten(1, (full, group)))
+        _scale_shift(
+            values[:, :m].unflatten(1, (full, group)),
+            scale[:, :full, None],
+            zero[:, :full, None],
+            out[:, :m].unflatten(1, (full, group)),
+        )
     if n > full * group:
-        _scale_shift(values[:, full * group:], scale[:, full:], zero[:, full:], out[:, full * group:])
+        _scale_shift(values[:, full * group :], scale[:, full:], zero[:, full:], out[:, full * group :])
 
 
-def _fill_channels(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                   out: torch.Tensor) -> None:
+def _fill_channels(
+    values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, out: torch.Tensor
+) -> None:
     """Per-token scales over groups of ``group`` consecutive channels."""
     split = (values.shape[-1] // group, group)
     _scale_shift(values.unflatten(-1, split), scale[..., None], zero[..., None], out.unflatten(-1, split))
@@ -200,7 +208,8 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int) -> Quantized:
 
 
 def _grouped(x32: torch.Tensor, axis: str, group: int) -> torch.Tensor:
-    """``x`` viewed as groups: tokens → [H, G, group, D] (tail padded with its last token), channels → [H, n, D/g, g]."""
+    """``x`` viewed as groups: tokens → [H, G, group, D] (tail padded with its last token),
+    channels → [H, n, D/g, g]."""
     import torch
 
     h, n, d = x32.shape
@@ -226,8 +235,9 @@ def payload_tensors(k: torch.Tensor, v: torch.Tensor, scheme: Scheme, info: dict
     return tensors
 
 
-def from_payload(tensors: dict, meta: dict, name: str, dtype: torch.dtype, shape: list[int],
-                 scheme: Scheme) -> Quantized:
+def from_payload(
+    tensors: dict, meta: dict, name: str, dtype: torch.dtype, shape: list[int], scheme: Scheme
+) -> Quantized:
     """Tensor ``name`` of a decoded payload as :class:`Quantized`, every shape checked (else CorruptBlobError)."""
     import torch
 

@@ -52,13 +52,15 @@ def check_key(key: str) -> str:
     return key
 
 
-def load_record(raw: str | bytes, what: str = "index record") -> Any:
+def load_record(raw: str | bytes | memoryview, what: str = "index record") -> Any:
     """Parse one stored JSON value; garbage means a damaged index file, not a bug."""
     try:
-        return json.loads(raw)
+        return json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
     except (ValueError, UnicodeDecodeError):
-        raise ArchiveDamagedError(f"archive index is damaged: an {what} is not valid JSON; "
-                                  "run `kvblend verify --rebuild-index` with the same --archive to restore it") from None
+        raise ArchiveDamagedError(
+            f"archive index is damaged: an {what} is not valid JSON; "
+            "run `kvblend verify --rebuild-index` with the same --archive to restore it"
+        ) from None
 
 
 def checksum(data: bytes) -> str:
@@ -299,8 +301,7 @@ def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str
     return f"{model_name[:200]}|{compute}|{_short_hash(location_key(archive_path), 8)}"
 
 
-def profile_name(hostname: str, model_name: str, compute: str, storage_label: str,
-                 storage_path: str | None) -> str:
+def profile_name(hostname: str, model_name: str, compute: str, storage_label: str, storage_path: str | None) -> str:
     """One stored profile per (machine, model, compute, storage): re-profiling replaces it."""
     where = storage_label
     if storage_path is not None:
@@ -326,24 +327,42 @@ def describe(record: SegmentRecord, layers: Sequence[LayerKV], codec: str) -> Se
         raise ValueError(f"segment {record.key}: {len(record.token_ids)} token ids for {n_tokens} KV tokens")
     now = time.time()
     return dataclasses.replace(
-        record, n_tokens=n_tokens, token_ids=[int(t) for t in record.token_ids], dtype=dtype_name(k0.dtype),
-        codec=codec, n_layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, layers=[],
-        created=record.created or now, last_access=record.last_access or now, extra=dict(record.extra))
+        record,
+        n_tokens=n_tokens,
+        token_ids=[int(t) for t in record.token_ids],
+        dtype=dtype_name(k0.dtype),
+        codec=codec,
+        n_layers=len(layers),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        layers=[],
+        created=record.created or now,
+        last_access=record.last_access or now,
+        extra=dict(record.extra),
+    )
 
 
 def blob_metadata(rec: SegmentRecord, model: Model, embedding: Any = None) -> dict[str, Any]:
     """What layer 0 of a blob says about its segment: every record field that is not about the tensors."""
-    about: dict[str, Any] = {"key": rec.key, "token_ids": rec.token_ids, "text": rec.text,
-                             "base_position": rec.base_position, "extra": rec.extra, "created": rec.created,
-                             "model_name": model.name, "model_fingerprint": model.fingerprint}
+    about: dict[str, Any] = {
+        "key": rec.key,
+        "token_ids": rec.token_ids,
+        "text": rec.text,
+        "base_position": rec.base_position,
+        "extra": rec.extra,
+        "created": rec.created,
+        "model_name": model.name,
+        "model_fingerprint": model.fingerprint,
+    }
     if embedding is not None:
         vector = np.ascontiguousarray(np.asarray(embedding, dtype="<f4").reshape(-1))
         about["embedding"] = base64.b64encode(vector.tobytes()).decode("ascii")
     return about
 
 
-def record_from_blob(about: Mapping[str, Any], tensors: Mapping[str, Any], layers: list[LayerEntry],
-                     blob: str) -> tuple[SegmentRecord, np.ndarray | None]:
+def record_from_blob(
+    about: Mapping[str, Any], tensors: Mapping[str, Any], layers: list[LayerEntry], blob: str
+) -> tuple[SegmentRecord, np.ndarray | None]:
     """Inverse of :func:`blob_metadata`: the record (and embedding) a rebuilt index gets for a blob.
 
     ``tensors``: codec, dtype and shape [kv_heads, n_tokens, head_dim] from
@@ -355,11 +374,23 @@ def record_from_blob(about: Mapping[str, Any], tensors: Mapping[str, Any], layer
     if token_ids and len(token_ids) != n_tokens:
         raise ValueError(f"{len(token_ids)} token ids for {n_tokens} KV tokens")
     created = float(about.get("created") or 0.0)
-    rec = SegmentRecord(key=str(about["key"]), n_tokens=n_tokens, token_ids=token_ids, text=str(about.get("text", "")),
-                        dtype=str(tensors["dtype"]), codec=str(tensors["codec"]), n_layers=len(layers),
-                        kv_heads=kv_heads, head_dim=head_dim, base_position=int(about.get("base_position") or 0),
-                        layers=layers, blob=blob, created=created, last_access=created,
-                        extra=dict(about.get("extra") or {}))
+    rec = SegmentRecord(
+        key=str(about["key"]),
+        n_tokens=n_tokens,
+        token_ids=token_ids,
+        text=str(about.get("text", "")),
+        dtype=str(tensors["dtype"]),
+        codec=str(tensors["codec"]),
+        n_layers=len(layers),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        base_position=int(about.get("base_position") or 0),
+        layers=layers,
+        blob=blob,
+        created=created,
+        last_access=created,
+        extra=dict(about.get("extra") or {}),
+    )
     vector = None
     if about.get("embedding"):
         vector = np.frombuffer(base64.b64decode(about["embedding"]), dtype="<f4").astype(np.float32)

@@ -121,7 +121,7 @@ class Keys:
         if not sep or not head.startswith(f"{{{self._ns}:"):
             return None
         layer, _, gen = tail.partition(":")
-        return (head[len(self._ns) + 2:], int(layer), gen) if layer.isdigit() and gen else None
+        return (head[len(self._ns) + 2 :], int(layer), gen) if layer.isdigit() and gen else None
 
 
 def connect(address: RedisAddress) -> Any:
@@ -131,9 +131,15 @@ def connect(address: RedisAddress) -> Any:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    options = dict(username=address.username, password=address.password, ssl=address.tls,
-                   socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=IO_TIMEOUT_S,
-                   retry=Retry(NoBackoff(), 1), client_name="kvblend")
+    options: dict[str, Any] = dict(
+        username=address.username,
+        password=address.password,
+        ssl=address.tls,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=IO_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1),
+        client_name="kvblend",
+    )
     with unavailable(address.display):
         client = redis.Redis(host=address.host, port=address.port, db=address.db, **options)
         if str(client.info("cluster").get("cluster_enabled", 0)) != "1":
@@ -161,8 +167,10 @@ def unavailable(where: str) -> Iterator[None]:
         if text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
             raise ArchiveUnavailableError(f"Redis at {where} refused the credentials ({text.split()[0]})") from None
         if text.startswith("OOM"):
-            raise ArchiveUnavailableError(f"Redis at {where} is out of memory and evicts nothing (maxmemory "
-                                          "without an eviction policy); free memory or set allkeys-lru") from None
+            raise ArchiveUnavailableError(
+                f"Redis at {where} is out of memory and evicts nothing (maxmemory "
+                "without an eviction policy); free memory or set allkeys-lru"
+            ) from None
         raise ArchiveError(f"Redis at {where}: {text.splitlines()[0] if text else type(e).__name__}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -196,8 +204,9 @@ class RedisStore(Store):
         return type(self.client).__name__ == "RedisCluster"
 
     @classmethod
-    def open(cls, address: RedisAddress, *, create: bool, readonly: bool, asked: Model,
-             defer_binding: bool) -> RedisStore:
+    def open(
+        cls, address: RedisAddress, *, create: bool, readonly: bool, asked: Model, defer_binding: bool
+    ) -> RedisStore:
         """Connect, then check what the archive is before anything is written: its format version, its model."""
         client = connect(address)
         store = cls(client, address, readonly, Model())
@@ -207,8 +216,9 @@ class RedisStore(Store):
                 # a cache may have evicted the meta hash itself: any index key left means an archive is here
                 empty = not meta and not client.exists(store.keys.segs, store.keys.docs, store.keys.emb)
             if empty and not create:
-                raise ArchiveError(f"no archive at {address.display} (run `kvblend ingest PATH --archive "
-                                   f"{address.display}` first)")
+                raise ArchiveError(
+                    f"no archive at {address.display} (run `kvblend ingest PATH --archive {address.display}` first)"
+                )
             store.model = store._check(meta, asked)
             if create and not readonly and "format_version" not in meta:
                 store._stamp()
@@ -230,14 +240,16 @@ class RedisStore(Store):
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
             raise ArchiveError(f"archive at {self.location} has a malformed format version {version!r}")
         if version is not None and version > FORMAT_VERSION:
-            raise ArchiveVersionError(f"archive format v{version} is newer than this kvblend supports "
-                                      f"(v{FORMAT_VERSION}); upgrade kvblend")
+            raise ArchiveVersionError(
+                f"archive format v{version} is newer than this kvblend supports (v{FORMAT_VERSION}); upgrade kvblend"
+            )
         have = Model(meta.get("model_name"), meta.get("model_fingerprint"))
         if asked.fingerprint and have.fingerprint and asked.fingerprint != have.fingerprint:
             a, b = have.name or have.fingerprint[:12], asked.name or asked.fingerprint[:12]
             hint = f"pass --model {have.name} or use another --archive" if have.name else "use another --archive"
-            raise ArchiveModelMismatchError(f"archive at {self.location} was built with model {a}; you asked for "
-                                            f"model {b} ({hint})")
+            raise ArchiveModelMismatchError(
+                f"archive at {self.location} was built with model {a}; you asked for model {b} ({hint})"
+            )
         return have
 
     def _stamp(self) -> None:
@@ -282,7 +294,7 @@ class RedisStore(Store):
         """Records of `keys` (None where evicted), with their use counts, fetched in pipelined batches."""
         out: list[SegmentRecord | None] = []
         for start in range(0, len(keys), BATCH):
-            batch = keys[start:start + BATCH]
+            batch = keys[start : start + BATCH]
             with self._errors():
                 pipe = self.client.pipeline(transaction=False)
                 for key in batch:
@@ -323,8 +335,14 @@ class RedisStore(Store):
             won = pipe.execute()
         return [k for k, ok in zip(keys, won) if ok]
 
-    def put_segments(self, items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str, level: int,
-                     embeddings: dict[str, Any] | None, asked: Model) -> list[SegmentRecord]:
+    def put_segments(
+        self,
+        items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]],
+        codec: str,
+        level: int,
+        embeddings: dict[str, Any] | None,
+        asked: Model,
+    ) -> list[SegmentRecord]:
         """Every layer under a fresh generation, then the records (each a single SET: visible whole or not at
         all), then the old generation's layers deleted."""
         self.check_writable()
@@ -339,8 +357,13 @@ class RedisStore(Store):
             rec = describe(record, layers, codec)
             rec.blob = secrets.token_hex(4)  # the write generation its layer keys carry
             about = blob_metadata(rec, model, (embeddings or {}).get(rec.key))
-            self._write_layers(rec, (encode_layer(k, v, codec, level, segment=about if i == 0 else None)
-                                     for i, (k, v) in enumerate(layers)))
+            self._write_layers(
+                rec,
+                (
+                    encode_layer(k, v, codec, level, segment=about if i == 0 else None)
+                    for i, (k, v) in enumerate(layers)
+                ),
+            )
             records.append(rec)
         self._commit(records, embeddings or {})
         return records
@@ -372,8 +395,13 @@ class RedisStore(Store):
                 pipe.hset(self.keys.emb, mapping=vectors)
             pipe.execute()
             stale = [SegmentRecord.from_json(raw) for raw in old if raw is not None]
-            self._delete_layers([(r.key, r.blob, len(r.layers)) for r in stale
-                                 if (r.key, r.blob) not in {(n.key, n.blob) for n in records}])
+            self._delete_layers(
+                [
+                    (r.key, r.blob, len(r.layers))
+                    for r in stale
+                    if (r.key, r.blob) not in {(n.key, n.blob) for n in records}
+                ]
+            )
 
     def _delete_layers(self, generations: Sequence[tuple[str, str, int]]) -> None:
         names = [self.keys.layer(key, i, gen) for key, gen, n in generations for i in range(n)]
@@ -562,8 +590,11 @@ class RedisStore(Store):
                 rows = [(_text(k), v) for k, v in self.client.hgetall(self.keys.emb).items()]
             else:
                 wanted = list(keys)
-                rows = [(k, v) for k, v in zip(wanted, self.client.hmget(self.keys.emb, wanted) if wanted else [])
-                        if v is not None]
+                rows = [
+                    (k, v)
+                    for k, v in zip(wanted, self.client.hmget(self.keys.emb, wanted) if wanted else [])
+                    if v is not None
+                ]
         return embedding_matrix(sorted(rows))
 
     # ── upkeep ──
@@ -585,8 +616,8 @@ class RedisStore(Store):
         keys = sorted({key for key, _ in groups})
         with self._errors():
             claimed = dict(zip(keys, self._get_many([self.keys.claim(k) for k in keys])))
-        out = []
-        for (key, gen), names in sorted(groups.items()):
+        out: list[Leftover] = []
+        for (key, _gen), names in sorted(groups.items()):
             if claimed.get(key) is None:
                 out.extend(Leftover(name, self._size(name)) for name in names)
         return out
@@ -616,8 +647,14 @@ class RedisStore(Store):
         used = sum(int(i.get("used_memory", 0)) for i in infos)
         limit = sum(int(i.get("maxmemory", 0)) for i in infos)
         policy = sorted({str(i.get("maxmemory_policy", "")) for i in infos})
-        return {"redis_used_memory_bytes": used, "redis_maxmemory_bytes": limit, "redis_policy": ",".join(policy),
-                "redis_nodes": len(infos), "segments_stored_total": stores, "lost_segments": len(self.lost_segments())}
+        return {
+            "redis_used_memory_bytes": used,
+            "redis_maxmemory_bytes": limit,
+            "redis_policy": ",".join(policy),
+            "redis_nodes": len(infos),
+            "segments_stored_total": stores,
+            "lost_segments": len(self.lost_segments()),
+        }
 
     def _per_node(self, fn: Callable[[Any], T]) -> list[T]:
         if not self.cluster:
@@ -629,8 +666,10 @@ class RedisStore(Store):
         if not include_index:
             return payload
         with self._errors():
-            index = sum(int(self.client.memory_usage(k) or 0) for k in
-                        (self.keys.emb, self.keys.docs, self.keys.segs, self.keys.lru, self.keys.hits))
+            index = sum(
+                int(self.client.memory_usage(k) or 0)
+                for k in (self.keys.emb, self.keys.docs, self.keys.segs, self.keys.lru, self.keys.hits)
+            )
         return payload + index
 
     def stores_counted(self) -> int:
@@ -644,8 +683,9 @@ class RedisStore(Store):
         layer over every segment); the scratch keys expire on their own if this is interrupted."""
         self.check_writable()
         token = secrets.token_hex(4)
-        names = [[self.keys.layer(f"scratch-{token}-{s}", i, "p") for i in range(len(seg))]
-                 for s, seg in enumerate(segments)]
+        names = [
+            [self.keys.layer(f"scratch-{token}-{s}", i, "p") for i in range(len(seg))] for s, seg in enumerate(segments)
+        ]
         total = sum(len(p) for seg in segments for p in seg)
         try:
             with self._errors():

@@ -23,6 +23,7 @@ document that lost segments, so the user knows what to ingest again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -114,10 +115,8 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
 
 def _refuse_newer(old: Salvage, root: Path) -> None:
     """A newer kvblend's archive is not ours to rebuild; a malformed version is what a rebuild repairs."""
-    try:
+    with contextlib.suppress(ArchiveDamagedError):
         check_version(old.tables["meta"].get(b"format_version"), root)
-    except ArchiveDamagedError:
-        pass
 
 
 def _restore_segments(root: Path, old: Salvage, report: RebuildReport) -> dict[str, Restored]:
@@ -148,8 +147,9 @@ def _better(new: Restored, current: Restored, known: dict[str, dict[str, Any]]) 
     return new.mtime > current.mtime
 
 
-def _restore_documents(root: Path, old: Salvage, restored: dict[str, Restored],
-                       report: RebuildReport) -> list[DocumentRecord]:
+def _restore_documents(
+    root: Path, old: Salvage, restored: dict[str, Restored], report: RebuildReport
+) -> list[DocumentRecord]:
     """Documents from the old index, else from manifests; each keeps only segments that were restored."""
     docs = {d["path"]: DocumentRecord.from_dict(d) for d in old.documents()}
     manifests, report.unreadable_manifests = read_manifests(root)
@@ -165,8 +165,9 @@ def _restore_documents(root: Path, old: Salvage, restored: dict[str, Restored],
         listed.update(kept)
     report.documents_restored = len(docs)
     report.incomplete_documents.sort()
-    report.unlinked_segments = sum(1 for k, r in restored.items()
-                                   if k not in listed and r.record.extra.get("role") != "prefix")
+    report.unlinked_segments = sum(
+        1 for k, r in restored.items() if k not in listed and r.record.extra.get("role") != "prefix"
+    )
     return list(docs.values())
 
 
@@ -184,8 +185,9 @@ def _build(root: Path, old: Salvage, restored: dict[str, Restored], docs: list[D
     return fresh
 
 
-def _fill(txn: lmdb.Transaction, dbs: dict[str, Any], old: Salvage, restored: dict[str, Restored],
-          docs: list[DocumentRecord]) -> None:
+def _fill(
+    txn: lmdb.Transaction, dbs: dict[str, Any], old: Salvage, restored: dict[str, Restored], docs: list[DocumentRecord]
+) -> None:
     for table in ("profiles", "tuned"):
         for key, raw in old.tables[table].items():
             txn.put(key, raw, db=dbs[table])
@@ -197,16 +199,16 @@ def _fill(txn: lmdb.Transaction, dbs: dict[str, Any], old: Salvage, restored: di
     meta[b"format_version"] = FORMAT_VERSION
     meta.setdefault(b"created", time.time())
     meta[b"rebuilt"] = time.time()
-    for key, value in meta.items():
-        txn.put(key, dump_json(value), db=dbs["meta"])
-    rows = []
-    for key, got in restored.items():
-        txn.put(key.encode(), got.record.to_json().encode(), db=dbs["segments"])
-        vector = old.tables["embeddings"].get(key.encode())
+    for meta_key, value in meta.items():
+        txn.put(meta_key, dump_json(value), db=dbs["meta"])
+    rows: list[tuple[bytes, bytes]] = []
+    for segment, got in restored.items():
+        txn.put(segment.encode(), got.record.to_json().encode(), db=dbs["segments"])
+        vector = old.tables["embeddings"].get(segment.encode())
         if vector is not None:
-            rows.append((key.encode(), vector))
+            rows.append((segment.encode(), vector))
         elif got.embedding is not None:
-            rows.extend(embedding_rows([(key, got.embedding)]))
+            rows.extend(embedding_rows([(segment, got.embedding)]))
     put_embedding_rows(txn, dbs, rows)
     for doc in docs:
         txn.put(document_db_key(doc.path), doc.to_json().encode(), db=dbs["documents"])
@@ -334,6 +336,6 @@ def salvage(root: Path) -> Salvage:
         return found
     for name in DB_NAMES:
         found.tables[name].update(tables.get(name, []))
-    for problem in report.problems[:10]:
-        found.problems.append(f"the old index is damaged: {problem}; the records on that page are lost")
+    for damage in report.problems[:10]:
+        found.problems.append(f"the old index is damaged: {damage}; the records on that page are lost")
     return found

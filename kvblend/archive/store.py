@@ -44,7 +44,7 @@ def dump_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def load_json(raw: bytes | None) -> Any:
+def load_json(raw: bytes | memoryview | None) -> Any:
     return None if raw is None else load_record(raw, "index value")
 
 
@@ -87,7 +87,7 @@ class Store(ABC):
 
     @property
     def kind(self) -> str:
-        """"local" or "redis": what `stats` and `path` show."""
+        """ "local" or "redis": what `stats` and `path` show."""
         return "local"
 
     # ── writing ──
@@ -123,8 +123,14 @@ class Store(ABC):
     def count_segments(self) -> int: ...
 
     @abstractmethod
-    def put_segments(self, items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]], codec: str, level: int,
-                     embeddings: dict[str, Any] | None, asked: Model) -> list[SegmentRecord]:
+    def put_segments(
+        self,
+        items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]],
+        codec: str,
+        level: int,
+        embeddings: dict[str, Any] | None,
+        asked: Model,
+    ) -> list[SegmentRecord]:
         """Encode and store every layer of each segment, then commit their records (and embeddings):
         a record only once its layers are all stored. Repeated keys are stored once (first wins); the
         model `asked` is checked against the recorded one and recorded if none is. Returns the records."""

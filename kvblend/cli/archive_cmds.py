@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -88,7 +88,9 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
 
 
 def show(
-    target: str = typer.Argument(..., help=f"A segment key (or a unique prefix of {SEGMENT_PREFIX_MIN}+ characters) or a document name or path."),
+    target: str = typer.Argument(
+        ..., help=f"A segment key (or a unique prefix of {SEGMENT_PREFIX_MIN}+ characters) or a document name or path."
+    ),
     archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -99,9 +101,15 @@ def show(
         except NotFoundError:
             doc = None
         if doc is not None:
-            info = {"document": doc.display_name, "path": doc.path, "content_hash": doc.content_hash,
-                    "tokens": doc.n_tokens, "ingested": doc.ingested, "incomplete": doc.incomplete,
-                    "segments": doc.segment_keys}
+            info = {
+                "document": doc.display_name,
+                "path": doc.path,
+                "content_hash": doc.content_hash,
+                "tokens": doc.n_tokens,
+                "ingested": doc.ingested,
+                "incomplete": doc.incomplete,
+                "segments": doc.segment_keys,
+            }
             if as_json:
                 print_json(info)
             else:
@@ -146,7 +154,7 @@ def stats(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
 
 
 def remove(
-    documents: List[str] = typer.Argument(..., help="Document paths to remove (their unshared segments go too)."),
+    documents: list[str] = typer.Argument(..., help="Document paths to remove (their unshared segments go too)."),
     wait: bool = WaitOpt,
     archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
@@ -165,7 +173,9 @@ def remove(
 
 def verify(
     repair: bool = typer.Option(False, "--repair", help="Drop corrupt or missing segments from the index."),
-    rebuild: bool = typer.Option(False, "--rebuild-index", help="Rebuild a lost or damaged index from the blobs (keeps the old one)."),
+    rebuild: bool = typer.Option(
+        False, "--rebuild-index", help="Rebuild a lost or damaged index from the blobs (keeps the old one)."
+    ),
     deep: bool = typer.Option(False, "--deep", help="Also decode every layer (slower; loads torch)."),
     wait: bool = WaitOpt,
     archive: Optional[str] = ArchiveOpt,
@@ -186,8 +196,15 @@ def verify(
     bad = _problems_by_segment(report)
     if as_json:
         problems = [{"segment": p.key, "layer": p.layer, "reason": p.reason} for p in report.problems]
-        print_json({"ok": report.ok, "segments_checked": report.segments_checked, "problems": problems,
-                    "repaired": bool(repair and problems), "codecs": report.codecs})
+        print_json(
+            {
+                "ok": report.ok,
+                "segments_checked": report.segments_checked,
+                "problems": problems,
+                "repaired": bool(repair and problems),
+                "codecs": report.codecs,
+            }
+        )
     else:
         for key, line in bad.items():
             err.print(f"[red]corrupt[/] segment {escape(key)}: {escape(line)}")
@@ -208,8 +225,10 @@ def _problems_by_segment(report: VerifyReport) -> dict[str, str]:
         grouped.setdefault(p.key, {}).setdefault(reason, [])
         if p.layer is not None:
             grouped[p.key][reason].append(p.layer)
-    return {key: "; ".join(f"{reason}{_layers(layers)}" for reason, layers in reasons.items())
-            for key, reasons in grouped.items()}
+    return {
+        key: "; ".join(f"{reason}{_layers(layers)}" for reason, layers in reasons.items())
+        for key, reasons in grouped.items()
+    }
 
 
 def _layers(layers: list[int]) -> str:
@@ -232,13 +251,17 @@ def _print_rebuild(report: RebuildReport, as_json: bool) -> None:
     if as_json:
         print_json(report.to_dict())
         return
-    out.print(f"rebuilt the index from the blobs: {report.segments_restored} segments "
-              f"({report.segments_from_old_index} as the old index had them), {report.documents_restored} documents")
+    out.print(
+        f"rebuilt the index from the blobs: {report.segments_restored} segments "
+        f"({report.segments_from_old_index} as the old index had them), {report.documents_restored} documents"
+    )
     for path in report.incomplete_documents:
         err.print(f"warning: document {path} lost segments; ingest it again to recompute them")
     if report.unlinked_segments:
-        err.print(f"warning: {report.unlinked_segments} segments belong to no known document; ingesting their "
-                  "documents again relinks them without recomputing")
+        err.print(
+            f"warning: {report.unlinked_segments} segments belong to no known document; ingesting their "
+            "documents again relinks them without recomputing"
+        )
     for entry in report.lost_blobs:
         err.print(f"warning: could not restore {entry}; moved to lost+found/")
     for rel in report.unreadable_manifests:
@@ -250,7 +273,9 @@ def _print_rebuild(report: RebuildReport, as_json: bool) -> None:
 
 
 def gc(
-    max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used segments until the archive fits, e.g. 5GB."),
+    max_size: Optional[str] = typer.Option(
+        None, "--max-size", help="Evict least-recently-used segments until the archive fits, e.g. 5GB."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be freed (needs no writer lock)."),
     wait: bool = WaitOpt,
     archive: Optional[str] = ArchiveOpt,
@@ -269,16 +294,23 @@ def gc(
         print_json(data)
         return
     verb = "would free" if dry_run else "freed"
-    out.print(f"{verb} {human_bytes(data['freed_bytes'])}: "
-              f"{len(data['orphans'])} orphan files, {len(data['evicted'])} segments evicted")
+    out.print(
+        f"{verb} {human_bytes(data['freed_bytes'])}: "
+        f"{len(data['orphans'])} orphan files, {len(data['evicted'])} segments evicted"
+    )
 
 
 def path(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
     """Print where the archive is (--archive, else $KVBLEND_ARCHIVE, else the XDG cache)."""
     location = resolve_location(archive)
     if as_json:
-        print_json({"path": location.display, "store": "redis" if location.is_redis else "local",
-                    "exists": Archive.exists(location)})
+        print_json(
+            {
+                "path": location.display,
+                "store": "redis" if location.is_redis else "local",
+                "exists": Archive.exists(location),
+            }
+        )
         return
     out.print(location.display)
 
@@ -287,6 +319,8 @@ def _local_dir(archive: Optional[str], flag: str) -> Path:
     """The directory of a local archive; a Redis archive has no index file to rebuild (its records are the index)."""
     location = resolve_location(archive)
     if location.path is None:
-        raise UsageError(f"{flag} rebuilds a local archive's index file; {location} is a Redis archive "
-                         "(`kvblend verify --repair` drops what is missing there)")
+        raise UsageError(
+            f"{flag} rebuilds a local archive's index file; {location} is a Redis archive "
+            "(`kvblend verify --repair` drops what is missing there)"
+        )
     return location.path

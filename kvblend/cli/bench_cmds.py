@@ -52,6 +52,8 @@ from kvblend.evaluation.records import (
 )
 from kvblend.options import Select, check_ratio
 
+BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
+
 
 def register(app: typer.Typer) -> None:
     app.command()(bench)
@@ -68,22 +70,61 @@ def _check_writable_target(path: Optional[Path], flag: str, suffix: str) -> None
 
 
 def bench(
-    dataset: Path = typer.Argument(..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False),
-    limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Benchmark the first N records (default: all).", show_default=False),
+    dataset: Path = typer.Argument(
+        ..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False
+    ),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", "-n", help="Benchmark the first N records (default: all).", show_default=False
+    ),
     offset: int = typer.Option(0, "--offset", help="Skip the first N records (e.g. held-out records after a dev set)."),
-    chunks: int = typer.Option(DEFAULT_CHUNKS, "--chunks", help="Passages per record (the first N, in order) archived as segments."),
-    modes: str = typer.Option(",".join(DEFAULT_BENCH_MODES), "--modes", help="Comma-separated modes; full always runs (it is the reference)."),
-    ratios: str = typer.Option(",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS), "--ratios", help="Blend recompute ratios, each in (0, 1]."),
-    codecs: str = typer.Option("lossless", "--codecs", help="Archive codecs to compare, e.g. lossless,int8,int4: reuse and blend run once per codec on the same records (full once)."),
-    max_tokens: int = typer.Option(DEFAULT_BENCH_MAX_NEW_TOKENS, "--max-tokens", help="Greedy answer length limit (same for every mode)."),
-    select: Select = typer.Option(Select(DEFAULT_SELECT), "--select", help="Blend's token selection policy for the main table."),
-    variants: bool = typer.Option(False, "--variants", help="Also compare fusor choices: every selection policy, HKVD deviation k/v/kv, check layer 1/2/1,2,3, sink policy."),
-    pareto: bool = typer.Option(False, "--pareto", help="Also sweep every selection policy over ratios 0.05-0.5 (first-token KL and recompute share only, KV in memory); with --plot, the chart is KL vs recompute share."),
+    chunks: int = typer.Option(
+        DEFAULT_CHUNKS, "--chunks", help="Passages per record (the first N, in order) archived as segments."
+    ),
+    modes: str = typer.Option(
+        ",".join(DEFAULT_BENCH_MODES), "--modes", help="Comma-separated modes; full always runs (it is the reference)."
+    ),
+    ratios: str = typer.Option(BENCH_RATIOS_TEXT, "--ratios", help="Blend recompute ratios, each in (0, 1]."),
+    codecs: str = typer.Option(
+        "lossless",
+        "--codecs",
+        help="Archive codecs to compare, e.g. lossless,int8,int4: reuse and blend run once per codec on the same records (full once).",
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_BENCH_MAX_NEW_TOKENS, "--max-tokens", help="Greedy answer length limit (same for every mode)."
+    ),
+    select: Select = typer.Option(
+        Select(DEFAULT_SELECT), "--select", help="Blend's token selection policy for the main table."
+    ),
+    variants: bool = typer.Option(
+        False,
+        "--variants",
+        help="Also compare fusor choices: every selection policy, HKVD deviation k/v/kv, check layer 1/2/1,2,3, sink policy.",
+    ),
+    pareto: bool = typer.Option(
+        False,
+        "--pareto",
+        help="Also sweep every selection policy over ratios 0.05-0.5 (first-token KL and recompute share only, KV in memory); with --plot, the chart is KL vs recompute share.",
+    ),
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
-    answers: bool = typer.Option(False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share per policy (and the TTFT chart to NAME-ttft.png).", show_default=False),
-    out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to this file.", show_default=False),
-    archive: Optional[str] = typer.Option(None, "--archive", "-a", help="Archive for the passages: a directory or a redis:// URL (default: a scratch temp dir, removed after).", show_default=False),
+    answers: bool = typer.Option(
+        False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."
+    ),
+    plot: Optional[Path] = typer.Option(
+        None,
+        "--plot",
+        help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share per policy (and the TTFT chart to NAME-ttft.png).",
+        show_default=False,
+    ),
+    out_file: Optional[Path] = typer.Option(
+        None, "--out", help="Also write the JSON report to this file.", show_default=False
+    ),
+    archive: Optional[str] = typer.Option(
+        None,
+        "--archive",
+        "-a",
+        help="Archive for the passages: a directory or a redis:// URL (default: a scratch temp dir, removed after).",
+        show_default=False,
+    ),
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,
@@ -119,9 +160,21 @@ def bench(
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
         with Engine(target, model, compute) as engine, _progress(as_json) as on_progress:
-            report = run_bench(engine, records, mode_list, ratio_list, chunks=chunks, max_new_tokens=max_tokens,
-                               variants=variants, variant_ratio=variant_ratio, command=command, codecs=codec_list,
-                               select=select, pareto=pareto, on_progress=on_progress)
+            report = run_bench(
+                engine,
+                records,
+                mode_list,
+                ratio_list,
+                chunks=chunks,
+                max_new_tokens=max_tokens,
+                variants=variants,
+                variant_ratio=variant_ratio,
+                command=command,
+                codecs=codec_list,
+                select=select,
+                pareto=pareto,
+                on_progress=on_progress,
+            )
     data = report.to_dict(answers=answers)
     if scratch:
         data["settings"]["archive"] = "scratch (temporary)"
@@ -144,9 +197,15 @@ def _progress(as_json: bool) -> Iterator[Callable[[int, int, str], None] | None]
         yield None
         return
     with Progress(
-        TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
-        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
-        console=err, transient=True,
+        TextColumn("[bold]bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("runs"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        console=err,
+        transient=True,
     ) as bar:
         task = bar.add_task("loading model", total=None)
 
@@ -174,22 +233,36 @@ def _print_human(data: dict) -> None:
     con.print(f"[dim]{escape(data['command'])}[/]")
     if data["results"]:
         several = len(s.get("codecs", [])) > 1  # then name each archived run's codec
-        rows = [[
-            r["mode"] + (f" [{r['codec']}]" if several and r.get("bytes_per_token") is not None else ""),
-            "—" if r["ratio"] is None else f"{r['ratio']:g}", _f(r["f1"]), _f(r["em_vs_full"]),
-            _f(r["rouge_l_vs_full"]), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
-            f"{r['ttft_median_s']:.3f}", f"{r['ttft_p90_s']:.3f}", f"{r['recompute_share']:.1%}",
-        ] for r in data["results"]]
-        con.print(_table(
-            "modes vs full (same prompt token ids, same greedy decoding)",
-            ["mode", "ratio", "F1", "EM", "ROUGE-L", "KL 1st", "KL ans", "TTFT p50", "TTFT p90", "recomp."], rows,
-            caption="EM, ROUGE-L: agreement with full's answer. KL from full in nats: first token, and answer "
-                    "(teacher-forced on full's answer). TTFT in s. recomp.: share of full's compute.",
-        ))
+        rows = [
+            [
+                r["mode"] + (f" [{r['codec']}]" if several and r.get("bytes_per_token") is not None else ""),
+                "—" if r["ratio"] is None else f"{r['ratio']:g}",
+                _f(r["f1"]),
+                _f(r["em_vs_full"]),
+                _f(r["rouge_l_vs_full"]),
+                _f(r["kl_vs_full"], 4),
+                _f(r["answer_kl_vs_full"], 4),
+                f"{r['ttft_median_s']:.3f}",
+                f"{r['ttft_p90_s']:.3f}",
+                f"{r['recompute_share']:.1%}",
+            ]
+            for r in data["results"]
+        ]
+        con.print(
+            _table(
+                "modes vs full (same prompt token ids, same greedy decoding)",
+                ["mode", "ratio", "F1", "EM", "ROUGE-L", "KL 1st", "KL ans", "TTFT p50", "TTFT p90", "recomp."],
+                rows,
+                caption="EM, ROUGE-L: agreement with full's answer. KL from full in nats: first token, and answer "
+                "(teacher-forced on full's answer). TTFT in s. recomp.: share of full's compute.",
+            )
+        )
     if len(s.get("codecs", [])) > 1:
         _print_codecs(con, data["results"])
     for rec in data.get("per_record", []):
-        con.print(f"[bold]#{rec['record']}[/] {escape(rec['question'])}  [dim]gold: {escape(' | '.join(rec['gold']))}[/]")
+        con.print(
+            f"[bold]#{rec['record']}[/] {escape(rec['question'])}  [dim]gold: {escape(' | '.join(rec['gold']))}[/]"
+        )
         for run in rec["runs"]:
             con.print(f"   {run['run']:<40} {run['answer']!r}", markup=False)
     if data.get("pareto"):
@@ -197,17 +270,29 @@ def _print_human(data: dict) -> None:
     if data.get("variants"):
         rows, last = [], None
         for r in data["variants"]:
-            rows.append([
-                r["group"] if r["group"] != last else "", r["name"], r["mode"], _f(r["f1"]), _f(r["em_vs_full"]),
-                _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4), f"{r['ttft_median_s']:.3f}",
-                f"{r['recompute_share']:.1%}",
-            ])
+            rows.append(
+                [
+                    r["group"] if r["group"] != last else "",
+                    r["name"],
+                    r["mode"],
+                    _f(r["f1"]),
+                    _f(r["em_vs_full"]),
+                    _f(r["kl_vs_full"], 4),
+                    _f(r["answer_kl_vs_full"], 4),
+                    f"{r['ttft_median_s']:.3f}",
+                    f"{r['recompute_share']:.1%}",
+                ]
+            )
             last = r["group"]
-        con.print(_table(
-            f"fusor variants, blend at ratio {s['variant_ratio']:g}",
-            ["group", "variant", "mode", "F1", "EM", "KL 1st", "KL ans", "TTFT p50", "recomp."], rows, text_cols=3,
-            caption="sink rows run with the KV in memory: their TTFTs compare with each other, not with the rows above.",
-        ))
+        con.print(
+            _table(
+                f"fusor variants, blend at ratio {s['variant_ratio']:g}",
+                ["group", "variant", "mode", "F1", "EM", "KL 1st", "KL ans", "TTFT p50", "recomp."],
+                rows,
+                text_cols=3,
+                caption="sink rows run with the KV in memory: their TTFTs compare with each other, not with the rows above.",
+            )
+        )
 
 
 def _print_pareto(con, points: list[dict]) -> None:
@@ -220,18 +305,31 @@ def _print_pareto(con, points: list[dict]) -> None:
 
 def _print_codecs(con, results: list[dict]) -> None:
     """The codecs side by side: what each stores per token, how fast it loads, what it costs in fidelity."""
-    rows = [[
-        r["codec"], r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"), _f(r["bytes_per_token"], 0),
-        _f(r["read_MBps"], 0), _f(r["decode_MBps"], 0), _f(r["kl_vs_full"], 4), _f(r["answer_kl_vs_full"], 4),
-        f"{r['ttft_median_s']:.3f}",
-    ] for r in results if r.get("bytes_per_token") is not None]
+    rows = [
+        [
+            r["codec"],
+            r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"),
+            _f(r["bytes_per_token"], 0),
+            _f(r["read_MBps"], 0),
+            _f(r["decode_MBps"], 0),
+            _f(r["kl_vs_full"], 4),
+            _f(r["answer_kl_vs_full"], 4),
+            f"{r['ttft_median_s']:.3f}",
+        ]
+        for r in results
+        if r.get("bytes_per_token") is not None
+    ]
     if rows:
-        con.print(_table(
-            "codecs (same records; full computed once)",
-            ["codec", "run", "B/token", "read MB/s", "decode MB/s", "KL 1st", "KL ans", "TTFT p50"], rows, text_cols=2,
-            caption="B/token: stored bytes per token (all layers). read: stored MB/s; decode: KV MB/s (as fp16) "
-                    "built into the prompt's layers (decompress, dequantize, re-position).",
-        ))
+        con.print(
+            _table(
+                "codecs (same records; full computed once)",
+                ["codec", "run", "B/token", "read MB/s", "decode MB/s", "KL 1st", "KL ans", "TTFT p50"],
+                rows,
+                text_cols=2,
+                caption="B/token: stored bytes per token (all layers). read: stored MB/s; decode: KV MB/s (as fp16) "
+                "built into the prompt's layers (decompress, dequantize, re-position).",
+            )
+        )
 
 
 def _table(title: str, headers: list[str], rows: list[list[str]], caption: str = "", text_cols: int = 1) -> Table:

@@ -22,9 +22,23 @@ from kvblend.errors import UsageError
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-ArchiveOpt = typer.Option(None, "--archive", "-a", help="Archive: a directory, or redis://[user[:password]@]host:port[/db] (rediss:// for TLS); default $KVBLEND_ARCHIVE, else ~/.cache/kvblend.", show_default=False)
-ModelOpt = typer.Option(None, "--model", "-m", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).", show_default=False)
-ComputeOpt = typer.Option(None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False)
+ArchiveOpt = typer.Option(
+    None,
+    "--archive",
+    "-a",
+    help="Archive: a directory, or redis://[user[:password]@]host:port[/db] (rediss:// for TLS); default $KVBLEND_ARCHIVE, else ~/.cache/kvblend.",
+    show_default=False,
+)
+ModelOpt = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).",
+    show_default=False,
+)
+ComputeOpt = typer.Option(
+    None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
 WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
 
@@ -40,8 +54,25 @@ def progress_enabled(as_json: bool) -> bool:
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+}
 
 
 def parse_size(text: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 from rich.progress import (
@@ -68,13 +68,25 @@ def register(app: typer.Typer) -> None:
 
 
 def ingest(
-    paths: List[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
+    paths: list[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(DEFAULT_LEVEL, "--level", help="zstd compression level (1-22)."),
-    codec: Codec = typer.Option(Codec.lossless, "--codec", help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own."),
-    batch_tokens: int = typer.Option(DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own."),
+    codec: Codec = typer.Option(
+        Codec.lossless,
+        "--codec",
+        help="KV codec: lossless (= zstd-shuffle, the default), zstd, or the lossy int8 (~0.5x the bytes) / int4 (~0.3x); a lossy codec's segments get keys of their own.",
+    ),
+    batch_tokens: int = typer.Option(
+        DEFAULT_BATCH_TOKENS,
+        "--batch-tokens",
+        help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own.",
+    ),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
-    sink: Sink = typer.Option(Sink(DEFAULT_SINK), "--sink", help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix: best fidelity, see README). Segments get keys of their own; archives built either way answer queries."),
+    sink: Sink = typer.Option(
+        Sink(DEFAULT_SINK),
+        "--sink",
+        help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix: best fidelity, see README). Segments get keys of their own; archives built either way answer queries.",
+    ),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -93,9 +105,15 @@ def ingest(
     with Engine(archive, model, compute, sink=sink) as engine:
         if progress_enabled(as_json):
             with Progress(
-                TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("docs"),
-                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=err, transient=True,
+                TextColumn("[bold]ingest"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("docs"),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
             ) as bar:
                 task = bar.add_task("ingest", total=None, rate="")
                 started = time.perf_counter()
@@ -104,8 +122,15 @@ def ingest(
                     rate = p["tokens"] / max(1e-9, time.perf_counter() - started - engine.model_load_s)
                     bar.update(task, completed=p["documents"], total=p.get("total"), rate=f"{rate:,.0f} tok/s")
 
-                report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait,
-                                       on_progress=on_progress)
+                report = engine.ingest(
+                    paths,
+                    chunk_tokens,
+                    codec.canonical,
+                    level,
+                    batch_tokens,
+                    wait_for_writer=wait,
+                    on_progress=on_progress,
+                )
         else:
             report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
@@ -125,7 +150,7 @@ def ingest(
     )
 
 
-def _read_context_files(files: List[Path]) -> list[str]:
+def _read_context_files(files: list[Path]) -> list[str]:
     texts = []
     for f in files:
         text = read_user_text(f, "context file")
@@ -137,22 +162,54 @@ def _read_context_files(files: List[Path]) -> list[str]:
 
 def query(
     question: str = typer.Argument(..., help="The question."),
-    mode: Mode = typer.Option(Mode(DEFAULT_MODE), "--mode", help="blend: cached KV, the tokens that matter recomputed; full: every token (the reference); reuse: cached KV as is; prefix: only a cached first segment reused."),
-    ratio: Optional[float] = typer.Option(None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."),
-    check_layers: Optional[str] = typer.Option(None, "--check-layers", help="Layers where blend selects tokens, e.g. 1 (default) or 1,2,3 (gradual filtering); 0 only with --select probe (chooses before any layer runs)."),
-    deviation: Deviation = typer.Option(Deviation(DEFAULT_DEVIATION), "--deviation", help="HKVD measure (chosen by `kvblend bench --variants`)."),
-    select: Select = typer.Option(Select(DEFAULT_SELECT), "--select", help="Blend's token selection (see README, 'Selection policies'); every policy recomputes the same budget."),
+    mode: Mode = typer.Option(
+        Mode(DEFAULT_MODE),
+        "--mode",
+        help="blend: cached KV, the tokens that matter recomputed; full: every token (the reference); reuse: cached KV as is; prefix: only a cached first segment reused.",
+    ),
+    ratio: Optional[float] = typer.Option(
+        None, "--ratio", help=f"Share of cached tokens recomputed (default: tuned, else {DEFAULT_RATIO})."
+    ),
+    check_layers: Optional[str] = typer.Option(
+        None,
+        "--check-layers",
+        help="Layers where blend selects tokens, e.g. 1 (default) or 1,2,3 (gradual filtering); 0 only with --select probe (chooses before any layer runs).",
+    ),
+    deviation: Deviation = typer.Option(
+        Deviation(DEFAULT_DEVIATION), "--deviation", help="HKVD measure (chosen by `kvblend bench --variants`)."
+    ),
+    select: Select = typer.Option(
+        Select(DEFAULT_SELECT),
+        "--select",
+        help="Blend's token selection (see README, 'Selection policies'); every policy recomputes the same budget.",
+    ),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Segments to retrieve."),
-    doc: List[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
-    segment: List[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
-    context_file: List[Path] = typer.Option([], "--context-file", help="Extra passage from a file (computed unless archived)."),
+    doc: list[str] = typer.Option([], "--doc", help="Pin a whole ingested document (repeatable, in order)."),
+    segment: list[str] = typer.Option([], "--segment", help="Pin a segment by key (repeatable)."),
+    context_file: list[Path] = typer.Option(
+        [], "--context-file", help="Extra passage from a file (computed unless archived)."
+    ),
     store: bool = typer.Option(False, "--store", help="Archive --context-file passages for next time."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the instruction prefix's exact KV from the archive (stored on first use)."),
+    prefix_cache: bool = typer.Option(
+        True,
+        "--prefix-cache/--no-prefix-cache",
+        help="Reuse the instruction prefix's exact KV from the archive (stored on first use).",
+    ),
     max_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-tokens", help="Maximum tokens to generate."),
-    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature, a finite number >= 0; 0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: sample from the smallest set of tokens whose probability reaches this share, in (0, 1]; 1 = all (only with --temperature > 0)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling, 0 to 2^63-1, so a sampled answer can be repeated (default: random)."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", help="Sampling temperature, a finite number >= 0; 0 = greedy."
+    ),
+    top_p: float = typer.Option(
+        1.0,
+        "--top-p",
+        help="Nucleus sampling: sample from the smallest set of tokens whose probability reaches this share, in (0, 1]; 1 = all (only with --temperature > 0).",
+    ),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help="Random seed for sampling, 0 to 2^63-1, so a sampled answer can be repeated (default: random).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Timing table on stderr."),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
@@ -163,9 +220,17 @@ def query(
     from kvblend.pipeline import Engine
 
     opts = QueryOptions(
-        mode=mode, ratio=ratio, check_layers=parse_check_layers(check_layers), deviation=deviation, select=select,
-        top_k=top_k, docs=tuple(doc), segment_keys=tuple(segment), context_texts=tuple(_read_context_files(context_file)),
-        store_context=store, template=PromptTemplate() if system is None else PromptTemplate(system=system),
+        mode=mode,
+        ratio=ratio,
+        check_layers=parse_check_layers(check_layers),
+        deviation=deviation,
+        select=select,
+        top_k=top_k,
+        docs=tuple(doc),
+        segment_keys=tuple(segment),
+        context_texts=tuple(_read_context_files(context_file)),
+        store_context=store,
+        template=PromptTemplate() if system is None else PromptTemplate(system=system),
         cache_prefix=prefix_cache,
         sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
     ).validate()  # a usage error now, not a traceback after the model loaded
@@ -177,7 +242,9 @@ def query(
             sys.stdout.flush()
 
         result = engine.query(
-            question, opts, on_token=None if as_json else stream,
+            question,
+            opts,
+            on_token=None if as_json else stream,
             on_warning=lambda m: err.print(f"[yellow]warning:[/] {m}"),
         )
     if as_json:
@@ -190,7 +257,9 @@ def query(
 
 def timing_table(result) -> Table:
     t = result.timings
-    table = Table(title=f"{result.mode}" + (f" @ {result.ratio:.2f}" if result.ratio is not None else ""), show_header=False)
+    table = Table(
+        title=f"{result.mode}" + (f" @ {result.ratio:.2f}" if result.ratio is not None else ""), show_header=False
+    )
     rows = [
         ("retrieval", f"{t['retrieval_s'] * 1000:.1f} ms"),
         ("model load (not in TTFT)", f"{t['model_load_s']:.2f} s"),
@@ -198,7 +267,10 @@ def timing_table(result) -> Table:
         ("recompute", f"{t['recompute_s'] * 1000:.1f} ms"),
         ("TTFT", f"{result.ttft_s * 1000:.1f} ms"),
         ("decode", f"{result.tokens_per_s:.1f} tok/s"),
-        ("tokens recomputed / prompt", f"{result.recomputed_tokens} / {result.prompt_tokens} ({result.recompute_share:.1%} of full compute)"),
+        (
+            "tokens recomputed / prompt",
+            f"{result.recomputed_tokens} / {result.prompt_tokens} ({result.recompute_share:.1%} of full compute)",
+        ),
         ("segments", ", ".join(f"{s.key[:8]}{'' if s.cached else '*'}" for s in result.segments) + "  (* = computed)"),
         ("instruction prefix", "cached (exact, never recomputed)" if result.prefix_cached else "computed"),
     ]
@@ -208,7 +280,9 @@ def timing_table(result) -> Table:
 
 
 def demo(
-    keep: Optional[Path] = typer.Option(None, "--archive", "-a", help="Keep the demo archive here instead of a temp dir."),
+    keep: Optional[Path] = typer.Option(
+        None, "--archive", "-a", help="Keep the demo archive here instead of a temp dir."
+    ),
     compute: Optional[str] = ComputeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -216,7 +290,7 @@ def demo(
     from kvblend.evaluation.demo import run_demo
 
     with archive_dir_or_scratch(keep, "kvblend-demo-") as (target, _scratch):
-        run = run_demo(target, compute=compute, on_stage=_show_demo_stage)
+        run = run_demo(Path(target), compute=compute, on_stage=_show_demo_stage)
     if as_json:
         print_json(run.to_dict())
         return
@@ -224,27 +298,40 @@ def demo(
     for m in run.modes:
         if m.mode == "full":
             continue
-        out.print(f"[bold]{m.mode}[/]: first-token KL from full {m.mean_kl_vs_full:.3f} on average, the same answer "
-                  f"as full on {m.agreement}/{m.questions} questions (word overlap {m.mean_rouge_l_vs_full:.0%}), "
-                  f"{m.speedup_vs_full:.1f}x faster to the first token ({m.mean_recompute_share:.0%} of full's compute)")
-    out.print("[dim]The bundled model is tiny and often wrong even with full prefill: what kvblend promises is "
-              "blend's closeness to full (low KL, same answers) at a fraction of full's time to first token.[/]")
+        out.print(
+            f"[bold]{m.mode}[/]: first-token KL from full {m.mean_kl_vs_full:.3f} on average, the same answer "
+            f"as full on {m.agreement}/{m.questions} questions (word overlap {m.mean_rouge_l_vs_full:.0%}), "
+            f"{m.speedup_vs_full:.1f}x faster to the first token ({m.mean_recompute_share:.0%} of full's compute)"
+        )
+    out.print(
+        "[dim]The bundled model is tiny and often wrong even with full prefill: what kvblend promises is "
+        "blend's closeness to full (low KL, same answers) at a fraction of full's time to first token.[/]"
+    )
 
 
 def _demo_table(run) -> Table:
-    table = Table(title="the same retrieved passages, three ways",
-                  caption="KL: first-token KL(full ‖ mode) in nats. ≈ full: the same answer, else its word overlap "
-                          "with full's (ROUGE-L).", caption_justify="left")
-    for col, justify, ratio in (("question", "left", 2), ("mode", "left", None), ("answer", "left", 3),
-                                ("TTFT", "right", None), ("KL", "right", None), ("≈ full", "right", None)):
-        table.add_column(col, justify=justify, overflow="fold", ratio=ratio, no_wrap=ratio is None)
+    table = Table(
+        title="the same retrieved passages, three ways",
+        caption="KL: first-token KL(full ‖ mode) in nats. ≈ full: the same answer, else its word overlap "
+        "with full's (ROUGE-L).",
+        caption_justify="left",
+    )
+    for col, ratio in (("question", 2), ("mode", None), ("answer", 3)):
+        table.add_column(col, justify="left", overflow="fold", ratio=ratio, no_wrap=ratio is None)
+    for col in ("TTFT", "KL", "≈ full"):
+        table.add_column(col, justify="right", no_wrap=True)
     last = None
     for r in run.rows:
         question = "" if r.question == last else f"{r.question}\n[dim]gold: {r.gold[0]}[/]"
-        table.add_row(question, r.mode, r.answer, f"{r.ttft_s * 1000:.0f} ms",
-                      "—" if r.mode == "full" else f"{r.kl_vs_full:.3f}",
-                      "—" if r.mode == "full" else ("same" if r.same_as_full else f"{r.rouge_l_vs_full:.0%}"),
-                      end_section=r.mode == run.modes[-1].mode)
+        table.add_row(
+            question,
+            r.mode,
+            r.answer,
+            f"{r.ttft_s * 1000:.0f} ms",
+            "—" if r.mode == "full" else f"{r.kl_vs_full:.3f}",
+            "—" if r.mode == "full" else ("same" if r.same_as_full else f"{r.rouge_l_vs_full:.0%}"),
+            end_section=r.mode == run.modes[-1].mode,
+        )
         last = r.question
     return table
 

@@ -25,13 +25,39 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. 0.0.0.0 listens on every interface: the server is then reachable by anyone who can reach the port, so give it an --api-key."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="Address to listen on. 0.0.0.0 listens on every interface: the server is then reachable by anyone who can reach the port, so give it an --api-key.",
+    ),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests that may wait for a place in the batch; one more is answered 429."),
-    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, "--max-batch", help="Sequences decoded together in one forward pass (continuous batching); a new request joins when one leaves."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help=f"Require this key as a Bearer token on every route but /health (default: ${API_KEY_ENV}; none: no authentication).", show_default=False),
-    max_archive_size: Optional[str] = typer.Option(None, "--max-archive-size", help="Keep the archive's payloads under this size while serving, e.g. 500MB: least-recently-used segments are evicted (as `gc --max-size`).", show_default=False),
-    max_stored_tokens: int = typer.Option(DEFAULT_MAX_STORED_TOKENS, "--max-stored-tokens", help="New passages one request may store, in tokens; beyond it they are computed in the prompt, not stored (0: store none)."),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE,
+        "--max-queue",
+        help="Requests that may wait for a place in the batch; one more is answered 429.",
+    ),
+    max_batch: int = typer.Option(
+        DEFAULT_MAX_BATCH,
+        "--max-batch",
+        help="Sequences decoded together in one forward pass (continuous batching); a new request joins when one leaves.",
+    ),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        help=f"Require this key as a Bearer token on every route but /health (default: ${API_KEY_ENV}; none: no authentication).",
+        show_default=False,
+    ),
+    max_archive_size: Optional[str] = typer.Option(
+        None,
+        "--max-archive-size",
+        help="Keep the archive's payloads under this size while serving, e.g. 500MB: least-recently-used segments are evicted (as `gc --max-size`).",
+        show_default=False,
+    ),
+    max_stored_tokens: int = typer.Option(
+        DEFAULT_MAX_STORED_TOKENS,
+        "--max-stored-tokens",
+        help="New passages one request may store, in tokens; beyond it they are computed in the prompt, not stored (0: store none).",
+    ),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -60,5 +86,4 @@ def serve(
         raise UsageError("--max-archive-size must be more than 0 bytes")
     from kvblend.serve.server import ServeOptions, run_server
 
-    run_server(ServeOptions(host, port, archive, model, compute, max_queue, max_batch, key, bound,
-                            max_stored_tokens))
+    run_server(ServeOptions(host, port, archive, model, compute, max_queue, max_batch, key, bound, max_stored_tokens))

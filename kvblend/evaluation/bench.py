@@ -10,7 +10,7 @@ in memory) run in the same pass, sharing full's reference.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_RATIO, DEFAULT_SELECT
 from kvblend.errors import UsageError
@@ -42,9 +42,16 @@ def _warm_up(engine, record: QARecord, template: PromptTemplate, codecs: Sequenc
     for i, codec in enumerate(dict.fromkeys([DEFAULT_CODEC, *codecs])):
         keys = [s.key for s in engine.store_texts(record.passage_texts(1), codec=codec)]
         for mode in ("full", "blend") if i == 0 else ("blend",):
-            engine.query(record.question, QueryOptions(mode=mode, ratio=DEFAULT_RATIO if mode == "blend" else None,
-                                                       segment_keys=keys, template=template,
-                                                       sampling=SamplingConfig(max_new_tokens=2)))
+            engine.query(
+                record.question,
+                QueryOptions(
+                    mode=mode,
+                    ratio=DEFAULT_RATIO if mode == "blend" else None,
+                    segment_keys=keys,
+                    template=template,
+                    sampling=SamplingConfig(max_new_tokens=2),
+                ),
+            )
 
 
 def _check_settings(chunks: int, max_new_tokens: int, answer_kl_tokens: int, variant_ratio: float) -> None:
@@ -57,25 +64,46 @@ def _check_settings(chunks: int, max_new_tokens: int, answer_kl_tokens: int, var
     check_ratio(variant_ratio, "--variant-ratio")
 
 
-def _variant_rows(vrows: list[tuple[str, str, RunSpec]], runs: list[RunRecord], full_answers: dict[int, str]) -> list[dict]:
+def _variant_rows(
+    vrows: list[tuple[str, str, RunSpec]], runs: list[RunRecord], full_answers: dict[int, str]
+) -> list[dict]:
     unique = list(dict.fromkeys(s for _, _, s in vrows))  # a spec named twice ran (and is summarised) once
     by_spec = dict(zip(unique, summarize(runs, full_answers, unique)))
     rows = []
     for group, name, spec in vrows:
         blend = spec.mode == "blend"
-        row = {"group": group, "name": name, "deviation": spec.deviation if blend else None,
-               "check_layers": list(spec.check_layers) if blend else None, "sink": spec.sink, "kv_source": spec.source}
+        row = {
+            "group": group,
+            "name": name,
+            "deviation": spec.deviation if blend else None,
+            "check_layers": list(spec.check_layers) if blend else None,
+            "sink": spec.sink,
+            "kv_source": spec.source,
+        }
         rows.append(rounded({**row, **by_spec[spec]}))
     return rows
 
 
-def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAULT_BENCH_MODES,
-              ratios: Sequence[float] = DEFAULT_BENCH_RATIOS, *, chunks: int = DEFAULT_CHUNKS,
-              max_new_tokens: int = DEFAULT_BENCH_MAX_NEW_TOKENS, answer_kl_tokens: int = ANSWER_KL_TOKENS,
-              variants: bool = False, variant_ratio: float = DEFAULT_VARIANT_RATIO, main: bool = True,
-              template: PromptTemplate = MUSIQUE_TEMPLATE, command: str = "", on_progress: ProgressFn | None = None,
-              warm_up: bool = True, codecs: Sequence[str] = (DEFAULT_CODEC,),
-              select: str = DEFAULT_SELECT, pareto: bool = False) -> BenchReport:
+def run_bench(
+    engine,
+    records: Sequence[QARecord],
+    modes: Sequence[str] = DEFAULT_BENCH_MODES,
+    ratios: Sequence[float] = DEFAULT_BENCH_RATIOS,
+    *,
+    chunks: int = DEFAULT_CHUNKS,
+    max_new_tokens: int = DEFAULT_BENCH_MAX_NEW_TOKENS,
+    answer_kl_tokens: int = ANSWER_KL_TOKENS,
+    variants: bool = False,
+    variant_ratio: float = DEFAULT_VARIANT_RATIO,
+    main: bool = True,
+    template: PromptTemplate = MUSIQUE_TEMPLATE,
+    command: str = "",
+    on_progress: ProgressFn | None = None,
+    warm_up: bool = True,
+    codecs: Sequence[str] = (DEFAULT_CODEC,),
+    select: str = DEFAULT_SELECT,
+    pareto: bool = False,
+) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
     With `variants`, the fusor-choice comparison runs in the same pass; with
@@ -146,7 +174,7 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
         model=engine.model_name,
         machine=describe_machine(engine.runner),
         command=command,
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         records=len(records),
         results=[rounded(d) for d in summarize(runs, full_answers, mains)] if main else [],
         variants=_variant_rows(vrows, runs, full_answers) if variants else None,
@@ -160,5 +188,6 @@ def run_bench(engine, records: Sequence[QARecord], modes: Sequence[str] = DEFAUL
 
 def run_variants(engine, records: Sequence[QARecord], ratio: float = DEFAULT_VARIANT_RATIO, **kwargs) -> BenchReport:
     """Only the fusor-choice comparison (deviation, check layers, sink policy) at `ratio`."""
-    return run_bench(engine, records, modes=("full",), ratios=(), variants=True, variant_ratio=ratio, main=False,
-                     **kwargs)
+    return run_bench(
+        engine, records, modes=("full",), ratios=(), variants=True, variant_ratio=ratio, main=False, **kwargs
+    )

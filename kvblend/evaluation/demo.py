@@ -14,10 +14,11 @@ CLI's (kvblend.cli.query_cmds); progress leaves through `on_stage`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvblend.errors import UsageError
 from kvblend.evaluation.metrics import kl_divergence, normalize_answer, rouge_l
@@ -70,8 +71,11 @@ class DemoRun:
     modes: list[ModeSummary]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ingest": self.report.to_dict(), "rows": [asdict(r) for r in self.rows],
-                "modes": [asdict(m) for m in self.modes]}
+        return {
+            "ingest": self.report.to_dict(),
+            "rows": [asdict(r) for r in self.rows],
+            "modes": [asdict(m) for m in self.modes],
+        }
 
 
 def demo_docs() -> Path:
@@ -88,8 +92,9 @@ def demo_questions(n: int = DEMO_QUESTIONS) -> list[dict[str, Any]]:
     return list(data[:n])
 
 
-def run_demo(archive: Path, compute: str | None = None, on_stage: Stage | None = None,
-             n_questions: int = DEMO_QUESTIONS) -> DemoRun:
+def run_demo(
+    archive: Path, compute: str | None = None, on_stage: Stage | None = None, n_questions: int = DEMO_QUESTIONS
+) -> DemoRun:
     """Ingest the bundled documents into `archive`, then ask the demo questions with every demo mode."""
     notify = on_stage or (lambda _stage, _data: None)
     docs = demo_docs()
@@ -102,18 +107,34 @@ def run_demo(archive: Path, compute: str | None = None, on_stage: Stage | None =
         questions = demo_questions(n_questions)
         for i, item in enumerate(questions):
             notify("ask", {"index": i + 1, "total": len(questions), "question": item["question"]})
-            results = {mode: engine.query(item["question"], QueryOptions(mode=mode, sampling=sampling))
-                       for mode in DEMO_MODES}
+            results = {
+                mode: engine.query(item["question"], QueryOptions(mode=mode, sampling=sampling)) for mode in DEMO_MODES
+            }
             rows.extend(_rows(item, results))
     return DemoRun(report, rows, _summaries(rows))
 
 
 def _rows(item: dict[str, Any], results: dict[Mode, QueryResult]) -> list[DemoRow]:
     full = results[Mode.full]
-    return [DemoRow(item["question"], list(item["answers"]), str(mode), r.answer, r.ttft_s, r.recompute_share,
-                    kl_divergence(full.fusion.last_logits, r.fusion.last_logits) if mode != Mode.full else 0.0,
-                    normalize_answer(r.answer) == normalize_answer(full.answer), rouge_l(r.answer, full.answer))
-            for mode, r in results.items()]
+    return [
+        DemoRow(
+            item["question"],
+            list(item["answers"]),
+            str(mode),
+            r.answer,
+            r.ttft_s,
+            r.recompute_share,
+            kl_divergence(_logits(full), _logits(r)) if mode != Mode.full else 0.0,
+            normalize_answer(r.answer) == normalize_answer(full.answer),
+            rouge_l(r.answer, full.answer),
+        )
+        for mode, r in results.items()
+    ]
+
+
+def _logits(result: QueryResult) -> Any:
+    assert result.fusion is not None, "an engine query reports its fusion"
+    return result.fusion.last_logits
 
 
 def _summaries(rows: list[DemoRow]) -> list[ModeSummary]:
@@ -125,8 +146,16 @@ def _summaries(rows: list[DemoRow]) -> list[ModeSummary]:
     for mode in DEMO_MODES:
         mine = [r for r in rows if r.mode == mode]
         ttft = mean([r.ttft_s for r in mine])
-        out.append(ModeSummary(str(mode), sum(r.same_as_full for r in mine), len(mine),
-                               mean([r.rouge_l_vs_full for r in mine]),
-                               mean([r.kl_vs_full for r in mine]), ttft, full_ttft / ttft if ttft else 0.0,
-                               mean([r.recompute_share for r in mine])))
+        out.append(
+            ModeSummary(
+                str(mode),
+                sum(r.same_as_full for r in mine),
+                len(mine),
+                mean([r.rouge_l_vs_full for r in mine]),
+                mean([r.kl_vs_full for r in mine]),
+                ttft,
+                full_ttft / ttft if ttft else 0.0,
+                mean([r.recompute_share for r in mine]),
+            )
+        )
     return out

@@ -37,8 +37,9 @@ they change what was measured.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -80,6 +81,8 @@ def blend_config(spec: RunSpec, n_layers: int) -> BlendConfig:
     Gradual filtering over one check layer is the single-layer configuration
     (its ratio schedule is just ``(ratio,)``), so one constructor serves both.
     """
+    if spec.ratio is None:
+        raise UsageError("a blend run needs a ratio")
     cfg = BlendConfig.gradual(spec.ratio, spec.check_layers, spec.deviation, spec.select)
     cfg.validate(n_layers)
     return cfg
@@ -113,9 +116,16 @@ class Answer:
 class RecordRunner:
     """Runs specs on records against a reference spec (archive runs need an engine, memory runs do not)."""
 
-    def __init__(self, runner, template: PromptTemplate = MUSIQUE_TEMPLATE,
-                 max_new_tokens: int = DEFAULT_BENCH_MAX_NEW_TOKENS, answer_kl_tokens: int = ANSWER_KL_TOKENS,
-                 chunks: int | None = None, engine=None, reference_spec: RunSpec = FULL):
+    def __init__(
+        self,
+        runner,
+        template: PromptTemplate = MUSIQUE_TEMPLATE,
+        max_new_tokens: int = DEFAULT_BENCH_MAX_NEW_TOKENS,
+        answer_kl_tokens: int = ANSWER_KL_TOKENS,
+        chunks: int | None = None,
+        engine=None,
+        reference_spec: RunSpec = FULL,
+    ):
         self.runner = runner
         self.engine = engine
         self.template = template
@@ -144,23 +154,37 @@ class RecordRunner:
             before, _ = split_template(self.runner, self.template, record.question)
             prefix = self.runner.tokenize(before)  # the prompt's instruction prefix: fixed across records
         kvs = precompute_kv(self.runner, ids, sink_prefix=prefix or None)
-        return [Segment(i, kv=kv, base_position=len(prefix), key=f"{sink}:{n}")
-                for n, (i, kv) in enumerate(zip(ids, kvs))]
+        return [
+            Segment(i, kv=kv, base_position=len(prefix), key=f"{sink}:{n}") for n, (i, kv) in enumerate(zip(ids, kvs))
+        ]
 
     # ── one run ──
     def options(self, spec: RunSpec, keys: list[str]) -> QueryOptions:
-        return QueryOptions(mode=spec.mode, ratio=spec.ratio,
-                            check_layers=spec.check_layers if spec.mode == "blend" else None,
-                            deviation=spec.deviation, select=spec.select, segment_keys=list(keys), template=self.template,
-                            sampling=self.sampling)
+        return QueryOptions(
+            mode=spec.mode,
+            ratio=spec.ratio,
+            check_layers=spec.check_layers if spec.mode == "blend" else None,
+            deviation=spec.deviation,
+            select=spec.select,
+            segment_keys=list(keys),
+            template=self.template,
+            sampling=self.sampling,
+        )
 
     def answer(self, question: str, spec: RunSpec, keys: list[str], memory: MemoryKV) -> Answer:
         """One free-running run: through the engine (archive) or fused here from in-memory KV."""
         if spec.source == "archive":
             res = self.engine.query(question, self.options(spec, keys))
             self.warnings.extend(f"{spec.label}: {w}" for w in res.warnings)
-            return Answer(res.answer, res.generation.token_ids, res.fusion, res.ttft_s, res.recompute_share,
-                          res.prompt_tokens, getattr(res.fusion, "stream", None))
+            return Answer(
+                res.answer,
+                res.generation.token_ids,
+                res.fusion,
+                res.ttft_s,
+                res.recompute_share,
+                res.prompt_tokens,
+                getattr(res.fusion, "stream", None),
+            )
         cfg = blend_config(spec, self.runner.n_layers) if spec.mode == "blend" else None
         t0 = time.perf_counter()
         prompt = assemble_prompt(self.runner, self.template, question, list(memory[spec.sink]))
@@ -168,8 +192,9 @@ class RecordRunner:
         fused = fuse(self.runner, prompt, spec.mode, cfg)
         t1 = time.perf_counter()
         gen = generate(self.runner, fused, self.sampling)
-        return Answer(gen.text, gen.token_ids, fused, (t1 - t0) + gen.first_token_s, fused.recompute_share,
-                      len(fused.token_ids))
+        return Answer(
+            gen.text, gen.token_ids, fused, (t1 - t0) + gen.first_token_s, fused.recompute_share, len(fused.token_ids)
+        )
 
     def _check_fits(self, prompt: Sequence[Segment]) -> None:
         limit = self.runner.max_positions
@@ -181,34 +206,73 @@ class RecordRunner:
         """Teacher-force `tokens` from a fused KV; the logits before each one ([n, vocab])."""
         if not tokens:
             return None
-        gen = generate(self.runner, fusion, SamplingConfig(max_new_tokens=len(tokens)),
-                       keep_logits=True, forced_tokens=list(tokens))
+        gen = generate(
+            self.runner,
+            fusion,
+            SamplingConfig(max_new_tokens=len(tokens)),
+            keep_logits=True,
+            forced_tokens=list(tokens),
+        )
         return torch.stack(gen.step_logits)
 
     # ── scoring ──
     def _reference(self, spec: RunSpec, ans: Answer) -> Reference:
         forced = list(ans.token_ids[: self.answer_kl_tokens])
-        return Reference(spec, list(ans.fusion.token_ids), ans.fusion.last_logits.detach().float().cpu(), forced,
-                         self.forced_logits(ans.fusion, forced), ans.text)
+        return Reference(
+            spec,
+            list(ans.fusion.token_ids),
+            ans.fusion.last_logits.detach().float().cpu(),
+            forced,
+            self.forced_logits(ans.fusion, forced),
+            ans.text,
+        )
 
-    def _score(self, index: int, record: QARecord, ref: Reference, spec: RunSpec, ans: Answer,
-               steps: torch.Tensor | None = None, stored: Sequence[SegmentRecord] = ()) -> RunRecord:
+    def _score(
+        self,
+        index: int,
+        record: QARecord,
+        ref: Reference,
+        spec: RunSpec,
+        ans: Answer,
+        steps: torch.Tensor | None = None,
+        stored: Sequence[SegmentRecord] = (),
+    ) -> RunRecord:
         if list(ans.fusion.token_ids) != ref.ids:
-            raise RuntimeError(f"{spec.label} ran on a different prompt than full "
-                               f"({ans.prompt_tokens} vs {len(ref.ids)} tokens)")
+            raise RuntimeError(
+                f"{spec.label} ran on a different prompt than full ({ans.prompt_tokens} vs {len(ref.ids)} tokens)"
+            )
         kl = kl_divergence(ref.first, ans.fusion.last_logits.detach().float().cpu())
         if ref.steps is None:  # full stopped at once (or no forcing asked): the first position is all there is
             answer_kl = kl
         else:
-            answer_kl = mean_token_kl(ref.steps, steps if steps is not None else self.forced_logits(ans.fusion, ref.forced))
+            answer_kl = mean_token_kl(
+                ref.steps, steps if steps is not None else self.forced_logits(ans.fusion, ref.forced)
+            )
         reads = spec.mode in ("reuse", "blend") and spec.source == "archive"  # the passages' KV came from disk
-        return RunRecord(index, spec, ans.text, list(record.answers), ans.ttft_s, ans.recompute_share, kl, answer_kl,
-                         ans.prompt_tokens, sum(r.stored_bytes for r in stored) if reads else 0,
-                         sum(r.n_tokens for r in stored) if reads else 0, ans.stream if reads else None)
+        return RunRecord(
+            index,
+            spec,
+            ans.text,
+            list(record.answers),
+            ans.ttft_s,
+            ans.recompute_share,
+            kl,
+            answer_kl,
+            ans.prompt_tokens,
+            sum(r.stored_bytes for r in stored) if reads else 0,
+            sum(r.n_tokens for r in stored) if reads else 0,
+            ans.stream if reads else None,
+        )
 
-    def run(self, index: int, record: QARecord, specs: Sequence[RunSpec],
-            on_run: Callable[[RunSpec], None] | None = None, reference: Reference | None = None,
-            memory: MemoryKV | None = None) -> tuple[Reference, list[RunRecord]]:
+    def run(
+        self,
+        index: int,
+        record: QARecord,
+        specs: Sequence[RunSpec],
+        on_run: Callable[[RunSpec], None] | None = None,
+        reference: Reference | None = None,
+        memory: MemoryKV | None = None,
+    ) -> tuple[Reference, list[RunRecord]]:
         """All `specs` on one record, in an order rotated by `index`; scored against the reference run.
 
         Without `reference`, the reference spec runs too (and its record is
@@ -233,8 +297,9 @@ class RecordRunner:
             if reference is None and spec == self.reference_spec:
                 reference = self._reference(spec, ans)
                 out.append(self._score(index, record, reference, spec, ans, steps=reference.steps))
-                out.extend(self._score(index, record, reference, s, a, stored=stored.get(s.codec, ()))
-                           for s, a in pending)
+                out.extend(
+                    self._score(index, record, reference, s, a, stored=stored.get(s.codec, ())) for s, a in pending
+                )
                 pending.clear()
             elif reference is not None:
                 out.append(self._score(index, record, reference, spec, ans, stored=stored.get(spec.codec, ())))
@@ -244,4 +309,5 @@ class RecordRunner:
             if on_run:
                 on_run(spec)
         out.sort(key=lambda r: order.index(r.spec))
+        assert reference is not None, "the reference spec runs on every record"
         return reference, out

@@ -11,8 +11,8 @@ pass included). No decoding, no TTFT: the variants table has those.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvblend.evaluation.harness import RecordRunner
 from kvblend.evaluation.metrics import kl_divergence
@@ -35,10 +35,15 @@ def series_config(series: str, ratio: float) -> BlendConfig:
     return BlendConfig.single(ratio, select=series)
 
 
-def run_pareto(runner, records: Sequence[QARecord], policies: Sequence[str] = PARETO_SERIES,
-               ratios: Sequence[float] = PARETO_RATIOS, chunks: int | None = None,
-               template: PromptTemplate = MUSIQUE_TEMPLATE,
-               on_progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
+def run_pareto(
+    runner,
+    records: Sequence[QARecord],
+    policies: Sequence[str] = PARETO_SERIES,
+    ratios: Sequence[float] = PARETO_RATIOS,
+    chunks: int | None = None,
+    template: PromptTemplate = MUSIQUE_TEMPLATE,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> list[dict]:
     """Mean first-token KL and recompute share per (policy, ratio) over `records`."""
     rr = RecordRunner(runner, template, chunks=chunks)
     kls: dict[tuple[str, float], list[float]] = {(p, r): [] for p in policies for r in ratios}
@@ -56,8 +61,16 @@ def run_pareto(runner, records: Sequence[QARecord], policies: Sequence[str] = PA
             done += 1
             if on_progress:
                 on_progress(done, total, f"pareto record {i + 1}/{len(records)} {policy}@{ratio:g}")
-    return [{"select": p, "ratio": r, "kl_vs_full": round(mean(kls[p, r]), 6),
-             "recompute_share": round(mean(shares[p, r]), 6), "records": len(kls[p, r])} for p, r in kls]
+    return [
+        {
+            "select": p,
+            "ratio": r,
+            "kl_vs_full": round(mean(kls[p, r]), 6),
+            "recompute_share": round(mean(shares[p, r]), 6),
+            "records": len(kls[p, r]),
+        }
+        for p, r in kls
+    ]
 
 
 def plot_pareto(points: Sequence[dict], path: str | os.PathLike[str], title: str = "", footer: str = "") -> Path:
@@ -70,8 +83,7 @@ def plot_pareto(points: Sequence[dict], path: str | os.PathLike[str], title: str
     ax = fig.subplots()
     for policy in dict.fromkeys(p["select"] for p in points):
         rows = sorted((p for p in points if p["select"] == policy), key=lambda p: p["recompute_share"])
-        ax.plot([100 * p["recompute_share"] for p in rows], [p["kl_vs_full"] for p in rows], marker="o",
-                label=policy)
+        ax.plot([100 * p["recompute_share"] for p in rows], [p["kl_vs_full"] for p in rows], marker="o", label=policy)
     ax.axvline(22, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("recompute share (% of full's token-layers)")
     ax.set_ylabel("first-token KL from full (nats, mean)")

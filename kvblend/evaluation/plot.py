@@ -14,8 +14,12 @@ from kvblend.errors import UsageError
 from kvblend.evaluation.records import ANSWER_KL_TOKENS
 
 # mode → (color, marker, filled, size): prefix hollow and larger, so it shows around full when they coincide
-_STYLE = {"full": ("black", "s", True, 7), "prefix": ("tab:gray", "D", False, 12),
-          "reuse": ("tab:red", "v", True, 9), "blend": ("tab:blue", "o", True, 8)}
+_STYLE = {
+    "full": ("black", "s", True, 7),
+    "prefix": ("tab:gray", "D", False, 12),
+    "reuse": ("tab:red", "v", True, 9),
+    "blend": ("tab:blue", "o", True, 8),
+}
 
 
 def check_plot_available() -> None:
@@ -31,13 +35,29 @@ def _draw_mode(ax, rows: list[dict], mode: str, key: str) -> None:
     xs = [r["ttft_median_s"] for r in rows]
     ys = [r[key] for r in rows]
     label = mode if mode != "blend" else "blend (recompute ratio r)"
-    ax.plot(xs, ys, marker=marker, color=color, linestyle="-" if len(rows) > 1 else "none",
-            markersize=size, markerfacecolor=color if filled else "none", markeredgewidth=1.5,
-            label=label, zorder=3 if filled else 2, clip_on=False)
+    ax.plot(
+        xs,
+        ys,
+        marker=marker,
+        color=color,
+        linestyle="-" if len(rows) > 1 else "none",
+        markersize=size,
+        markerfacecolor=color if filled else "none",
+        markeredgewidth=1.5,
+        label=label,
+        zorder=3 if filled else 2,
+        clip_on=False,
+    )
     if mode == "blend":
         for j, r in enumerate(rows):  # alternate above/below so neighbouring labels do not collide
-            ax.annotate(f"r={r['ratio']:g}", (r["ttft_median_s"], r[key]), textcoords="offset points",
-                        xytext=(4, 8 if j % 2 == 0 else -14), fontsize=8, color=color)
+            ax.annotate(
+                f"r={r['ratio']:g}",
+                (r["ttft_median_s"], r[key]),
+                textcoords="offset points",
+                xytext=(4, 8 if j % 2 == 0 else -14),
+                fontsize=8,
+                color=color,
+            )
 
 
 def _draw_panel(ax, results: list[dict], key: str, ylabel: str, title: str, x_max: float) -> None:
@@ -71,9 +91,14 @@ def plot_report(report, path: str | os.PathLike[str]) -> Path:
     fig = Figure(figsize=(11, 4.8), dpi=150)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
-    panels = [("f1", "F1 vs gold answers (mean)", "answer quality: higher is better"),
-              ("answer_kl_vs_full", f"answer KL from full (nats, mean over ≤{n_tok} tokens)",
-               "divergence from full: lower is better")]
+    panels = [
+        ("f1", "F1 vs gold answers (mean)", "answer quality: higher is better"),
+        (
+            "answer_kl_vs_full",
+            f"answer KL from full (nats, mean over ≤{n_tok} tokens)",
+            "divergence from full: lower is better",
+        ),
+    ]
     x_max = max((r["ttft_median_s"] for r in results), default=1.0) or 1.0
     for ax, (key, ylabel, title) in zip(axes, panels):
         _draw_panel(ax, results, key, ylabel, title, x_max)

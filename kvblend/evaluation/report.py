@@ -37,9 +37,16 @@ def _settings_line(data: dict) -> str:
 def _result_row(r: dict, full: dict | None) -> list[str]:
     speed = (full["ttft_median_s"] / r["ttft_median_s"]) if full and r["ttft_median_s"] else None
     return [
-        r["mode"], "—" if r["ratio"] is None else f"{r['ratio']:g}", _num(r["f1"]), _num(r["em_vs_full"]),
-        _num(r["rouge_l_vs_full"]), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
-        _num(r["ttft_median_s"]), _num(r["ttft_p90_s"]), "—" if speed is None else f"{speed:.2f}×",
+        r["mode"],
+        "—" if r["ratio"] is None else f"{r['ratio']:g}",
+        _num(r["f1"]),
+        _num(r["em_vs_full"]),
+        _num(r["rouge_l_vs_full"]),
+        _num(r["kl_vs_full"], 4),
+        _num(r["answer_kl_vs_full"], 4),
+        _num(r["ttft_median_s"]),
+        _num(r["ttft_p90_s"]),
+        "—" if speed is None else f"{speed:.2f}×",
         f"{r['recompute_share']:.1%}",
     ]
 
@@ -51,19 +58,36 @@ def markdown_results(data: dict) -> str:
         return "(no results)"
     full = next((r for r in rows_in if r["mode"] == "full"), None)
     n_tok = data.get("settings", {}).get("answer_kl_tokens", ANSWER_KL_TOKENS)
-    return "\n".join([
-        _settings_line(data),
-        "",
-        _table(["mode", "ratio", "F1 (gold)", "EM vs full", "ROUGE-L vs full", "KL 1st token", "answer KL",
-                "TTFT p50 (s)", "TTFT p90 (s)", "speed-up vs full (p50)", "recompute share"],
-               [_result_row(r, full) for r in rows_in], 2),
-        "",
-        "F1: SQuAD token F1 against the gold answers (max over them). EM / ROUGE-L vs full: agreement with "
-        "full's own answer on the same record. KL (nats) from full's distribution: of the first token, and "
-        f"averaged over full's first ≤{n_tok} answer tokens fed to every mode (teacher forcing on the same fused KV). "
-        "TTFT: KV streamed from the on-disk archive + fusion + first token; model load excluded. "
-        "Recompute share: token-layers computed / prompt tokens × layers.",
-    ])
+    return "\n".join(
+        [
+            _settings_line(data),
+            "",
+            _table(
+                [
+                    "mode",
+                    "ratio",
+                    "F1 (gold)",
+                    "EM vs full",
+                    "ROUGE-L vs full",
+                    "KL 1st token",
+                    "answer KL",
+                    "TTFT p50 (s)",
+                    "TTFT p90 (s)",
+                    "speed-up vs full (p50)",
+                    "recompute share",
+                ],
+                [_result_row(r, full) for r in rows_in],
+                2,
+            ),
+            "",
+            "F1: SQuAD token F1 against the gold answers (max over them). EM / ROUGE-L vs full: agreement with "
+            "full's own answer on the same record. KL (nats) from full's distribution: of the first token, and "
+            f"averaged over full's first ≤{n_tok} answer tokens fed to every mode (teacher forcing on the same "
+            "fused KV). "
+            "TTFT: KV streamed from the on-disk archive + fusion + first token; model load excluded. "
+            "Recompute share: token-layers computed / prompt tokens × layers.",
+        ]
+    )
 
 
 def markdown_variants(data: dict) -> str:
@@ -73,24 +97,52 @@ def markdown_variants(data: dict) -> str:
         return "(no variants)"
     rows, last = [], None
     for r in rows_in:
-        rows.append([
-            r["group"] if r["group"] != last else "", r["name"], r["mode"], _num(r["f1"]), _num(r["em_vs_full"]),
-            _num(r["rouge_l_vs_full"]), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
-            _num(r["ttft_median_s"]), f"{r['recompute_share']:.1%}", r.get("kv_source", ""),
-        ])
+        rows.append(
+            [
+                r["group"] if r["group"] != last else "",
+                r["name"],
+                r["mode"],
+                _num(r["f1"]),
+                _num(r["em_vs_full"]),
+                _num(r["rouge_l_vs_full"]),
+                _num(r["kl_vs_full"], 4),
+                _num(r["answer_kl_vs_full"], 4),
+                _num(r["ttft_median_s"]),
+                f"{r['recompute_share']:.1%}",
+                r.get("kv_source", ""),
+            ]
+        )
         last = r["group"]
     ratio = data.get("settings", {}).get("variant_ratio")
-    return "\n".join([
-        _settings_line(data) + (f" Blend at ratio {ratio:g}." if ratio is not None else ""),
-        "",
-        _table(["group", "variant", "mode", "F1 (gold)", "EM vs full", "ROUGE-L vs full", "KL 1st token", "answer KL",
-                "TTFT p50 (s)", "recompute share", "KV from"], rows, 3),
-        "",
-        "deviation: HKVD scored on K, V, or both (each normalised by its mean). check_layers: where tokens are "
-        "selected (1,2,3 = gradual filtering, ratios shrinking to the target). sink: chunks prefilled alone (what the "
-        "archive stores) vs after the prompt's shared instruction prefix (its KV dropped); these rows hold the KV in "
-        "memory, so their TTFTs compare with each other only." + (f" Note: {data['note']}." if data.get("note") else ""),
-    ])
+    return "\n".join(
+        [
+            _settings_line(data) + (f" Blend at ratio {ratio:g}." if ratio is not None else ""),
+            "",
+            _table(
+                [
+                    "group",
+                    "variant",
+                    "mode",
+                    "F1 (gold)",
+                    "EM vs full",
+                    "ROUGE-L vs full",
+                    "KL 1st token",
+                    "answer KL",
+                    "TTFT p50 (s)",
+                    "recompute share",
+                    "KV from",
+                ],
+                rows,
+                3,
+            ),
+            "",
+            "deviation: HKVD scored on K, V, or both (each normalised by its mean). check_layers: where tokens are "
+            "selected (1,2,3 = gradual filtering, ratios shrinking to the target). sink: chunks prefilled alone "
+            "(what the archive stores) vs after the prompt's shared instruction prefix (its KV dropped); these rows "
+            "hold the KV in memory, so their TTFTs compare with each other only."
+            + (f" Note: {data['note']}." if data.get("note") else ""),
+        ]
+    )
 
 
 def markdown_codecs(data: dict) -> str:
@@ -99,22 +151,47 @@ def markdown_codecs(data: dict) -> str:
     if not rows_in:
         return "(no codec rows)"
     raw = data.get("settings", {}).get("raw_bytes_per_token")
-    rows = [[
-        r["codec"], r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"), f"{r['bytes_per_token']:,.0f}",
-        "—" if not raw else f"{r['bytes_per_token'] / raw:.3f}×", _num(r.get("read_MBps"), 0),
-        _num(r.get("decode_MBps"), 0), _num(r["kl_vs_full"], 4), _num(r["answer_kl_vs_full"], 4),
-        _num(r["em_vs_full"]), _num(r["ttft_median_s"]),
-    ] for r in rows_in]
-    return "\n".join([
-        _settings_line(data),
-        "",
-        _table(["codec", "run", "bytes/token", "vs raw fp16", "read MB/s", "decode MB/s", "KL 1st token", "answer KL",
-                "EM vs full", "TTFT p50 (s)"], rows, 2),
-        "",
-        "bytes/token: stored bytes per prompt token over all layers (K and V). read: stored MB/s off the archive; "
-        "decode: KV MB/s (as fp16) built into the prompt's layers (decompress, dequantize, re-position). "
-        "KL from full, which is computed once per record.",
-    ])
+    rows = [
+        [
+            r["codec"],
+            r["mode"] + ("" if r["ratio"] is None else f"@{r['ratio']:g}"),
+            f"{r['bytes_per_token']:,.0f}",
+            "—" if not raw else f"{r['bytes_per_token'] / raw:.3f}×",
+            _num(r.get("read_MBps"), 0),
+            _num(r.get("decode_MBps"), 0),
+            _num(r["kl_vs_full"], 4),
+            _num(r["answer_kl_vs_full"], 4),
+            _num(r["em_vs_full"]),
+            _num(r["ttft_median_s"]),
+        ]
+        for r in rows_in
+    ]
+    return "\n".join(
+        [
+            _settings_line(data),
+            "",
+            _table(
+                [
+                    "codec",
+                    "run",
+                    "bytes/token",
+                    "vs raw fp16",
+                    "read MB/s",
+                    "decode MB/s",
+                    "KL 1st token",
+                    "answer KL",
+                    "EM vs full",
+                    "TTFT p50 (s)",
+                ],
+                rows,
+                2,
+            ),
+            "",
+            "bytes/token: stored bytes per prompt token over all layers (K and V). read: stored MB/s off the archive; "
+            "decode: KV MB/s (as fp16) built into the prompt's layers (decompress, dequantize, re-position). "
+            "KL from full, which is computed once per record.",
+        ]
+    )
 
 
 def pareto_grid(points: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -122,9 +199,14 @@ def pareto_grid(points: list[dict]) -> tuple[list[str], list[list[str]]]:
     at each ratio. The CLI's table and the markdown one are this grid."""
     ratios = sorted({p["ratio"] for p in points})
     by = {(p["select"], p["ratio"]): p for p in points}
-    rows = [[policy] + [f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})"
-                        if (policy, r) in by else "—" for r in ratios]
-            for policy in dict.fromkeys(p["select"] for p in points)]
+    rows = [
+        [policy]
+        + [
+            f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})" if (policy, r) in by else "—"
+            for r in ratios
+        ]
+        for policy in dict.fromkeys(p["select"] for p in points)
+    ]
     return ["policy"] + [f"r={r:g}" for r in ratios], rows
 
 

@@ -7,8 +7,9 @@ variants) run once and are reported under each name. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvblend.archive.codec import check_codec
 from kvblend.defaults import (
@@ -101,8 +102,12 @@ class RunRecord:
     stream: Any = None  # the archive feed's StreamStats (bytes read, read / build seconds), if it streamed
 
 
-def main_specs(modes: Sequence[str], ratios: Sequence[float], codecs: Sequence[str] = (DEFAULT_CODEC,),
-               select: str = DEFAULT_SELECT) -> list[RunSpec]:
+def main_specs(
+    modes: Sequence[str],
+    ratios: Sequence[float],
+    codecs: Sequence[str] = (DEFAULT_CODEC,),
+    select: str = DEFAULT_SELECT,
+) -> list[RunSpec]:
     """The runs of the main table: each mode, blend once per ratio, per codec; full always (it is the
     reference) and once (as prefix: neither reads the passages' KV)."""
     specs = [FULL]

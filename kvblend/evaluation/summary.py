@@ -8,8 +8,9 @@ separate questions.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from kvblend.evaluation.metrics import exact_match, f1_score, percentile, rouge_l
 from kvblend.evaluation.specs import RunRecord, RunSpec
@@ -33,18 +34,28 @@ class BenchReport:
 
     def per_record(self) -> list[dict]:
         """Every run's answer and numbers, record by record (for `--answers`, and eyeballing)."""
-        return [{"record": i, "question": question, **self._record_runs(i)} for i, question in enumerate(self.questions)]
+        return [
+            {"record": i, "question": question, **self._record_runs(i)} for i, question in enumerate(self.questions)
+        ]
 
     def _record_runs(self, i: int) -> dict[str, Any]:
         mine = [r for r in self.runs if r.record == i]
         return {
             "gold": mine[0].golds if mine else [],
-            "runs": [{
-                "run": r.spec.label, "mode": r.spec.mode, "ratio": r.spec.ratio, "answer": r.answer,
-                "f1": round(f1_score(r.answer, r.golds), 4), "kl_vs_full": round(r.kl_vs_full, 6),
-                "answer_kl_vs_full": round(r.answer_kl_vs_full, 6), "ttft_s": round(r.ttft_s, 4),
-                "recompute_share": round(r.recompute_share, 4),
-            } for r in mine],
+            "runs": [
+                {
+                    "run": r.spec.label,
+                    "mode": r.spec.mode,
+                    "ratio": r.spec.ratio,
+                    "answer": r.answer,
+                    "f1": round(f1_score(r.answer, r.golds), 4),
+                    "kl_vs_full": round(r.kl_vs_full, 6),
+                    "answer_kl_vs_full": round(r.answer_kl_vs_full, 6),
+                    "ttft_s": round(r.ttft_s, 4),
+                    "recompute_share": round(r.recompute_share, 4),
+                }
+                for r in mine
+            ],
         }
 
     def to_dict(self, answers: bool = False) -> dict:
@@ -115,8 +126,9 @@ def storage_summary(runs: Sequence[RunRecord]) -> dict:
     }
 
 
-def summarize(runs: Sequence[RunRecord], full_answers: dict[int, str],
-              specs: Sequence[RunSpec] | None = None) -> list[dict]:
+def summarize(
+    runs: Sequence[RunRecord], full_answers: dict[int, str], specs: Sequence[RunSpec] | None = None
+) -> list[dict]:
     """One summary per spec (in `specs` order, else first-seen order)."""
     by_spec: dict[RunSpec, list[RunRecord]] = {}
     for r in runs:

@@ -32,9 +32,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -125,7 +125,7 @@ class ArchiveFeed:
     def wait_s(self) -> float:
         return self.stats.wait_s
 
-    def start(self) -> "ArchiveFeed":
+    def start(self) -> ArchiveFeed:
         if not self._started:
             self._started = True
             self._thread.start()
@@ -166,7 +166,7 @@ class ArchiveFeed:
             self._slots.release()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "ArchiveFeed":
+    def __enter__(self) -> ArchiveFeed:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -206,7 +206,7 @@ class ArchiveFeed:
         """Checksummed encoded payloads of the segments this layer needs: one batched read (a pread each from
         local blobs; one pipelined round trip from Redis)."""
         needed = [i for i, flag in enumerate(self.schedule[index]) if flag]
-        records = [self.records[self.segments[i].key] for i in needed]
+        records = [self.records[str(self.segments[i].key)] for i in needed]
         t0 = time.perf_counter()
         try:
             results = self.archive.read_layers_raw(records, index)
@@ -227,9 +227,9 @@ class ArchiveFeed:
     def _decode(self, seg: Segment, index: int, raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         try:
-            k, v = self.archive.decode(self.records[seg.key], index, raw, lazy=True)  # lossy: still codes
+            k, v = self.archive.decode(self.records[str(seg.key)], index, raw, lazy=True)  # lossy: still codes
         except CorruptBlobError as exc:
-            raise SegmentUnavailable(seg.key, str(exc)) from exc
+            raise SegmentUnavailable(str(seg.key), str(exc)) from exc
         self.stats.decompress_s += time.perf_counter() - t0
         if self._cuda:
             k, v = k.pin_memory(), v.pin_memory()
@@ -248,7 +248,8 @@ class ArchiveFeed:
             decoded = dict(zip(raw, self._pool.map(lambda i: self._decode(self.segments[i], index, raw[i]), raw)))
         else:
             decoded = {i: self._decode(self.segments[i], index, data) for i, data in raw.items()}
-        layer = assemble_layer(self.runner, self.segments, self.offsets, self.total, index,
-                               lambda i, _seg, _layer: decoded.get(i))
+        layer = assemble_layer(
+            self.runner, self.segments, self.offsets, self.total, index, lambda i, _seg, _layer: decoded.get(i)
+        )
         self.stats.build_s += time.perf_counter() - t0
         return layer

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvblend.defaults import (
     DEFAULT_CHECK_LAYERS,
@@ -27,9 +27,12 @@ class BlendConfig:
 
     @classmethod
     def single(
-        cls, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYERS[0], deviation: str = DEFAULT_DEVIATION,
+        cls,
+        ratio: float = DEFAULT_RATIO,
+        check_layer: int = DEFAULT_CHECK_LAYERS[0],
+        deviation: str = DEFAULT_DEVIATION,
         select: str = DEFAULT_SELECT,
-    ) -> "BlendConfig":
+    ) -> BlendConfig:
         return cls((check_layer,), (ratio,), deviation, select)
 
     @property
@@ -43,8 +46,9 @@ class BlendConfig:
         return self.select == "probe" and self.selects
 
     @classmethod
-    def gradual(cls, ratio: float, check_layers: Sequence[int], deviation: str = DEFAULT_DEVIATION,
-                select: str = DEFAULT_SELECT) -> "BlendConfig":
+    def gradual(
+        cls, ratio: float, check_layers: Sequence[int], deviation: str = DEFAULT_DEVIATION, select: str = DEFAULT_SELECT
+    ) -> BlendConfig:
         """The paper's gradual filtering: ratios shrink toward `ratio` at the last check layer.
 
         r_j = ratio · (1 + 0.5·(n−1−j)/n), e.g. 3 layers at 0.15 → 0.20, 0.175, 0.15.
@@ -71,7 +75,8 @@ class BlendConfig:
                     "check layer 0 cannot tell which tokens matter: a token's layer-0 KV does not depend on the "
                     f"other tokens (prefilled alone or not, it is the same), so --select {self.select} has nothing "
                     "to score there; use 1 or deeper (only the probe, which scores in its own pass, may select "
-                    "before layer 0)")
+                    "before layer 0)"
+                )
             if not 0 <= layer < n_layers:
                 raise UsageError(f"check layer {layer} is beyond the model's depth (layers 0..{n_layers - 1})")
         if list(self.ratios) != sorted(self.ratios, reverse=True):

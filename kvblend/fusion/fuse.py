@@ -26,8 +26,9 @@ re-rotates it to this prompt's offsets before the fusor sees it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -120,7 +121,7 @@ def fuse_steps(
         blend.validate(runner.n_layers)
     plan = plan_prompt(segments, mode)
     T = len(plan.token_ids)
-    if runner.max_positions and T > runner.max_positions:
+    if runner.max_positions and runner.max_positions < T:
         raise UsageError(f"prompt has {T} tokens; the model's context is {runner.max_positions}")
     device = runner.device
     cached_mask = plan.cached_mask.to(device)
@@ -186,15 +187,26 @@ class _LayerLoop:
     counts the cached tokens whose KV is approximate (blend's ratio is a share of them).
     """
 
-    def __init__(self, runner: ModelRunner, feed: CachedKVFeed | None, schedule: dict[int, list[bool]], T: int,
-                 always: torch.Tensor, n_approx: int, rows_per_step: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        feed: CachedKVFeed | None,
+        schedule: dict[int, list[bool]],
+        T: int,
+        always: torch.Tensor,
+        n_approx: int,
+        rows_per_step: int | None = None,
+    ):
         self.runner, self.feed, self.schedule, self.T = runner, feed, schedule, T
         self.rows = rows_per_step
         self._busy, self._resumed = 0.0, time.perf_counter()
         self.always, self.n_approx = always, n_approx
         self.checks: dict[int, float] = {}
-        self.blend: BlendConfig | None = None
-        self.heads = self.candidates = self.probe_scores = None
+        self.blend = BlendConfig()  # set_selection's, when blend selects
+        # masks over positions, set by set_selection (and the probe's scores by probe): none for other modes
+        self.heads: Any = None
+        self.candidates: Any = None
+        self.probe_scores: Any = None
         self.probe_cost = 0
         self.probing = False
         self.cos_all, self.sin_all = runner.rope(torch.arange(T, device=runner.device)[None])
@@ -225,8 +237,9 @@ class _LayerLoop:
         rows = positions[self.always]
         first_scored = positions[question_rows(positions, self.always, self.candidates)][0]
         score_from = int(torch.searchsorted(rows, first_scored))  # the question: a suffix of the rows
-        self.probe_scores, kept = yield from probe_pass(self.runner, self.feed, ids, rows, score_from,
-                                                        self.candidates, self.cos_all, self.sin_all, self.pause)
+        self.probe_scores, kept = yield from probe_pass(
+            self.runner, self.feed, ids, rows, score_from, self.candidates, self.cos_all, self.sin_all, self.pause
+        )
         self.probe_cost = int(rows.numel()) * self.runner.n_layers
         self.feed = KeptLayers(kept)
 
@@ -237,24 +250,41 @@ class _LayerLoop:
             if layer == 0 and 0 in self.checks:
                 active, hidden = self._preselect(active, hidden)
             self.active_counts.append(T if active is None else int(active.numel()))
-            cos, sin = (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
+            cos, sin = (
+                (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
+            )
             q, k, v = yield from self._project(layer, hidden, cos, sin)
             computed = active  # positions whose fresh K/V this layer has (None: all)
             ratio = self.checks.get(layer, 1.0) if layer else 1.0  # a layer-0 check was made before it
             cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
             current = active if active is not None else torch.arange(T, device=runner.device)
-            stale = (cached_k[:, :, current], cached_v[:, :, current]) if ratio < 1.0 else None
+            stale = None
+            if ratio < 1.0:
+                assert cached_k is not None and cached_v is not None
+                stale = (cached_k[:, :, current], cached_v[:, :, current])
             if computed is None:
                 layer_k, layer_v = k, v
             else:
+                assert cached_k is not None and cached_v is not None
                 layer_k, layer_v = cached_k, cached_v  # the feed hands over fresh tensors: patch in place
                 layer_k[:, :, computed] = k.to(layer_k.dtype)
                 layer_v[:, :, computed] = v.to(layer_v.dtype)
             if stale is not None:
-                check = Check(runner, layer, current, self.always[current], q, k, v, *stale, layer_k,
-                              self.heads[current], self.probe_scores, self.blend.deviation)
-                n_keep = budget(ratio, self.n_approx, self.probe_cost,
-                                runner.n_layers - self.blend.check_layers[0] - 1)
+                check = Check(
+                    runner,
+                    layer,
+                    current,
+                    self.always[current],
+                    q,
+                    k,
+                    v,
+                    *stale,
+                    layer_k,
+                    self.heads[current],
+                    self.probe_scores,
+                    self.blend.deviation,
+                )
+                n_keep = budget(ratio, self.n_approx, self.probe_cost, runner.n_layers - self.blend.check_layers[0] - 1)
                 active, keep_rows = select(self.blend.select, check, n_keep)
                 # Only the survivors' queries go on; but every token scored here keeps its fresh
                 # K/V in this layer (already paid for, and closer to full than the cached KV).
@@ -270,8 +300,9 @@ class _LayerLoop:
         """Row ranges of at most `rows_per_step` (one range: the whole layer at once, as fuse() computes it)."""
         return row_chunks(n, self.rows)
 
-    def _project(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> Steps[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _project(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Q/K/V of the active rows (a token's projections depend only on its own hidden state)."""
         chunks = self._chunks(hidden.shape[1])
         if len(chunks) == 1:
@@ -283,8 +314,15 @@ class _LayerLoop:
         q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
         return q, k, v
 
-    def _attend_and_finish(self, layer: int, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
-                           active: torch.Tensor | None, hidden: torch.Tensor) -> Steps[torch.Tensor]:
+    def _attend_and_finish(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        layer_k: torch.Tensor,
+        layer_v: torch.Tensor,
+        active: torch.Tensor | None,
+        hidden: torch.Tensor,
+    ) -> Steps[torch.Tensor]:
         """Attention of the kept queries over the layer's whole KV, then o_proj + MLP: by query rows when
         chunked (every key is already in place, so each chunk sees exactly what the whole would)."""
         runner, chunks = self.runner, self._chunks(q.shape[2])
@@ -313,4 +351,5 @@ class _LayerLoop:
             if needed:
                 raise RuntimeError(f"the fusor needs cached layer {layer}, which the feed schedule leaves out")
             return None, None
+        assert self.feed is not None, "a layer the schedule lists needs a feed"
         return self.feed.layer(layer)

@@ -95,8 +95,9 @@ def question_attention(check: Check) -> torch.Tensor:
     return probs[0].mean(dim=(0, 1))[check.current]
 
 
-def head_mask(offsets: list[int], lengths: list[int], approximate: list[bool], total: int, n: int,
-              device: torch.device) -> torch.Tensor:
+def head_mask(
+    offsets: list[int], lengths: list[int], approximate: list[bool], total: int, n: int, device: torch.device
+) -> torch.Tensor:
     """[total] bool: the first `n` tokens of every segment whose cached KV is approximate."""
     mask = torch.zeros(total, dtype=torch.bool, device=device)
     for off, length, approx in zip(offsets, lengths, approximate):

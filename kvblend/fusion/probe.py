@@ -53,9 +53,10 @@ def probe_pass(
 ) -> Steps[tuple[torch.Tensor, list[LayerKV]]]:
     """Run the `rows` (positions, ascending) through every layer over the feed's cached KV.
 
-    In steps: it yields (through `pause`) after every layer. Returns the probe score per position ([T] float32: per layer, the maximum over heads
-    of the mean attention of rows[score_from:] (the question), normalised to sum 1 over the `candidates`
-    mask, then averaged over layers) and every layer's KV as read from the feed, with
+    In steps: it yields (through `pause`) after every layer. Returns the probe score per position
+    ([T] float32: per layer, the maximum over heads of the mean attention of rows[score_from:] (the
+    question), normalised to sum 1 over the `candidates` mask, then averaged over layers) and every
+    layer's KV as read from the feed, with
     the rows' probe K/V written in (the main loop recomputes those rows anyway).
     """
     hidden = runner.embed(token_ids[:, rows])

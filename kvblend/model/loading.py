@@ -42,8 +42,14 @@ def pick_compute_device(compute: str | None) -> torch.device:
 
 def pick_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow there); bf16 on CUDA."""
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
     if dtype is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype not in names:
@@ -69,7 +75,7 @@ def load_model(model: str | None = None, compute: str | None = None, dtype: str 
     with _unreadable_checkpoint(source):
         hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    hf_model.to(device).eval()
+    hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub types `to` for models only
     return ModelRunner(hf_model, tokenizer, name=source.name, fingerprint=fingerprint)
 
 
@@ -97,8 +103,7 @@ def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
     name = f"{source.name}-{fingerprint}"
     for base in _cache_candidates():
         target = base / name
-        if (target / "config.json").is_file() and (target / "model.safetensors").is_file() \
-                and _own_or_configured(base):
+        if (target / "config.json").is_file() and (target / "model.safetensors").is_file() and _own_or_configured(base):
             return target
     for base in _cache_candidates():
         try:
@@ -124,14 +129,12 @@ def _convert_gguf(source: ModelSource, target: Path) -> Path:
     """De-quantise the GGUF into an HF checkpoint at `target` (staged, then renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        source.directory, gguf_file=source.gguf_file, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
     # The de-quantised weights are plain tensors now; forget the quantiser so they can be saved.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:

@@ -7,7 +7,7 @@ dtype (fp16 unless the model computes in bf16), ready for the codec.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 

@@ -9,7 +9,7 @@ result equals K computed at the new position.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -20,6 +20,7 @@ and Qwen3 (q_norm/k_norm before RoPE). Anything else is refused by name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,8 +44,8 @@ from kvblend.types import LayerKV, Steps, drain
 class ModelRunner:
     """A causal LM, exposed as embed → per-layer (project_qkv, attend, finish_layer) → logits."""
 
-    model: torch.nn.Module
-    tokenizer: object = None  # optional for pure-tensor use (tests); needed to tokenize and decode
+    model: Any  # a transformers *ForCausalLM: its submodules are reached by name, so typed loosely
+    tokenizer: Any = None  # optional for pure-tensor use (tests); needed to tokenize and decode
     name: str = "model"
     fingerprint: str = ""
     # Work done in steps (fuse_steps, prefill_steps) also yields inside a layer, every `step_rows` tokens, so a
@@ -56,9 +57,9 @@ class ModelRunner:
     def __post_init__(self) -> None:
         self.arch = check_architecture(self.model.config, type(self.model).__name__)
         cfg = self.model.config
-        self.config = cfg
-        self.decoder = self.model.model
-        self.layers = list(self.decoder.layers)
+        self.config: Any = cfg
+        self.decoder: Any = self.model.model
+        self.layers: list[Any] = list(self.decoder.layers)
         self.n_layers = len(self.layers)
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
@@ -162,15 +163,15 @@ class ModelRunner:
         otherwise they are the absolute positions (1-D, ascending) of a subset of
         tokens attending to the whole KV with a causal mask on absolute positions.
         """
-        scale = getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
+        scale = self._scale(layer)
         window = self._windows[layer]
         n_keys = k.shape[2]
         dense = window is None or window >= n_keys
         if query_positions is None and dense:
             out = dense_causal(q, k, v, scale)
-        elif dense and q.shape[2] == 1 and int(query_positions[-1]) == n_keys - 1:
+        elif dense and query_positions is not None and q.shape[2] == 1 and int(query_positions[-1]) == n_keys - 1:
             out = last_query(q, k, v, scale)  # decoding: the newest position sees every key, no mask to build
-        elif dense and is_short_suffix(query_positions, n_keys):
+        elif dense and query_positions is not None and is_short_suffix(query_positions, n_keys):
             out = dense_suffix(q, k, v, scale)
         else:
             if query_positions is None:
@@ -178,10 +179,11 @@ class ModelRunner:
             out = sparse_queries(q, k, v, self._blocks.plan(query_positions, n_keys, window), scale)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
-    def attention_weights(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                          query_positions: torch.Tensor) -> torch.Tensor:
+    def attention_weights(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor
+    ) -> torch.Tensor:
         """The probabilities `attend` would use: [B, heads, Tq, Tk] in fp32 (few queries only)."""
-        scale = getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
+        scale = self._scale(layer)
         window = self._windows[layer]
         memo = self._bias_memo  # the probe asks with one query set for every layer: masks built once
         if memo.get("positions") is not query_positions or memo.get("keys") != k.shape[2]:
@@ -190,6 +192,10 @@ class ModelRunner:
         if window not in memo:
             memo[window] = causal_bias(query_positions, k.shape[2], window)
         return attention_probs(q, k, memo[window], scale)
+
+    def _scale(self, layer: int) -> float:
+        """The layer's attention softmax scale (the module's own, else 1/sqrt(head_dim))."""
+        return float(getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5))
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual."""

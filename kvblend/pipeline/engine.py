@@ -40,11 +40,13 @@ class Engine(Resources):
         on_progress: Callable[[dict], None] | None = None,
     ) -> IngestReport:
         """Segment, prefill and archive documents; unchanged segments are not recomputed."""
-        return ingest_workflow.ingest_paths(self, paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer,
-                                            on_progress)
+        return ingest_workflow.ingest_paths(
+            self, paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer, on_progress
+        )
 
-    def store_texts(self, texts: Sequence[str], codec: str = DEFAULT_CODEC,
-                    level: int = DEFAULT_LEVEL) -> list[SegmentRecord]:
+    def store_texts(
+        self, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL
+    ) -> list[SegmentRecord]:
         """Archive exact texts as segments (no splitting): for --context-file --store and the bench."""
         return ingest_workflow.store_texts(self, texts, codec, level)
 

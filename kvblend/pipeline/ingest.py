@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -70,7 +70,7 @@ class StoreBehind:
         finally:
             self.keys = frozenset()
 
-    def __enter__(self) -> "StoreBehind":
+    def __enter__(self) -> StoreBehind:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -128,14 +128,19 @@ def ingest_paths(
         for doc in docs:
             report.documents += 1
             previous = archive.get_document(doc.path)
-            if (previous is not None and previous.content_hash == doc.content_hash and not previous.incomplete
-                    and stored_as(archive, previous, codec, res.sink_setting())):
+            if (
+                previous is not None
+                and previous.content_hash == doc.content_hash
+                and not previous.incomplete
+                and stored_as(archive, previous, codec, res.sink_setting())
+            ):
                 report.documents_unchanged += 1
                 report.segments_reused += len(previous.segment_keys)
                 report.tokens_total += previous.n_tokens
             else:
-                pending.documents.append(_segment_document(res, archive, doc, chunk_tokens, codec, pending, behind,
-                                                           report))
+                pending.documents.append(
+                    _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
+                )
                 if pending.tokens() >= batch_tokens:
                     _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
             _progress(on_progress, report, doc.path, len(docs))
@@ -159,8 +164,16 @@ def stored_as(archive: Archive, doc: DocumentRecord, codec: str, sink: str = "al
     return True
 
 
-def _segment_document(res: Resources, archive: Archive, doc, chunk_tokens: int, codec: str, pending: _Pending,
-                      behind: StoreBehind, report: IngestReport) -> DocumentRecord:
+def _segment_document(
+    res: Resources,
+    archive: Archive,
+    doc,
+    chunk_tokens: int,
+    codec: str,
+    pending: _Pending,
+    behind: StoreBehind,
+    report: IngestReport,
+) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
     runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
     keys, n_tokens = [], 0
@@ -174,25 +187,47 @@ def _segment_document(res: Resources, archive: Archive, doc, chunk_tokens: int, 
         else:
             pending.add(key, text, ids)
     report.tokens_total += n_tokens
-    return DocumentRecord(path=doc.path, name=doc.name, content_hash=doc.content_hash, segment_keys=keys, n_tokens=n_tokens,
-                          ingested=time.time(), size=len(doc.text.encode()))
+    return DocumentRecord(
+        path=doc.path,
+        name=doc.name,
+        content_hash=doc.content_hash,
+        segment_keys=keys,
+        n_tokens=n_tokens,
+        ingested=time.time(),
+        size=len(doc.text.encode()),
+    )
 
 
 def _progress(on_progress: Callable[[dict], None] | None, report: IngestReport, current: str, total: int) -> None:
     if on_progress is not None:
-        on_progress({"documents": report.documents, "total": total, "tokens": report.tokens_new,
-                     "current": current})
+        on_progress({"documents": report.documents, "total": total, "tokens": report.tokens_new, "current": current})
 
 
-def _flush(res: Resources, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
-           report: IngestReport, behind: StoreBehind | None = None) -> None:
+def _flush(
+    res: Resources,
+    archive: Archive,
+    pending: _Pending,
+    codec: str,
+    level: int,
+    batch_tokens: int,
+    report: IngestReport,
+    behind: StoreBehind | None = None,
+) -> None:
     """Prefill pending segments and embed them here; store them (and then the documents
     that needed them) on `behind`'s thread while the next batch prefills, else inline."""
     drain(_flush_steps(res, archive, pending, codec, level, batch_tokens, report, behind))
 
 
-def _flush_steps(res: Resources, archive: Archive, pending: _Pending, codec: str, level: int, batch_tokens: int,
-                 report: IngestReport, behind: StoreBehind | None = None) -> Steps[None]:
+def _flush_steps(
+    res: Resources,
+    archive: Archive,
+    pending: _Pending,
+    codec: str,
+    level: int,
+    batch_tokens: int,
+    report: IngestReport,
+    behind: StoreBehind | None = None,
+) -> Steps[None]:
     """:func:`_flush` in steps (it yields after every layer of prefill, and while it waits for another node)."""
     segments, docs = pending.take()
     if not segments and not docs:
@@ -215,23 +250,28 @@ def _flush_steps(res: Resources, archive: Archive, pending: _Pending, codec: str
         behind.submit(store, [rec.key for rec, _ in items])
 
 
-def _prefill(res: Resources, segments: list[tuple[str, str, list[int]]], batch_tokens: int,
-             report: IngestReport) -> Steps[tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]]:
+def _prefill(
+    res: Resources, segments: list[tuple[str, str, list[int]]], batch_tokens: int, report: IngestReport
+) -> Steps[tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]]:
     """Each segment prefilled alone (after the sink), with its record, and the texts' retrieval embeddings."""
     if not segments:
         return [], []
     runner, settings = res.runner, res.kv_settings()
     t0 = time.perf_counter()
     sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
-    kvs = yield from precompute_kv_steps(runner, [ids for _, _, ids in segments], sink_prefix=sink or None,
-                                         batch_tokens=batch_tokens)
+    kvs = yield from precompute_kv_steps(
+        runner, [ids for _, _, ids in segments], sink_prefix=sink or None, batch_tokens=batch_tokens
+    )
     report.prefill_seconds += time.perf_counter() - t0
-    items = [(new_record(runner, key, text, ids, settings, len(sink)), kv) for (key, text, ids), kv in zip(segments, kvs)]
+    items = [
+        (new_record(runner, key, text, ids, settings, len(sink)), kv) for (key, text, ids), kv in zip(segments, kvs)
+    ]
     return items, list(get_embedder().embed([text for _, text, _ in segments]))
 
 
-def _await_others(archive: Archive, segments: list[tuple[str, str, list[int]]],
-                  timeout_s: float = CLAIM_WAIT_S) -> Steps[list[tuple[str, str, list[int]]]]:
+def _await_others(
+    archive: Archive, segments: list[tuple[str, str, list[int]]], timeout_s: float = CLAIM_WAIT_S
+) -> Steps[list[tuple[str, str, list[int]]]]:
     """Wait for segments another writer claimed (a shared store: two nodes met the same passages) to be stored;
     returns those that did not appear in time, for this writer to prefill after all."""
     waiting = {seg[0]: seg for seg in segments}
@@ -245,8 +285,15 @@ def _await_others(archive: Archive, segments: list[tuple[str, str, list[int]]],
     return list(waiting.values())
 
 
-def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], embeddings: list[np.ndarray],
-           docs: list[DocumentRecord], codec: str, level: int, report: IngestReport) -> None:
+def _store(
+    archive: Archive,
+    items: list[tuple[SegmentRecord, list[LayerKV]]],
+    embeddings: list[np.ndarray],
+    docs: list[DocumentRecord],
+    codec: str,
+    level: int,
+    report: IngestReport,
+) -> None:
     """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing."""
     if items:
         vectors = {rec.key: vec for (rec, _), vec in zip(items, embeddings)}
@@ -260,8 +307,9 @@ def _store(archive: Archive, items: list[tuple[SegmentRecord, list[LayerKV]]], e
         archive.replace_document(doc)
 
 
-def new_record(runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict,
-               base_position: int = 0) -> SegmentRecord:
+def new_record(
+    runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict, base_position: int = 0
+) -> SegmentRecord:
     """The index record of a segment prefilled at `base_position` (after a sink of that many tokens,
     or alone at 0) under `settings` (KeyScheme.settings)."""
     return SegmentRecord(
@@ -284,15 +332,17 @@ def raw_kv_bytes(rec: SegmentRecord) -> int:
     return 2 * 2 * rec.n_layers * rec.kv_heads * rec.head_dim * rec.n_tokens
 
 
-def store_texts(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC,
-                level: int = DEFAULT_LEVEL, replace: bool = False) -> list[SegmentRecord]:
+def store_texts(
+    res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL, replace: bool = False
+) -> list[SegmentRecord]:
     """Archive exact texts as segments (no splitting): for --context-file --store, client chunks and the bench.
     ``replace``: store even segments the archive lists (their KV could not be read: stored again)."""
     return drain(store_texts_steps(res, texts, codec, level, replace))
 
 
-def store_texts_steps(res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL,
-                      replace: bool = False) -> Steps[list[SegmentRecord]]:
+def store_texts_steps(
+    res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL, replace: bool = False
+) -> Steps[list[SegmentRecord]]:
     """:func:`store_texts` in steps (it yields after every layer of prefill)."""
     archive = res.archive(create=True)
     codec = check_codec(codec)
@@ -307,4 +357,5 @@ def store_texts_steps(res: Resources, texts: Sequence[str], codec: str = DEFAULT
     if todo.segments:
         with archive.writer(wait=30.0):
             yield from _flush_steps(res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
-    return [archive.get_segment(k) for k, _, _ in items]
+    stored = [archive.get_segment(k) for k, _, _ in items]
+    return [rec for rec in stored if rec is not None]

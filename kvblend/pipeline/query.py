@@ -13,8 +13,8 @@ segment is recomputed and a warning names it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvblend.archive import SegmentRecord
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
@@ -45,8 +45,14 @@ def run_query(
 ) -> QueryResult:
     """Answer `question` from archived segments with the chosen mode."""
     prepared = drain(prepare_steps(res, question, opts, on_warning))
-    gen = generate(res.runner, prepared.fused, opts.sampling, on_token=on_token, keep_logits=opts.keep_step_logits,
-                   forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None)
+    gen = generate(
+        res.runner,
+        prepared.fused,
+        opts.sampling,
+        on_token=on_token,
+        keep_logits=opts.keep_step_logits,
+        forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None,
+    )
     drain(finish_steps(res, prepared))
     result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s)
     result.timings["model_load_s"] = res.model_load_s
@@ -98,8 +104,19 @@ def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning:
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
-    return Prepared(opts, ratio, prompt, fused, infos, record_by_key, unreadable, warnings, t_retrieved - t0,
-                    time.perf_counter() - t0, warn)
+    return Prepared(
+        opts,
+        ratio,
+        prompt,
+        fused,
+        infos,
+        record_by_key,
+        unreadable,
+        warnings,
+        t_retrieved - t0,
+        time.perf_counter() - t0,
+        warn,
+    )
 
 
 def finish_steps(res: Resources, prepared: Prepared) -> Steps[None]:
@@ -167,8 +184,9 @@ def _passages(
     return passages, infos, record_by_key
 
 
-def select_records(res: Resources, question: str, opts: QueryOptions,
-                   warn: Warn | None = None) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
+def select_records(
+    res: Resources, question: str, opts: QueryOptions, warn: Warn | None = None
+) -> tuple[list[SegmentRecord], list[SegmentInfo]]:
     """Pinned documents then pinned segments (both may be given), else top-k retrieval; in prompt order.
 
     A pinned document that lost segments (evicted, damaged and dropped) answers from the rest with a warning;
@@ -181,11 +199,14 @@ def select_records(res: Resources, question: str, opts: QueryOptions,
         doc = archive.find_document(name)
         present = [rec for rec in (archive.get_segment(k) for k in doc.segment_keys) if rec is not None]
         if not present:
-            raise NotFoundError(f"document {doc.display_name} has no segments left in the archive (evicted or "
-                                "damaged): ingest it again")
+            raise NotFoundError(
+                f"document {doc.display_name} has no segments left in the archive (evicted or damaged): ingest it again"
+            )
         if (len(present) < len(doc.segment_keys) or doc.incomplete) and warn is not None:
-            warn(f"document {doc.display_name} lost segments (evicted or damaged): answering from the "
-                 f"{len(present)} left; ingest it again to restore it")
+            warn(
+                f"document {doc.display_name} lost segments (evicted or damaged): answering from the "
+                f"{len(present)} left; ingest it again to restore it"
+            )
         for rec in present:
             records.append(rec)
             infos.append(SegmentInfo(rec.key, doc.display_name, rec.n_tokens, True))
@@ -200,22 +221,25 @@ def select_records(res: Resources, question: str, opts: QueryOptions,
         raise UsageError(f"the archive at {res.location} is empty: run `kvblend ingest PATH` first")
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
-        rec = archive.get_segment(key)
-        if rec is None:
+        found = archive.get_segment(key)
+        if found is None:
             continue
+        rec = found
         records.append(rec)
         infos.append(SegmentInfo(key, res.document_of(key), rec.n_tokens, True, round(score, 4)))
     return records, infos
 
 
-def context_segment(res: Resources, text: str, store: bool,
-                    warn: Warn | None = None) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
+def context_segment(
+    res: Resources, text: str, store: bool, warn: Warn | None = None
+) -> tuple[Segment, SegmentInfo, SegmentRecord | None]:
     """:func:`context_segment_steps` in one go."""
     return drain(context_segment_steps(res, text, store, warn))
 
 
-def context_segment_steps(res: Resources, text: str, store: bool,
-                          warn: Warn | None = None) -> Steps[tuple[Segment, SegmentInfo, SegmentRecord | None]]:
+def context_segment_steps(
+    res: Resources, text: str, store: bool, warn: Warn | None = None
+) -> Steps[tuple[Segment, SegmentInfo, SegmentRecord | None]]:
     """A --context-file text (or a client's passage): cached if already archived, stored with --store, else
     computed.
 
@@ -242,8 +266,14 @@ def context_segment_steps(res: Resources, text: str, store: bool,
 
 
 # ── the prompt ──
-def build_prompt(res: Resources, question: str, passages: list[Segment], record_by_key: dict[str, SegmentRecord],
-                 opts: QueryOptions, warn: Warn) -> list[Segment]:
+def build_prompt(
+    res: Resources,
+    question: str,
+    passages: list[Segment],
+    record_by_key: dict[str, SegmentRecord],
+    opts: QueryOptions,
+    warn: Warn,
+) -> list[Segment]:
     """Instruction prefix + passages + question; segments whose blob is damaged are left uncached."""
     runner = res.runner
     prompt = assemble_prompt(runner, opts.template, question, passages)
@@ -251,9 +281,12 @@ def build_prompt(res: Resources, question: str, passages: list[Segment], record_
         use_archived_prefix(res, prompt[0], record_by_key)
     check_length(res, sum(len(s.token_ids) for s in prompt), opts)
     for seg in prompt:
-        if seg.cached and not res.archive().payload_intact(record_by_key[seg.key]):
+        if seg.cached and not res.archive().payload_intact(record_by_key[str(seg.key)]):
             seg.cached = False
-            warn(f"segment {seg.key[:12]}: blob missing or truncated; recomputing it (run `kvblend verify --repair`)")
+            warn(
+                f"segment {str(seg.key)[:12]}: blob missing or truncated; recomputing it (run `kvblend verify "
+                "--repair`)"
+            )
     return prompt
 
 
@@ -297,10 +330,12 @@ def archive_prefix(res: Resources, prefix: Segment, fused: FusionResult) -> None
         return
     runner = res.runner
     dtype = storage_dtype(runner)
-    layers = [(k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous())
-              for k, v in fused.kv]
-    record = new_record(runner, prefix.key, runner.tokenizer.decode(prefix.token_ids), prefix.token_ids,
-                        res.kv_settings())
+    layers = [
+        (k[0, :, :n].to("cpu", dtype).contiguous(), v[0, :, :n].to("cpu", dtype).contiguous()) for k, v in fused.kv
+    ]
+    record = new_record(
+        runner, prefix.key, runner.tokenizer.decode(prefix.token_ids), prefix.token_ids, res.kv_settings()
+    )
     record.extra["role"] = "prefix"
     archive = res.archive()
     if archive.readonly:
@@ -318,7 +353,7 @@ def _record_use(res: Resources, prompt: list[Segment], fused: FusionResult, opts
     try:
         if opts.cache_prefix and not prompt[0].cached:
             archive_prefix(res, prompt[0], fused)
-        res.archive().touch([s.key for s in prompt if s.cached])
+        res.archive().touch([s.key for s in prompt if s.cached and s.key is not None])
     except Exception as exc:  # bookkeeping must never fail an answered query
         warn(f"could not record segment use: {exc}")
 
@@ -328,8 +363,13 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
     damaged), so the next query hits: after the answer, never on its time to first token. A passage is restored
     only under its own key (the same tokens, model and settings); an instruction prefix is archived by
     :func:`archive_prefix` instead."""
-    texts = [rec.text for rec in records if rec.extra.get("role") != "prefix" and rec.text
-             and res.key_of(res.runner.tokenize(segment_text_for_kv(rec.text)), rec.codec) == rec.key]
+    texts = [
+        rec.text
+        for rec in records
+        if rec.extra.get("role") != "prefix"
+        and rec.text
+        and res.key_of(res.runner.tokenize(segment_text_for_kv(rec.text)), rec.codec) == rec.key
+    ]
     if not texts or res.archive().readonly:
         return
     try:
@@ -339,8 +379,14 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
 
 
 # ── fusion over the archive ──
-def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[str, SegmentRecord],
-                   opts: QueryOptions, blend_cfg: BlendConfig, warn: Warn) -> Steps[tuple[FusionResult, list[str]]]:
+def fuse_streaming(
+    res: Resources,
+    prompt: list[Segment],
+    record_by_key: dict[str, SegmentRecord],
+    opts: QueryOptions,
+    blend_cfg: BlendConfig,
+    warn: Warn,
+) -> Steps[tuple[FusionResult, list[str]]]:
     """Fuse with the archive feed, in steps (fuse_steps); a segment whose KV fails mid-stream is recomputed
     instead. Returns the fusion and the keys of the segments that could not be read."""
     runner = res.runner
@@ -348,8 +394,16 @@ def fuse_streaming(res: Resources, prompt: list[Segment], record_by_key: dict[st
     while True:
         plan = plan_prompt(prompt, opts.mode)
         schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, runner.n_layers)
-        feed = ArchiveFeed(runner, res.archive(), prompt, record_by_key, plan.offsets, schedule,
-                           depth=opts.prefetch_depth, overlap=opts.loader_overlap)
+        feed = ArchiveFeed(
+            runner,
+            res.archive(),
+            prompt,
+            record_by_key,
+            plan.offsets,
+            schedule,
+            depth=opts.prefetch_depth,
+            overlap=opts.loader_overlap,
+        )
         try:
             with feed:
                 fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed)

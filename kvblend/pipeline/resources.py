@@ -11,8 +11,9 @@ unchanged tree never loads the model, and a bad `--archive` fails before it does
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Self
 
 from kvblend.archive import Archive, KeyScheme, Location, resolve_location
 from kvblend.archive.records import TunedRatio, tuned_key
@@ -89,7 +90,7 @@ class Resources:
             self._archive.close()
             self._archive = None
 
-    def __enter__(self) -> Resources:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -147,8 +148,9 @@ class Resources:
     def document_of(self, key: str) -> str | None:
         """The name of a document holding segment `key` (indexed once per engine)."""
         if self._doc_index is None:
-            self._doc_index = {k: d.display_name for d in self.archive(create=False).iter_documents()
-                               for k in d.segment_keys}
+            self._doc_index = {
+                k: d.display_name for d in self.archive(create=False).iter_documents() for k in d.segment_keys
+            }
         return self._doc_index.get(key)
 
     # ── blend settings ──

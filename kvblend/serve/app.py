@@ -66,8 +66,7 @@ def error_for(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}", "internal_error", type="server_error")
 
 
-def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
-               api_key: str | None = None) -> FastAPI:
+def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str, api_key: str | None = None) -> FastAPI:
     """The ASGI app around a started engine; the scheduler runs for the app's lifespan."""
 
     @asynccontextmanager
@@ -96,8 +95,14 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return refuse(ApiError(401, "Incorrect API key provided: pass it as a Bearer token "
-                                            "(the key given to `kvblend serve --api-key`)", "invalid_api_key"))
+                return refuse(
+                    ApiError(
+                        401,
+                        "Incorrect API key provided: pass it as a Bearer token "
+                        "(the key given to `kvblend serve --api-key`)",
+                        "invalid_api_key",
+                    )
+                )
         return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
@@ -119,8 +124,11 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
         cid = completion_id(req.legacy)
         if req.stream:
             metrics.request(200)
-            return StreamingResponse(sse(job, req, cid, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                sse(job, req, cid, first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         kind, value = first
         while kind == "token":
             kind, value = await next_event(request, job)
@@ -159,8 +167,10 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
             if kind == "done":
                 observe(value, job)
                 for choice in value.choices:
-                    extra = {"kvblend": kvblend_report(value.result, job.queue_wait_s)} if choice.index == 0 else {}
-                    yield event(chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason, **extra))
+                    body = chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason)
+                    if choice.index == 0:
+                        body["kvblend"] = kvblend_report(value.result, job.queue_wait_s)
+                    yield event(body)
                 if req.include_usage:
                     yield event({**chunk_body(cid, model, 0, req.legacy), "choices": [], "usage": usage(value)})
             elif kind == "error":
@@ -173,9 +183,17 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
         result = done.result
         sources = [segment_source(s) for s in result.segments]
         metrics.answered(result.ttft_s, request_share(result), sources)
-        log.info("answered: %d prompt tokens, %d choice(s), ttft %.3fs, recompute share %.3f, %d hit / %d computed, "
-                 "queue wait %.3fs", result.prompt_tokens, len(done.choices), result.ttft_s, request_share(result),
-                 sources.count("hit"), sources.count("computed"), job.queue_wait_s)
+        log.info(
+            "answered: %d prompt tokens, %d choice(s), ttft %.3fs, recompute share %.3f, %d hit / %d computed, "
+            "queue wait %.3fs",
+            result.prompt_tokens,
+            len(done.choices),
+            result.ttft_s,
+            request_share(result),
+            sources.count("hit"),
+            sources.count("computed"),
+            job.queue_wait_s,
+        )
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -183,13 +201,24 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": model, "store": store, "queue_depth": scheduler.depth,
-                             "running": scheduler.running, "max_batch": scheduler.max_batch, "busy": scheduler.busy})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": model,
+                "store": store,
+                "queue_depth": scheduler.depth,
+                "running": scheduler.running,
+                "max_batch": scheduler.max_batch,
+                "busy": scheduler.busy,
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(scheduler.depth, scheduler.busy, scheduler.running),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            metrics.render(scheduler.depth, scheduler.busy, scheduler.running),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     return app
 

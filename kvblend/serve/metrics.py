@@ -70,17 +70,25 @@ class Metrics:
             lines += [f'kvblend_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
             lines += _family("kvblend_ttft_seconds", "histogram", "Time to first token (fusion + first token).")
             lines += self.ttft.lines("kvblend_ttft_seconds")
-            lines += _family("kvblend_recompute_share", "histogram",
-                             "Compute per request as a share of a full prefill (stored misses included).")
+            lines += _family(
+                "kvblend_recompute_share",
+                "histogram",
+                "Compute per request as a share of a full prefill (stored misses included).",
+            )
             lines += self.share.lines("kvblend_recompute_share")
-            lines += _family("kvblend_segments_total", "counter",
-                             "Passages by source: hit (archived KV reused) or computed (a miss).")
+            lines += _family(
+                "kvblend_segments_total",
+                "counter",
+                "Passages by source: hit (archived KV reused) or computed (a miss).",
+            )
             lines += [f'kvblend_segments_total{{source="{s}"}} {n}' for s, n in sorted(self.segments.items())]
         lines += _family("kvblend_queue_depth", "gauge", "Requests waiting for the model.")
         lines.append(f"kvblend_queue_depth {queue_depth}")
         lines += _family("kvblend_busy", "gauge", "1 while the model works on a request.")
         lines.append(f"kvblend_busy {int(busy)}")
-        lines += _family("kvblend_running_sequences", "gauge", "Sequences admitted to the batch (prefilling or decoding).")
+        lines += _family(
+            "kvblend_running_sequences", "gauge", "Sequences admitted to the batch (prefilling or decoding)."
+        )
         lines.append(f"kvblend_running_sequences {running}")
         return "\n".join(lines) + "\n"
 

@@ -66,17 +66,28 @@ def legacy_logprobs(entries: list[dict] | None) -> dict | None:
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _choice(choice: ChoiceResult, legacy: bool) -> dict:
     if legacy:
-        return {"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason,
-                "logprobs": legacy_logprobs(choice.logprobs)}
-    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-            "finish_reason": choice.finish_reason, "logprobs": chat_logprobs(choice.logprobs)}
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "finish_reason": choice.finish_reason,
+            "logprobs": legacy_logprobs(choice.logprobs),
+        }
+    return {
+        "index": choice.index,
+        "message": {"role": "assistant", "content": choice.text},
+        "finish_reason": choice.finish_reason,
+        "logprobs": chat_logprobs(choice.logprobs),
+    }
 
 
 def completion_body(cid: str, model: str, done: Completed, queue_wait_s: float, legacy: bool) -> dict:
@@ -92,18 +103,40 @@ def completion_body(cid: str, model: str, done: Completed, queue_wait_s: float, 
     }
 
 
-def chunk_body(cid: str, model: str, index: int, legacy: bool, text: str | None = None, role: bool = False,
-               finish: str | None = None, logprobs: list[dict] | None = None, **extra: Any) -> dict:
+def chunk_body(
+    cid: str,
+    model: str,
+    index: int,
+    legacy: bool,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    logprobs: list[dict] | None = None,
+    **extra: Any,
+) -> dict:
     """One streamed chunk of a choice (extra: usage, kvblend, or choices=[] for the usage chunk)."""
     if legacy:
-        choice: dict = {"index": index, "text": text or "", "finish_reason": finish,
-                        "logprobs": legacy_logprobs(logprobs) if logprobs else None}
+        choice: dict = {
+            "index": index,
+            "text": text or "",
+            "finish_reason": finish,
+            "logprobs": legacy_logprobs(logprobs) if logprobs else None,
+        }
     else:
         delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish,
-                  "logprobs": chat_logprobs(logprobs) if logprobs else None}
-    body = {"id": cid, "object": "text_completion" if legacy else "chat.completion.chunk",
-            "created": int(time.time()), "model": model, "choices": [choice]}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": chat_logprobs(logprobs) if logprobs else None,
+        }
+    body = {
+        "id": cid,
+        "object": "text_completion" if legacy else "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     body.update(extra)
     return body
 

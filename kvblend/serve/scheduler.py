@@ -188,12 +188,12 @@ class Choice:
             self.finish = "length"
             return TokenEvent(self.index, self._flush(), entries)
         safe = len(full) - _held_back(full, req.stop)  # a stop string may be starting: hold it back
-        delta = full[self.sent:safe]
+        delta = full[self.sent : safe]
         self.sent = max(self.sent, safe)
         return TokenEvent(self.index, delta, entries)
 
     def _flush(self) -> str:
-        delta = self.text[self.sent:]
+        delta = self.text[self.sent :]
         self.sent = len(self.text)
         return delta
 
@@ -208,8 +208,13 @@ class Choice:
 
     def result(self, strip: bool) -> ChoiceResult:
         text = self.text.strip() if strip else self.text
-        return ChoiceResult(self.index, text, list(self.tokens), self.finish or "stop",
-                            self.logprobs if self.job.request.logprobs else None)
+        return ChoiceResult(
+            self.index,
+            text,
+            list(self.tokens),
+            self.finish or "stop",
+            self.logprobs if self.job.request.logprobs else None,
+        )
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:
@@ -242,9 +247,15 @@ class _Running:
 class Scheduler:
     """The bounded queue in front of the one model thread, which batches every running request."""
 
-    def __init__(self, engine: Engine, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH,
-                 rows_per_step: int = ROWS_PER_STEP, after_request: Callable[[Prepared], Steps[None]] | None = None,
-                 max_stored_tokens: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        rows_per_step: int = ROWS_PER_STEP,
+        after_request: Callable[[Prepared], Steps[None]] | None = None,
+        max_stored_tokens: int | None = None,
+    ):
         self.engine = engine
         self.max_queue, self.max_batch, self.rows = max_queue, max_batch, rows_per_step
         self.max_stored_tokens = max_stored_tokens
@@ -270,7 +281,8 @@ class Scheduler:
     def running(self) -> int:
         """Sequences admitted: prefilling or decoding."""
         return sum(r.job.request.n for r in self._prefilling) + sum(
-            sum(not c.done for c in r.choices) for r in self._decoding)
+            sum(not c.done for c in r.choices) for r in self._decoding
+        )
 
     @property
     def busy(self) -> bool:
@@ -287,8 +299,12 @@ class Scheduler:
                 raise shutting_down()
             room = max(0, self.max_batch - self.running)  # places in the batch the model thread is about to fill
             if len(self._waiting) >= self.max_queue + room:
-                raise ApiError(429, f"the server is busy: {self.max_queue} requests already wait for the model; "
-                                    "retry shortly", "rate_limit_exceeded", type="requests")
+                raise ApiError(
+                    429,
+                    f"the server is busy: {self.max_queue} requests already wait for the model; retry shortly",
+                    "rate_limit_exceeded",
+                    type="requests",
+                )
             job = Job(request, asyncio.get_running_loop())
             self._waiting.append(job)
             self._cond.notify()
@@ -323,8 +339,9 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not (self._waiting or self._prefilling or self._decoding or self._background
-                               or self.stopping):
+                    while not (
+                        self._waiting or self._prefilling or self._decoding or self._background or self.stopping
+                    ):
                         self._cond.wait()
                     if self.stopping and not (self._prefilling or self._decoding or self._background):
                         return
@@ -365,8 +382,9 @@ class Scheduler:
         req = running.job.request
         self.engine.refresh()  # documents another process ingested since the last request
         question = question_with_history(req.history, req.question)
-        running.steps = prepare_steps(self.engine, question, query_options(req, self.max_stored_tokens),
-                                      lambda msg: log.warning("%s", msg))
+        running.steps = prepare_steps(
+            self.engine, question, query_options(req, self.max_stored_tokens), lambda msg: log.warning("%s", msg)
+        )
 
     def _drop_cancelled(self) -> None:
         for group in (self._prefilling, self._decoding):
@@ -451,8 +469,13 @@ class Scheduler:
             assert prepared is not None
             first = running.choices[0]
             ttft = first.started - job.admitted + first.first_token_s
-            gen = Generation(first.tokens, first.result(strip=not job.request.legacy).text, first.first_token_s,
-                             time.perf_counter() - first.started, first.hit_eos)
+            gen = Generation(
+                first.tokens,
+                first.result(strip=not job.request.legacy).text,
+                first.first_token_s,
+                time.perf_counter() - first.started,
+                first.hit_eos,
+            )
             result = answered(prepared, gen, ttft)
             job.emit("done", Completed(result, [c.result(strip=not job.request.legacy) for c in running.choices]))
             for choice in running.choices:

@@ -22,13 +22,36 @@ from kvblend.options import MODES
 from kvblend.serve.chunks import Conversation, conversation, split_blocks
 
 # Accepted and used (both endpoints; `messages` only for chat, `prompt` only for completions).
-SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", "stop",
-             "stream", "stream_options", "logprobs", "top_logprobs", "ignore_eos", "min_tokens", "kvblend"}
+SUPPORTED = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "min_tokens",
+    "kvblend",
+}
 # Accepted and ignored: they change nothing about the answer.
 IGNORED = {"user", "metadata", "store", "service_tier", "echo_prompt"}
 # Anything else is accepted only at its neutral value (OpenAI's default, or null/false/empty).
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "echo": False,
-           "suffix": None, "parallel_tool_calls": None, "response_format": {"type": "text"}}
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "parallel_tool_calls": None,
+    "response_format": {"type": "text"},
+}
 KVBLEND_KEYS = {"mode", "ratio", "top_k", "docs", "store"}
 MAX_STOP = 4  # as OpenAI
 MAX_N = 8
@@ -39,8 +62,9 @@ MAX_JSON_DEPTH = 64  # a real request nests a few levels; deeper is an attack on
 class ApiError(Exception):
     """A refusal with its HTTP status, in OpenAI's {"error": {message, type, code, param}} shape."""
 
-    def __init__(self, status: int, message: str, code: str, type: str = "invalid_request_error",
-                 param: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str, type: str = "invalid_request_error", param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.type, self.param = status, message, code, type, param
 
@@ -200,8 +224,11 @@ def _refuse_unsupported(body: dict, content_key: str) -> None:
             continue
         if value in (None, False, [], {}) or (name in NEUTRAL and value == NEUTRAL[name]):
             continue
-        raise invalid(f"unsupported parameter: {name}={json.dumps(value)[:60]} (kvblend serve does not support it)",
-                      name, code="unsupported_parameter")
+        raise invalid(
+            f"unsupported parameter: {name}={json.dumps(value)[:60]} (kvblend serve does not support it)",
+            name,
+            code="unsupported_parameter",
+        )
 
 
 def _conversation(messages: Any) -> Conversation:
@@ -215,16 +242,22 @@ def _conversation(messages: Any) -> Conversation:
             raise invalid(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
-            raise invalid(f"messages[{i}] has tool calls, which kvblend serve does not support", "messages",
-                          code="unsupported_parameter")
+            raise invalid(
+                f"messages[{i}] has tool calls, which kvblend serve does not support",
+                "messages",
+                code="unsupported_parameter",
+            )
         texts = _texts(message.get("content"), f"messages[{i}].content", optional=role == "assistant")
         if role in ("system", "developer"):
             system.extend(texts)
         elif role in ("user", "assistant"):
             turns.append((role, texts))
         else:
-            raise invalid(f"messages[{i}].role {role!r} is not supported: send system, developer, user and "
-                          "assistant messages", "messages", code="unsupported_parameter")
+            raise invalid(
+                f"messages[{i}].role {role!r} is not supported: send system, developer, user and assistant messages",
+                "messages",
+                code="unsupported_parameter",
+            )
     if not turns or turns[-1][0] != "user":
         raise invalid("the last message must be the user's", "messages")
     history = [(role, "\n".join(block for t in texts for block in split_blocks(t))) for role, texts in turns[:-1]]
@@ -247,8 +280,9 @@ def _texts(content: Any, where: str, optional: bool = False) -> list[str]:
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(f"{where}: only text parts are supported, not {kind!r}", "messages",
-                          code="unsupported_parameter")
+            raise invalid(
+                f"{where}: only text parts are supported, not {kind!r}", "messages", code="unsupported_parameter"
+            )
         texts.append(part["text"])
     return texts
 
@@ -257,8 +291,11 @@ def _kvblend_options(req: ChatRequest, options: dict) -> None:
     """The request's `kvblend` object: mode, ratio, top_k, docs, store."""
     unknown = sorted(set(options) - KVBLEND_KEYS)
     if unknown:
-        raise invalid(f"unknown kvblend option(s): {', '.join(unknown)} (known: {', '.join(sorted(KVBLEND_KEYS))})",
-                      "kvblend", code="unsupported_parameter")
+        raise invalid(
+            f"unknown kvblend option(s): {', '.join(unknown)} (known: {', '.join(sorted(KVBLEND_KEYS))})",
+            "kvblend",
+            code="unsupported_parameter",
+        )
     req.mode = _typed(options, "mode", str, None)
     if req.mode is not None and req.mode not in MODES:
         raise invalid(f"kvblend.mode must be one of {', '.join(MODES)}", "kvblend")

@@ -12,11 +12,11 @@ model thread finish and the archive close, so no write is cut short.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 import logging
 import logging.config
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -78,8 +78,11 @@ def archive_bound(engine: Engine, max_bytes: int) -> Callable[[Prepared], Steps[
         archive = engine.archive()
         if archive.size_bytes(include_index=False) > max_bytes:
             report = archive.gc(max_size_bytes=max_bytes)
-            log.info("archive over --max-archive-size: evicted %d segments (%d bytes)", len(report.evicted),
-                     report.freed_bytes)
+            log.info(
+                "archive over --max-archive-size: evicted %d segments (%d bytes)",
+                len(report.evicted),
+                report.freed_bytes,
+            )
 
     return after
 
@@ -93,17 +96,35 @@ def run_server(options: ServeOptions) -> None:
         log.info("loading %s; archive %s", engine.model_name, engine.location)
         archive = engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
-        log.info("model loaded in %.1fs on %s; batches of up to %d sequences", engine.model_load_s,
-                 engine.runner.device, options.max_batch)
+        log.info(
+            "model loaded in %.1fs on %s; batches of up to %d sequences",
+            engine.model_load_s,
+            engine.runner.device,
+            options.max_batch,
+        )
         if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
-            log.warning("listening on %s without --api-key: anyone who can reach port %d can use this server",
-                        options.host, options.port)
+            log.warning(
+                "listening on %s without --api-key: anyone who can reach port %d can use this server",
+                options.host,
+                options.port,
+            )
         bound = archive_bound(engine, options.max_archive_bytes) if options.max_archive_bytes else None
-        scheduler = Scheduler(engine, options.max_queue, options.max_batch, after_request=bound,
-                              max_stored_tokens=options.max_stored_tokens)
+        scheduler = Scheduler(
+            engine,
+            options.max_queue,
+            options.max_batch,
+            after_request=bound,
+            max_stored_tokens=options.max_stored_tokens,
+        )
         app = create_app(scheduler, Metrics(), engine.model_name, archive.store.kind, options.api_key)
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_config=log_config(), lifespan="on",
-                                timeout_graceful_shutdown=2 * GRACE_S)
+        config = uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            log_config=log_config(),
+            lifespan="on",
+            timeout_graceful_shutdown=2 * GRACE_S,
+        )
         Server(config, scheduler).run()
     finally:
         engine.close()

@@ -17,8 +17,9 @@ loading never looks like the bottleneck at it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvblend.tuning.delay import CostModel, recompute_time
 from kvblend.tuning.profile import Profile
@@ -55,8 +56,9 @@ class CodecDecision:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CodecDecision:
-        return cls(d.get("current"), d.get("choice"), [CodecOption.from_dict(o) for o in d.get("options") or []],
-                   d.get("note"))
+        return cls(
+            d.get("current"), d.get("choice"), [CodecOption.from_dict(o) for o in d.get("options") or []], d.get("note")
+        )
 
 
 def _faithfulness(codec: str) -> int:
@@ -69,7 +71,7 @@ def choose_codec(profile: Profile, r_quality: float, L: float, cost_model: CostM
         return CodecDecision(profile.codec, profile.codec, [], None)
     t_rec = recompute_time(r_quality, L, cost_model)
     options = []
-    for codec in dict.fromkeys([profile.codec, *profile.codecs]):
+    for codec in dict.fromkeys([str(profile.codec), *profile.codecs]):
         load = profile.load_model(codec=codec)
         t_load = load.time(L)
         options.append(CodecOption(codec, load.bytes_per_token_layer, t_load, max(t_load, t_rec)))
@@ -79,8 +81,10 @@ def choose_codec(profile: Profile, r_quality: float, L: float, cost_model: CostM
         return CodecDecision(current.codec, current.codec, options, None)
     near_fastest = [o for o in options if o.pace_s <= fastest * (1 + MARGIN)]
     choice = min(near_fastest, key=lambda o: (_faithfulness(o.codec), o.pace_s))
-    note = (f"storage sets the pace: loading {current.codec} takes {current.t_load_s * 1e3:.2f} ms a layer at "
-            f"L = {int(L)} against {t_rec * 1e3:.2f} ms of recompute at the quality floor; re-ingest with "
-            f"`--codec {choice.codec}` ({choice.bytes_per_token_layer:.0f} B per token-layer, loads in "
-            f"{choice.t_load_s * 1e3:.2f} ms) and re-run `kvblend tune`")
+    note = (
+        f"storage sets the pace: loading {current.codec} takes {current.t_load_s * 1e3:.2f} ms a layer at "
+        f"L = {int(L)} against {t_rec * 1e3:.2f} ms of recompute at the quality floor; re-ingest with "
+        f"`--codec {choice.codec}` ({choice.bytes_per_token_layer:.0f} B per token-layer, loads in "
+        f"{choice.t_load_s * 1e3:.2f} ms) and re-run `kvblend tune`"
+    )
     return CodecDecision(current.codec, choice.codec, options, note)

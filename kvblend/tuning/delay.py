@@ -26,8 +26,8 @@ Pure arithmetic: no torch, no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -50,11 +50,11 @@ class CostModel:
         return {"a_s_per_token": self.a, "b_s_per_token2": self.b}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, float]) -> "CostModel":
+    def from_dict(cls, d: Mapping[str, float]) -> CostModel:
         return cls(float(d["a_s_per_token"]), float(d.get("b_s_per_token2") or 0.0))
 
     @classmethod
-    def from_point(cls, r: float, L: float, seconds: float) -> "CostModel":
+    def from_point(cls, r: float, L: float, seconds: float) -> CostModel:
         """The linear model through one observation 'recomputing r of L tokens takes `seconds`'."""
         return cls(seconds / r / L, 0.0)
 
@@ -83,8 +83,7 @@ def fit_cost_model(lengths: Sequence[float], seconds: Sequence[float]) -> CostMo
     return CostModel(max(a_only, 0.0), 0.0) if err_a <= err_b else CostModel(0.0, max(b_only, 0.0))
 
 
-def load_time(bytes_per_token_layer: float, L: float, read_MBps: float,
-              decompress_MBps: float | None = None) -> float:
+def load_time(bytes_per_token_layer: float, L: float, read_MBps: float, decompress_MBps: float | None = None) -> float:
     """Seconds to load one layer's cached KV for L tokens: read the stored bytes, then decompress them.
 
     ``bytes_per_token_layer`` is what is *stored* (compressed) per token and
@@ -175,8 +174,7 @@ def passes_bounds(q: RatioQuality, tolerance: float, kl_bound: float | None) -> 
     return q.f1_drop <= tolerance + 1e-12 and q.kl <= kl_bound
 
 
-def quality_floor(by_ratio: Mapping[float, RatioQuality], tolerance: float,
-                  kl_bound: float | None) -> float | None:
+def quality_floor(by_ratio: Mapping[float, RatioQuality], tolerance: float, kl_bound: float | None) -> float | None:
     """The smallest ratio that, *like every larger ratio tested*, stays within the quality bounds.
 
     A ratio passes when ``f1_drop <= tolerance`` and ``kl <= kl_bound``.
@@ -207,12 +205,20 @@ class LayerTiming:
     hidden: bool | None = None  # loading takes at least as long as that recompute
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "LayerTiming":
-        return cls(**{k: d.get(k) for k in ("L", "t_load_s", "t_full_layer_s", "r_hide", "t_recompute_s", "hidden")})
+    def from_dict(cls, d: Mapping) -> LayerTiming:
+        return cls(
+            int(d["L"]),
+            float(d["t_load_s"]),
+            float(d["t_full_layer_s"]),
+            float(d["r_hide"]),
+            d.get("t_recompute_s"),
+            d.get("hidden"),
+        )
 
 
-def ratio_table(load: LoadModel, cost_model: CostModel, lengths: Iterable[int],
-                ratio: float | None = None) -> list[LayerTiming]:
+def ratio_table(
+    load: LoadModel, cost_model: CostModel, lengths: Iterable[int], ratio: float | None = None
+) -> list[LayerTiming]:
     """Per context length: T_load, full layer cost, r_hide, and (with ``ratio``) T_recompute(ratio)."""
     rows = []
     for L in lengths:

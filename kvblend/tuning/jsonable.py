@@ -9,8 +9,9 @@ field has changed meaning yet. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from kvblend.errors import KvblendError
 
@@ -23,8 +24,10 @@ def check_version(data: Mapping[str, Any], current: int, what: str) -> int:
     if not isinstance(version, int) or version < 0:
         raise KvblendError(f"stored {what} has an invalid version {version!r}")
     if version > current:
-        raise KvblendError(f"stored {what} is version {version}, newer than this kvblend reads ({current}): "
-                           "upgrade kvblend, or re-run the command that wrote it")
+        raise KvblendError(
+            f"stored {what} is version {version}, newer than this kvblend reads ({current}): "
+            "upgrade kvblend, or re-run the command that wrote it"
+        )
     return version
 
 

@@ -18,9 +18,9 @@ import os
 import secrets
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -133,8 +133,9 @@ def _open_scratch(directory: Path, total: int) -> tuple[int, Path]:
         raise UsageError(f"cannot write a scratch file in {directory} (permission denied)") from None
 
 
-def measure_disk_read(directory: str | os.PathLike[str], segments: Sequence[Sequence[bytes]],
-                      cold_runs: int = 3, warm_runs: int = 3) -> ReadMeasurement:
+def measure_disk_read(
+    directory: str | os.PathLike[str], segments: Sequence[Sequence[bytes]], cold_runs: int = 3, warm_runs: int = 3
+) -> ReadMeasurement:
     """Cold and warm read throughput of a directory's storage, in the archive's layout.
 
     Writes the payloads into a scratch file inside ``directory``, then reads
@@ -160,8 +161,15 @@ def measure_disk_read(directory: str | os.PathLike[str], segments: Sequence[Sequ
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
-    return ReadMeasurement(statistics.median(cold) if cold else None, statistics.median(warm), total,
-                           sum(len(seg) for seg in segments), max(resident) if resident else None, cold, warm)
+    return ReadMeasurement(
+        statistics.median(cold) if cold else None,
+        statistics.median(warm),
+        total,
+        sum(len(seg) for seg in segments),
+        max(resident) if resident else None,
+        cold,
+        warm,
+    )
 
 
 def measure_ram_read(segments: Sequence[Sequence[bytes]], runs: int = 3) -> ReadMeasurement:
@@ -232,8 +240,9 @@ def measure_decompress(payloads: Sequence[bytes], codec: str, min_seconds: float
             _decode_like_loader(p, codec)
         passes += 1
         elapsed = time.perf_counter() - t0
-    return DecompressMeasurement(passes * compressed / elapsed / MB, passes * raw / elapsed / MB,
-                                 compressed, raw, codec)
+    return DecompressMeasurement(
+        passes * compressed / elapsed / MB, passes * raw / elapsed / MB, compressed, raw, codec
+    )
 
 
 # ───────────────────────────────── compute ─────────────────────────────────
@@ -291,8 +300,14 @@ def _time_selective_layer(runner, layer: int, L: int, ratio: float, repeats: int
     return _best_time(selective_pass, runner.device, repeats)
 
 
-def measure_layer_cost(runner, lengths: Sequence[int], repeats: int = 2, layer: int | None = None,
-                       check_ratio: float | None = DEFAULT_RATIO, seed: int = 0) -> LayerCost:
+def measure_layer_cost(
+    runner,
+    lengths: Sequence[int],
+    repeats: int = 2,
+    layer: int | None = None,
+    check_ratio: float | None = DEFAULT_RATIO,
+    seed: int = 0,
+) -> LayerCost:
     """Time one decoder layer's full prefill at each length and fit cost(L) = a·L + b·L².
 
     The pass is the model's own: ``project_qkv`` + causal ``attend`` +

@@ -13,9 +13,10 @@ without it; measuring one is :mod:`kvblend.tuning.profiling`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
 
 from kvblend.archive import Archive, Location, resolve_location
 from kvblend.archive.records import location_key
@@ -40,7 +41,7 @@ TYPICAL_PROMPT_TOKENS = DEFAULT_TOP_K * DEFAULT_CHUNK_TOKENS
 
 def today() -> str:
     """Local time, ISO 8601, for humans reading a stored profile or setting."""
-    return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+    return datetime.now(UTC).astimezone().isoformat(timespec="seconds")
 
 
 # ───────────────────────────────── the record ─────────────────────────────────
@@ -129,11 +130,15 @@ class LayerCost:
         return CostModel(self.a_s_per_token, self.b_s_per_token2)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LayerCost":
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerCost:
         check = d.get("selective_check")
-        return cls(float(d["a_s_per_token"]), float(d.get("b_s_per_token2") or 0.0), int(d.get("layer", 0)),
-                   [from_fields(LengthTiming, r) for r in d.get("per_length", [])],
-                   from_fields(SelectiveCheck, check) if check else None)
+        return cls(
+            float(d["a_s_per_token"]),
+            float(d.get("b_s_per_token2") or 0.0),
+            int(d.get("layer", 0)),
+            [from_fields(LengthTiming, r) for r in d.get("per_length", [])],
+            from_fields(SelectiveCheck, check) if check else None,
+        )
 
 
 @dataclass
@@ -176,7 +181,7 @@ class Profile:
         ``codec``: as if the archive were stored with that codec (its bytes and
         decode rate as profiled); default, or unprofiled: the archive as it is.
         """
-        read = self.read_cold_MBps if cold else self.read_warm_MBps
+        read = (self.read_cold_MBps if cold else self.read_warm_MBps) or self.read_warm_MBps or 0.0
         rates = self.codecs.get(codec) if codec and codec != self.codec else None
         if rates is None or not self.kv_raw_bytes_per_token_layer:
             return LoadModel(self.kv_bytes_per_token_layer, read, self.decompress_MBps)
@@ -186,7 +191,7 @@ class Profile:
         return {"version": PROFILE_VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> "Profile":
+    def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> Profile:
         """Read a stored profile; `name` (its store key) fills in a profile stored without one."""
         check_version(d, PROFILE_VERSION, "profile")
         label = d.get("name") or name or "?"
@@ -217,13 +222,16 @@ def busy_warning(profile: Profile) -> str | None:
     cores = la.cores or 1
     worst = max([x for x in (la.before, la.after) if x is not None], default=None)
     if worst is not None and worst > cores and profile.compute == "cpu":
-        return (f"the machine was busy (1-min load {worst:.1f} on {cores} cores): prefill timings are likely "
-                "pessimistic; re-run `kvblend profile` when it is idle")
+        return (
+            f"the machine was busy (1-min load {worst:.1f} on {cores} cores): prefill timings are likely "
+            "pessimistic; re-run `kvblend profile` when it is idle"
+        )
     return None
 
 
-def profile_flags(profile: Profile, machine: Machine, fingerprint: str | None,
-                  model_changed_at: float | None = None) -> list[str]:
+def profile_flags(
+    profile: Profile, machine: Machine, fingerprint: str | None, model_changed_at: float | None = None
+) -> list[str]:
     """Why a stored profile may not apply here: another machine, another model, or a model
     file replaced after the profile was measured (its costs may no longer hold)."""
     flags = []
@@ -237,8 +245,9 @@ def profile_flags(profile: Profile, machine: Machine, fingerprint: str | None,
     return flags
 
 
-def applicable_profiles(profiles: Iterable[Profile], machine: Machine, fingerprint: str | None,
-                        compute: str) -> list[Profile]:
+def applicable_profiles(
+    profiles: Iterable[Profile], machine: Machine, fingerprint: str | None, compute: str
+) -> list[Profile]:
     """Profiles measured on this machine, with this model, on this compute device type."""
     return [p for p in profiles if not profile_flags(p, machine, fingerprint) and p.compute == compute]
 
@@ -264,8 +273,12 @@ class ProfileListing:
     flags: list[list[str]]  # per profile, in the same order
 
     def to_dict(self) -> dict[str, Any]:
-        return {"archive": self.archive, "machine": self.machine.to_dict(), "model_fingerprint": self.model_fingerprint,
-                "profiles": [{**p.to_dict(), "flags": f} for p, f in zip(self.profiles, self.flags)]}
+        return {
+            "archive": self.archive,
+            "machine": self.machine.to_dict(),
+            "model_fingerprint": self.model_fingerprint,
+            "profiles": [{**p.to_dict(), "flags": f} for p, f in zip(self.profiles, self.flags)],
+        }
 
 
 def _model_identity(model: str | None) -> tuple[str | None, float | None]:

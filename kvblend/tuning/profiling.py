@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvblend.archive import (
     CODECS,
@@ -61,9 +61,17 @@ class ProfileSettings:
     decompress_seconds: float = 0.5
 
     @classmethod
-    def quick(cls) -> "ProfileSettings":
-        return cls(lengths=QUICK_LENGTHS, repeats=2, sample_tokens=256, sample="random",
-                   scratch_bytes=8 * 1000 * 1000, cold_runs=1, warm_runs=2, decompress_seconds=0.1)
+    def quick(cls) -> ProfileSettings:
+        return cls(
+            lengths=QUICK_LENGTHS,
+            repeats=2,
+            sample_tokens=256,
+            sample="random",
+            scratch_bytes=8 * 1000 * 1000,
+            cold_runs=1,
+            warm_runs=2,
+            decompress_seconds=0.1,
+        )
 
 
 def _locate(archive, device: str | None, label: str | None) -> tuple[str | None, str, str]:
@@ -97,9 +105,16 @@ def _stored_bytes_per_token_layer(archive, n_layers: int, fallback: float) -> fl
     return fallback
 
 
-def build_profile(runner, archive, device: str | None = None, settings: ProfileSettings = ProfileSettings(),
-                  label: str | None = None, codec: str | None = None, level: int | None = None,
-                  log: Log | None = None) -> Profile:
+def build_profile(
+    runner,
+    archive,
+    device: str | None = None,
+    settings: ProfileSettings = ProfileSettings(),
+    label: str | None = None,
+    codec: str | None = None,
+    level: int | None = None,
+    log: Log | None = None,
+) -> Profile:
     """Measure storage read, codec decompression and per-layer prefill cost.
 
     ``device``: None or a disk label (nvme/ssd/hdd) profiles the archive's own
@@ -110,8 +125,9 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
     log = log or (lambda _msg: None)
     started, load_before = time.perf_counter(), loadavg()
     where, store_label, label_source = _locate(archive, device, label)
-    sample = sample_segments(runner, archive, settings, codec or DEFAULT_CODEC,
-                                    DEFAULT_LEVEL if level is None else level, log)
+    sample = sample_segments(
+        runner, archive, settings, codec or DEFAULT_CODEC, DEFAULT_LEVEL if level is None else level, log
+    )
     n_layers = len(sample.segments[0])
     copies = max(1, math.ceil(settings.scratch_bytes / sample.stored_bytes))
     scratch = [seg for _ in range(copies) for seg in sample.segments]
@@ -124,8 +140,9 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
     else:
         reads = probes.measure_disk_read(where, scratch, cold_runs=settings.cold_runs, warm_runs=settings.warm_runs)
     log(f"codec: {sample.codec}")
-    dec = probes.measure_decompress([p for seg in sample.segments[:4] for p in seg], sample.codec,
-                                    settings.decompress_seconds)
+    dec = probes.measure_decompress(
+        [p for seg in sample.segments[:4] for p in seg], sample.codec, settings.decompress_seconds
+    )
     log(f"codecs: {', '.join(CODECS)} on the same KV")
     codecs = measure_codecs(sample, DEFAULT_LEVEL if level is None else level, settings.decompress_seconds)
     log(f"compute: {runner.device.type}, lengths {', '.join(map(str, settings.lengths))}")
@@ -139,13 +156,27 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
         created=time.time(),
         date=today(),
         machine=machine,
-        model=ModelInfo(runner.name, runner.fingerprint, runner.n_layers, runner.n_kv_heads, runner.head_dim,
-                        str(runner.dtype).replace("torch.", ""), runner.max_positions),
+        model=ModelInfo(
+            runner.name,
+            runner.fingerprint,
+            runner.n_layers,
+            runner.n_kv_heads,
+            runner.head_dim,
+            str(runner.dtype).replace("torch.", ""),
+            runner.max_positions,
+        ),
         compute=runner.device.type,
-        storage=StorageInfo(store_label, where, label_source,
-                            filesystem_of(where) if where and not archive.location.is_redis else None,
-                            reads.scratch_bytes, reads.reads, reads.cold_resident_fraction,
-                            reads.cold_runs_MBps, reads.warm_runs_MBps),
+        storage=StorageInfo(
+            store_label,
+            where,
+            label_source,
+            filesystem_of(where) if where and not archive.location.is_redis else None,
+            reads.scratch_bytes,
+            reads.reads,
+            reads.cold_resident_fraction,
+            reads.cold_runs_MBps,
+            reads.warm_runs_MBps,
+        ),
         read_cold_MBps=reads.read_cold_MBps,
         read_warm_MBps=reads.read_warm_MBps,
         codec=sample.codec,
@@ -154,8 +185,9 @@ def build_profile(runner, archive, device: str | None = None, settings: ProfileS
         compression_ratio=dec.compression_ratio,
         kv_bytes_per_token_layer=_stored_bytes_per_token_layer(archive, n_layers, sample_per_token_layer),
         kv_raw_bytes_per_token_layer=2 * 2 * runner.n_kv_heads * runner.head_dim,  # K and V, fp16
-        sample=SampleInfo(sample.source, sample.tokens, max(1, sample.stored_bytes // len(sample.segments)),
-                          sample_per_token_layer),
+        sample=SampleInfo(
+            sample.source, sample.tokens, max(1, sample.stored_bytes // len(sample.segments)), sample_per_token_layer
+        ),
         layer_cost=cost,
         layer_cost_ref_tokens=ref_L,
         layer_cost_s_per_token=cost.model.cost(ref_L) / ref_L,
@@ -176,14 +208,23 @@ def measure_codecs(sample: SampleKV, level: int, seconds: float, segments: int =
     for codec in CODECS:
         encoded = payloads if codec == sample.codec else [encode_layer(k, v, codec, level) for k, v in layers]
         dec = probes.measure_decompress(encoded, codec, seconds)
-        rates[codec] = {"stored_fraction": dec.compressed_bytes / raw, "decompress_MBps": dec.decompress_MBps,
-                        "decompress_raw_MBps": dec.decompress_raw_MBps}
+        rates[codec] = {
+            "stored_fraction": dec.compressed_bytes / raw,
+            "decompress_MBps": dec.decompress_MBps,
+            "decompress_raw_MBps": dec.decompress_raw_MBps,
+        }
     return rates
 
 
-def run_profile(archive: str | os.PathLike[str] | None, model: str | None = None, compute: str | None = None,
-                device: str | None = None, label: str | None = None, quick: bool = False,
-                log: Log | None = None) -> Profile:
+def run_profile(
+    archive: str | os.PathLike[str] | None,
+    model: str | None = None,
+    compute: str | None = None,
+    device: str | None = None,
+    label: str | None = None,
+    quick: bool = False,
+    log: Log | None = None,
+) -> Profile:
     """`kvblend profile`: measure this machine for the model and store the profile in the archive.
 
     Bad `--device`/`--label` values fail before the model loads.

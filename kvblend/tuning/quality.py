@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib.resources import as_file, files
 from importlib.resources.abc import Traversable
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_SELECT
 from kvblend.errors import UsageError
@@ -74,10 +75,17 @@ class QualitySweep:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "QualitySweep":
+    def from_dict(cls, d: Mapping[str, Any]) -> QualitySweep:
         by_ratio = {float(r): RatioQuality(**q) for r, q in d["by_ratio"].items()}
-        return cls(d["records"], d["full_f1"], d["reuse_kl"], d.get("kl_bound"), by_ratio,
-                   [float(r) for r in d.get("skipped", [])], d.get("seconds", 0.0))
+        return cls(
+            d["records"],
+            d["full_f1"],
+            d["reuse_kl"],
+            d.get("kl_bound"),
+            by_ratio,
+            [float(r) for r in d.get("skipped", [])],
+            d.get("seconds", 0.0),
+        )
 
 
 @dataclass
@@ -114,14 +122,22 @@ def _ratio_quality(cases: list[_Case], runs: list[RunRecord], full_f1: float) ->
     kls = [r.kl_vs_full for r in runs]
     f1s = [f1_score(r.answer, r.golds) for r in runs]
     same = [float(r.answer == c.reference.answer) for c, r in zip(cases, runs)]
-    return RatioQuality(f1_drop=full_f1 - mean(f1s), kl=mean(kls), f1=mean(f1s), kl_max=max(kls),
-                        same_as_full=mean(same))
+    return RatioQuality(
+        f1_drop=full_f1 - mean(f1s), kl=mean(kls), f1=mean(f1s), kl_max=max(kls), same_as_full=mean(same)
+    )
 
 
-def measure_quality(runner, records: Sequence[QARecord], ratios: Sequence[float],
-                    max_new_tokens: int = SWEEP_MAX_NEW_TOKENS, check_layer: int = DEFAULT_CHECK_LAYERS[0],
-                    tolerance: float | None = None, kl_bound_vs_reuse: float | None = None,
-                    log: Log | None = None, select: str = DEFAULT_SELECT) -> QualitySweep:
+def measure_quality(
+    runner,
+    records: Sequence[QARecord],
+    ratios: Sequence[float],
+    max_new_tokens: int = SWEEP_MAX_NEW_TOKENS,
+    check_layer: int = DEFAULT_CHECK_LAYERS[0],
+    tolerance: float | None = None,
+    kl_bound_vs_reuse: float | None = None,
+    log: Log | None = None,
+    select: str = DEFAULT_SELECT,
+) -> QualitySweep:
     """Quality of `blend` at each ratio against `full` on calibration records (see the module doc).
 
     With ``tolerance`` and ``kl_bound_vs_reuse`` the sweep saves work without
@@ -145,7 +161,14 @@ def measure_quality(runner, records: Sequence[QARecord], ratios: Sequence[float]
         runs = [rr.run(c.index, c.record, [spec], reference=c.reference, memory=c.memory)[1][0] for c in cases]
         q = results[r] = _ratio_quality(cases, runs, full_f1)
         log(f"r={r:g}: KL {q.kl:.4f}, F1 {q.f1:.3f} (drop {q.f1_drop:+.3f}), same answer as full {q.same_as_full:.0%}")
-        if early_stop and not passes_bounds(q, tolerance, kl_bound):
+        if tolerance is not None and kl_bound is not None and not passes_bounds(q, tolerance, kl_bound):
             break
-    return QualitySweep(len(cases), full_f1, reuse_kl, kl_bound, dict(sorted(results.items())),
-                        [r for r in ratios if r not in results], time.perf_counter() - started)
+    return QualitySweep(
+        len(cases),
+        full_f1,
+        reuse_kl,
+        kl_bound,
+        dict(sorted(results.items())),
+        [r for r in ratios if r not in results],
+        time.perf_counter() - started,
+    )

@@ -8,9 +8,9 @@ passages), or random-normal fp16 for ``--quick``, encoded with the archive's cod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import as_file
-from typing import Callable
 
 import torch
 
@@ -48,15 +48,16 @@ def archive_sample(archive, limit_bytes: int) -> SampleKV | None:
         total += sum(len(p) for p in seg)
         if total >= limit_bytes:
             break
-    return SampleKV(segments, tokens, codec, "archive") if segments else None
+    return SampleKV(segments, tokens, str(codec), "archive") if segments else None
 
 
 def random_kv_layers(runner, n_tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random-normal fp16 K/V of the model's shape, one pair per layer (the --quick stand-in)."""
     g = torch.Generator().manual_seed(seed)
     shape = (runner.n_kv_heads, n_tokens, runner.head_dim)
-    return [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
-            for _ in range(runner.n_layers)]
+    return [
+        (torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half()) for _ in range(runner.n_layers)
+    ]
 
 
 def sample_text() -> str:
@@ -74,8 +75,7 @@ def prefill_kv_layers(runner, n_tokens: int) -> list[tuple[torch.Tensor, torch.T
     return precompute_kv(runner, [ids[:n_tokens]])[0]
 
 
-def sample_segments(runner, archive, settings, codec: str, level: int,
-                    log: Callable[[str], None]) -> SampleKV:
+def sample_segments(runner, archive, settings, codec: str, level: int, log: Callable[[str], None]) -> SampleKV:
     """The archive's payloads, else one segment of `settings.sample` KV encoded with `codec`."""
     found = archive_sample(archive, settings.scratch_bytes)
     if found is not None:

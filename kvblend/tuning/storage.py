@@ -9,8 +9,9 @@ the archive. No torch here.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from kvblend.errors import UsageError
 from kvblend.tuning.delay import CostModel, recompute_time
@@ -42,10 +43,13 @@ class StorageDecision:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StorageDecision":
+    def from_dict(cls, d: Mapping[str, Any]) -> StorageDecision:
         choice = d.get("choice")
-        return cls(from_fields(StorageOption, choice) if choice else None,
-                   [from_fields(StorageOption, c) for c in d.get("candidates", [])], list(d.get("unprofiled", [])))
+        return cls(
+            from_fields(StorageOption, choice) if choice else None,
+            [from_fields(StorageOption, c) for c in d.get("candidates", [])],
+            list(d.get("unprofiled", [])),
+        )
 
 
 def latest_by_label(profiles: Iterable[Profile]) -> dict[str, Profile]:
@@ -58,8 +62,14 @@ def latest_by_label(profiles: Iterable[Profile]) -> dict[str, Profile]:
     return best
 
 
-def cheapest_storage(profiles: Iterable[Profile], costs: Mapping[str, float], ratio: float, L: float,
-                     cost_model: CostModel | None = None, archive_bytes: float | None = None) -> StorageDecision:
+def cheapest_storage(
+    profiles: Iterable[Profile],
+    costs: Mapping[str, float],
+    ratio: float,
+    L: float,
+    cost_model: CostModel | None = None,
+    archive_bytes: float | None = None,
+) -> StorageDecision:
     """Among profiled locations priced in ``costs`` ($/GB-month), the cheapest whose loading hides recompute.
 
     A location qualifies when ``T_load(L) <= T_recompute(ratio, L)``. Recompute

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvblend.archive import Archive, resolve_location
 from kvblend.archive.records import TUNED_VERSION, TunedRatio, location_key, tuned_key
@@ -83,27 +84,51 @@ class TuneDecision:
 def _decision_notes(r_hide: float, ratio: float, r_quality: float) -> list[str]:
     notes = []
     if r_hide >= 1.0:
-        notes.append("loading one layer takes longer than recomputing it in full: blending from this storage "
-                     "is slower than `--mode full`; move the archive to faster storage")
+        notes.append(
+            "loading one layer takes longer than recomputing it in full: blending from this storage "
+            "is slower than `--mode full`; move the archive to faster storage"
+        )
     if ratio > r_quality + 1e-12:
-        notes.append(f"loading hides recompute up to r = {r_hide:.3f}, so the extra recompute above the quality "
-                     f"floor {r_quality:g} is free")
+        notes.append(
+            f"loading hides recompute up to r = {r_hide:.3f}, so the extra recompute above the quality "
+            f"floor {r_quality:g} is free"
+        )
     else:
-        notes.append(f"loading hides only r = {r_hide:.3f}: the quality floor {r_quality:g} sets the ratio and "
-                     "recompute, not loading, sets the pace")
+        notes.append(
+            f"loading hides only r = {r_hide:.3f}: the quality floor {r_quality:g} sets the ratio and "
+            "recompute, not loading, sets the pace"
+        )
     return notes
 
 
-def decide(profile: Profile, r_quality: float, L: int, lengths: Sequence[int] = TABLE_LENGTHS,
-           r_quality_source: str = "calibration", L_source: str = "") -> TuneDecision:
+def decide(
+    profile: Profile,
+    r_quality: float,
+    L: int,
+    lengths: Sequence[int] = TABLE_LENGTHS,
+    r_quality_source: str = "calibration",
+    L_source: str = "",
+) -> TuneDecision:
     """r = max(r_quality, r_hide(L)) from a location's profile, with the per-length table behind it."""
     model, load = profile.cost_model, profile.load_model()
     t_load, full = load.time(L), model.cost(L)
     r_hide = hide_ratio(t_load, full)
     ratio = choose_ratio(r_quality, r_hide)
     table = ratio_table(load, model, sorted({*lengths, L}), ratio)
-    return TuneDecision(ratio, r_quality, r_quality_source, r_hide, int(L), L_source, t_load, full,
-                        recompute_time(ratio, L, model), table, profile.name, _decision_notes(r_hide, ratio, r_quality))
+    return TuneDecision(
+        ratio,
+        r_quality,
+        r_quality_source,
+        r_hide,
+        int(L),
+        L_source,
+        t_load,
+        full,
+        recompute_time(ratio, L, model),
+        table,
+        profile.name,
+        _decision_notes(r_hide, ratio, r_quality),
+    )
 
 
 # ───────────────────────────────── what is stored ─────────────────────────────────
@@ -152,18 +177,21 @@ class TunedSetting:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TunedSetting":
+    def from_dict(cls, d: Mapping[str, Any]) -> TunedSetting:
         check_version(d, TUNED_VERSION, "tuned setting")
         if TunedRatio.from_stored(d) is None:
             raise UsageError(f"tuned setting has no usable ratio: {d.get('ratio')!r}")
-        return from_fields(cls, {
-            **d,
-            "table": [LayerTiming.from_dict(r) for r in d.get("table", [])],
-            "model": from_fields(ModelRef, d.get("model") or {}),
-            "quality": QualitySweep.from_dict(d["quality"]) if d.get("quality") else None,
-            "storage": StorageDecision.from_dict(d.get("storage") or {}),
-            "codec": CodecDecision.from_dict(d["codec"]) if d.get("codec") else None,
-        })
+        return from_fields(
+            cls,
+            {
+                **d,
+                "table": [LayerTiming.from_dict(r) for r in d.get("table", [])],
+                "model": from_fields(ModelRef, d.get("model") or {}),
+                "quality": QualitySweep.from_dict(d["quality"]) if d.get("quality") else None,
+                "storage": StorageDecision.from_dict(d.get("storage") or {}),
+                "codec": CodecDecision.from_dict(d["codec"]) if d.get("codec") else None,
+            },
+        )
 
 
 # ───────────────────────────────── the workflow ─────────────────────────────────
@@ -218,7 +246,7 @@ def typical_prompt_tokens(archive: Archive, top_k: int = DEFAULT_TOP_K) -> tuple
 def _context_length(ar: Archive, here: Profile, given: int | None) -> tuple[int, str]:
     L, source = (given, "--context-tokens") if given is not None else typical_prompt_tokens(ar)
     max_pos = here.model.max_positions or 0
-    if max_pos and L > max_pos:
+    if max_pos and max_pos < L:
         return max_pos, source + f", capped at the model's context {max_pos}"
     return L, source
 
@@ -237,18 +265,31 @@ def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str
     """(sweep, r_quality, its source, notes) from the calibration set."""
     records = load_calibration(req.calibration, req.limit)
     log(f"calibration: {len(records)} records × ratios {', '.join(f'{r:g}' for r in req.ratios)} vs full")
-    quality = measure_quality(load_model(req.model, req.compute), records, req.ratios, tolerance=req.tolerance,
-                              kl_bound_vs_reuse=req.kl_bound, log=log, select=req.select)
+    quality = measure_quality(
+        load_model(req.model, req.compute),
+        records,
+        req.ratios,
+        tolerance=req.tolerance,
+        kl_bound_vs_reuse=req.kl_bound,
+        log=log,
+        select=req.select,
+    )
     floor = quality_floor(quality.by_ratio, req.tolerance, quality.kl_bound)
     if floor is not None:
         return quality, floor, "calibration", []
     top = max(req.ratios)
     v = quality.by_ratio[top]
-    return quality, 1.0, "fallback", [
-        f"even r = {top:g} misses the bounds (F1 drop {v.f1_drop:+.3f} vs ≤ {req.tolerance:g}, KL {v.kl:.3f} vs "
-        f"≤ {quality.kl_bound:.3f} = {req.kl_bound:g}× reuse's), so r_quality = 1.0: queries will recompute every "
-        "token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen --kl-bound/--tolerance, "
-        "or pass --r-quality"]
+    return (
+        quality,
+        1.0,
+        "fallback",
+        [
+            f"even r = {top:g} misses the bounds (F1 drop {v.f1_drop:+.3f} vs ≤ {req.tolerance:g}, KL {v.kl:.3f} vs "
+            f"≤ {quality.kl_bound:.3f} = {req.kl_bound:g}× reuse's), so r_quality = 1.0: queries will recompute every "
+            "token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen --kl-bound/--tolerance, "
+            "or pass --r-quality"
+        ],
+    )
 
 
 def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
@@ -266,8 +307,10 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
         profiles = applicable_profiles(stored, machine_info(), fingerprint, compute)
         here = location_profile(profiles, path)
         if here is None:
-            raise UsageError(f"no profile of this archive's location ({path}) for {source.name} on {compute} "
-                             f"on this machine: run `kvblend profile --archive {path}` first")
+            raise UsageError(
+                f"no profile of this archive's location ({path}) for {source.name} on {compute} "
+                f"on this machine: run `kvblend profile --archive {path}` first"
+            )
         L, L_source = _context_length(ar, here, req.context_tokens)
         size = req.archive_bytes if req.archive_bytes is not None else ar.size_bytes()
         notes = _profile_notes(here)
@@ -280,13 +323,35 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
         decision = decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)
         codec = choose_codec(here, rq, L, here.cost_model)
         decision.notes = notes + decision.notes + ([codec.note] if codec.note else [])
-        storage = cheapest_storage(profiles, req.costs, decision.ratio, L, cost_model=here.cost_model,
-                                   archive_bytes=size)
+        storage = cheapest_storage(
+            profiles, req.costs, decision.ratio, L, cost_model=here.cost_model, archive_bytes=size
+        )
         setting = TunedSetting(
-            decision.ratio, decision.r_quality, rq_source, decision.r_hide, decision.L, L_source, decision.t_load_s,
-            decision.t_recompute_s, decision.bottleneck, decision.table, today(), time.time(), here.name,
-            ModelRef(source.name, fingerprint), compute, location_key(path), req.tolerance, req.kl_bound, quality,
-            storage, size, decision.notes, codec, req.select)
+            decision.ratio,
+            decision.r_quality,
+            rq_source,
+            decision.r_hide,
+            decision.L,
+            L_source,
+            decision.t_load_s,
+            decision.t_recompute_s,
+            decision.bottleneck,
+            decision.table,
+            today(),
+            time.time(),
+            here.name,
+            ModelRef(source.name, fingerprint),
+            compute,
+            location_key(path),
+            req.tolerance,
+            req.kl_bound,
+            quality,
+            storage,
+            size,
+            decision.notes,
+            codec,
+            req.select,
+        )
         key = tuned_key(source.name, compute, path)
         ar.put_tuned(key, setting.to_dict())
     return TuneResult(setting, key, decision)
