@@ -258,7 +258,7 @@ def _conversation(messages: Any) -> Conversation:
                 "messages",
                 code="unsupported_parameter",
             )
-    if not turns or turns[-1][0] != "user":
+    if not turns or messages[-1].get("role") != "user":
         raise invalid("the last message must be the user's", "messages")
     history = [(role, "\n".join(block for t in texts for block in split_blocks(t))) for role, texts in turns[:-1]]
     try:

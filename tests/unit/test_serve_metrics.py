@@ -12,9 +12,10 @@ from kvblend.errors import NotFoundError
 from kvblend.pipeline.query import ContextLengthError
 from kvblend.serve.app import error_for
 from kvblend.serve.metrics import Metrics
-from kvblend.serve.responses import chunk_body, completion_body, finish_reason, request_share
+from kvblend.serve.responses import chunk_body, completion_body, request_share
+from kvblend.serve.scheduler import ChoiceResult, Completed
 from kvblend.serve.schema import ApiError, ChatRequest
-from kvblend.serve.worker import query_options
+from kvblend.serve.scheduler import query_options
 
 SAMPLE = re.compile(r'^[a-z_]+(\{[a-z]+="[^"]*"\})? -?[0-9.e+-]+$')
 
@@ -52,15 +53,21 @@ def test_recompute_share_counts_passages_prefilled_to_be_stored():
 
 
 def test_completion_body_is_openai_shaped_with_a_kvblend_report():
-    body = completion_body("chatcmpl-1", "m", fake_result(), max_tokens=4, queue_wait_s=0.2)
+    logprobs = [{"token": "Hal", "logprob": -0.1, "bytes": [72], "top_logprobs": [{"token": "Hal", "logprob": -0.1}]}]
+    done = Completed(fake_result(), [ChoiceResult(0, "Halifax", [1, 2, 3, 4], "length", logprobs),
+                                     ChoiceResult(1, "Bergen", [5, 6], "stop", None)])
+    body = completion_body("chatcmpl-1", "m", done, queue_wait_s=0.2, legacy=False)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "Halifax"
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 80, "completion_tokens": 4, "total_tokens": 84}
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["choices"][0]["logprobs"] == {"content": logprobs} and body["choices"][1]["logprobs"] is None
+    assert body["usage"] == {"prompt_tokens": 80, "completion_tokens": 6, "total_tokens": 86}
     report = body["kvblend"]
     assert {"ttft_s", "recompute_share", "segments", "load_wait_s"} <= set(report)
     assert report["segments"][0]["source"] == "hit"
-    assert finish_reason(fake_result(eos=True, n_tokens=2), 4) == "stop"
-    chunk = chunk_body("chatcmpl-1", "m", {"content": "x"})
+    legacy = completion_body("cmpl-1", "m", done, queue_wait_s=0.2, legacy=True)
+    assert legacy["object"] == "text_completion" and legacy["choices"][0]["text"] == "Halifax"
+    assert legacy["choices"][0]["logprobs"]["tokens"] == ["Hal"]
+    chunk = chunk_body("chatcmpl-1", "m", 0, False, "x")
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "x"}
 
 

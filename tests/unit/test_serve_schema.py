@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvblend.serve.chunks import CHUNK_SEPARATOR, conversation, segments_report, split_blocks
-from kvblend.serve.schema import ApiError, parse_body, parse_chat_request
+from kvblend.serve.chunks import CHUNK_SEPARATOR, conversation, question_with_history, segments_report, split_blocks
+from kvblend.serve.schema import ApiError, parse_body, parse_chat_request, parse_completion_request
 
 
 def user(content) -> dict:
@@ -53,10 +53,38 @@ def test_system_and_developer_messages_become_the_system_prompt():
     assert req.system == "Be brief.\n\nNo lists." and req.chunks == ["A."]
 
 
-def test_every_user_message_contributes_parts_in_order():
-    body = {"messages": [{"role": "user", "content": "A."}, {"role": "user", "content": "Q?"}]}
+def test_earlier_turns_become_history_and_the_last_user_turn_carries_passages_and_question():
+    body = {"messages": [{"role": "user", "content": "Hi.<<<chunk>>>There?"}, {"role": "assistant", "content": "Yes."},
+                         {"role": "assistant", "content": None},
+                         {"role": "user", "content": [{"type": "text", "text": "A."}, {"type": "text", "text": "Q?"}]}]}
     req = parse_chat_request(body)
     assert req.chunks == ["A."] and req.question == "Q?"
+    assert req.history == [("user", "Hi.\nThere?"), ("assistant", "Yes.")]
+    assert question_with_history(req.history, req.question).endswith("Now: Q?")
+    assert "User: Hi." in question_with_history(req.history, req.question)
+
+
+def test_stop_n_logprobs_and_vllm_extensions():
+    body = {**user("Q?"), "stop": "END", "n": 3, "logprobs": True, "top_logprobs": 2, "ignore_eos": True,
+            "min_tokens": 4, "max_tokens": 8, "presence_penalty": 0, "seed": 1}
+    req = parse_chat_request(body)
+    assert (req.stop, req.n, req.logprobs, req.top_logprobs, req.ignore_eos, req.min_tokens) == \
+        (["END"], 3, True, 2, True, 4)
+    assert parse_chat_request({**user("Q?"), "stop": ["a", "b", "a"]}).stop == ["a", "b"]
+
+
+def test_a_legacy_completion_prompt_reads_like_a_user_message():
+    req = parse_completion_request({"prompt": "P1.\n<<<chunk>>>\nQ?", "logprobs": 2, "max_tokens": 3})
+    assert req.legacy and req.chunks == ["P1."] and req.question == "Q?" and req.top_logprobs == 2
+    with pytest.raises(ApiError):
+        parse_completion_request({"prompt": ["a", "b"]})
+
+
+def test_json_nested_deeper_than_any_request_is_refused_before_parsing():
+    with pytest.raises(ApiError) as info:
+        parse_body(b'{"a":' * 1000 + b"1" + b"}" * 1000)
+    assert info.value.code == "invalid_json"
+    assert parse_body(b'{"messages": [{"content": "[[[[ not brackets ]]]]"}]}')["messages"]
 
 
 def test_split_blocks_drops_empty_blocks():
@@ -79,9 +107,8 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert parse_chat_request({**user("Q?"), "max_tokens": 9, "max_completion_tokens": 3}).max_tokens == 3
 
 
-@pytest.mark.parametrize("name,value", [("n", 2), ("tools", [{"type": "function"}]), ("logprobs", True),
-                                        ("stop", ["\n"]), ("presence_penalty", 0.5), ("response_format",
-                                                                                     {"type": "json_object"})])
+@pytest.mark.parametrize("name,value", [("tools", [{"type": "function"}]), ("presence_penalty", 0.5),
+                                        ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1})])
 def test_unsupported_parameters_are_refused_by_name(name, value):
     refused({**user("Q?"), name: value}, param=name, code="unsupported_parameter")
 
@@ -99,8 +126,7 @@ def test_bad_kvblend_options_are_refused(options):
     refused({**user("Q?"), "kvblend": options})
 
 
-@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "assistant", "content": "x"},
-                                                        {"role": "user", "content": "Q?"}],
+@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "assistant", "content": "x"}],
                                       [{"role": "user", "content": "Q?"}, {"role": "system", "content": "S"}],
                                       [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                                       [{"role": "user", "content": 5}], [{"role": "user", "content": "   "}]])
