@@ -274,6 +274,18 @@ def timing_table(result) -> Table:
         ("segments", ", ".join(f"{s.key[:8]}{'' if s.cached else '*'}" for s in result.segments) + "  (* = computed)"),
         ("instruction prefix", "cached (exact, never recomputed)" if result.prefix_cached else "computed"),
     ]
+    stages = result.stages
+    if stages:  # where the fusion's time went: what the recompute share alone does not say
+        total = sum(stages.values()) or 1.0
+        rows.append(
+            (
+                "fusion stages",
+                "  ".join(
+                    f"{name} {sec * 1000:.0f} ms ({sec / total:.0%})"
+                    for name, sec in sorted(stages.items(), key=lambda kv: -kv[1])
+                ),
+            )
+        )
     for k, v in rows:
         table.add_row(k, v)
     return table

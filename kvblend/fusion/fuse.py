@@ -26,8 +26,9 @@ re-rotates it to this prompt's offsets before the fusor sees it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -67,6 +68,25 @@ class CachedKVFeed(Protocol):
     def wait_s(self) -> float: ...
 
 
+class StageClock:
+    """Wall time of a fusion per stage, so a query can say where blend's time goes beyond its compute share:
+    the probe pass, reading each layer's cached KV (loader waits, and on a CPU without spare cores the decode and
+    re-rotation too), the Q/K/V projections, gathering and scattering the kept rows, selecting them, attention,
+    and o_proj + MLP. CPU tensor ops are synchronous, so the clock measures them; on CUDA a stage's time is the
+    time to queue its kernels."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
 @dataclass
 class FusionResult:
     """A prompt's fused KV, the last token's logits, and what it cost."""
@@ -86,6 +106,7 @@ class FusionResult:
     stream: object | None = None  # the archive feed's StreamStats, when the KV was streamed
     select: str | None = None  # blend's selection policy
     probe_token_layers: int = 0  # the probe pass's share of recomputed_token_layers
+    stages: dict[str, float] = field(default_factory=dict)  # StageClock: seconds per stage
 
     @property
     def recompute_share(self) -> float:
@@ -163,6 +184,7 @@ def fuse_steps(
         selected=active.cpu() if active is not None else None,
         select=blend.select if mode == "blend" else None,
         probe_token_layers=loop.probe_cost,
+        stages=dict(loop.clock.seconds),
     )
 
 
@@ -199,6 +221,7 @@ class _LayerLoop:
     ):
         self.runner, self.feed, self.schedule, self.T = runner, feed, schedule, T
         self.rows = rows_per_step
+        self.clock = StageClock()
         self._busy, self._resumed = 0.0, time.perf_counter()
         self.always, self.n_approx = always, n_approx
         self.checks: dict[int, float] = {}
@@ -238,7 +261,16 @@ class _LayerLoop:
         first_scored = positions[question_rows(positions, self.always, self.candidates)][0]
         score_from = int(torch.searchsorted(rows, first_scored))  # the question: a suffix of the rows
         self.probe_scores, kept = yield from probe_pass(
-            self.runner, self.feed, ids, rows, score_from, self.candidates, self.cos_all, self.sin_all, self.pause
+            self.runner,
+            self.feed,
+            ids,
+            rows,
+            score_from,
+            self.candidates,
+            self.cos_all,
+            self.sin_all,
+            self.pause,
+            self.clock,
         )
         self.probe_cost = int(rows.numel()) * self.runner.n_layers
         self.feed = KeptLayers(kept)
@@ -250,25 +282,31 @@ class _LayerLoop:
             if layer == 0 and 0 in self.checks:
                 active, hidden = self._preselect(active, hidden)
             self.active_counts.append(T if active is None else int(active.numel()))
-            cos, sin = (
-                (self.cos_all, self.sin_all) if active is None else (self.cos_all[:, active], self.sin_all[:, active])
-            )
+            with self.clock("gather"):
+                cos, sin = (
+                    (self.cos_all, self.sin_all)
+                    if active is None
+                    else (self.cos_all[:, active], self.sin_all[:, active])
+                )
             q, k, v = yield from self._project(layer, hidden, cos, sin)
             computed = active  # positions whose fresh K/V this layer has (None: all)
             ratio = self.checks.get(layer, 1.0) if layer else 1.0  # a layer-0 check was made before it
-            cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
+            with self.clock("load"):
+                cached_k, cached_v = self._read(layer, needed=active is not None or ratio < 1.0)
             current = active if active is not None else torch.arange(T, device=runner.device)
             stale = None
             if ratio < 1.0:
                 assert cached_k is not None and cached_v is not None
-                stale = (cached_k[:, :, current], cached_v[:, :, current])
+                with self.clock("gather"):
+                    stale = (cached_k[:, :, current], cached_v[:, :, current])
             if computed is None:
                 layer_k, layer_v = k, v
             else:
                 assert cached_k is not None and cached_v is not None
                 layer_k, layer_v = cached_k, cached_v  # the feed hands over fresh tensors: patch in place
-                layer_k[:, :, computed] = k.to(layer_k.dtype)
-                layer_v[:, :, computed] = v.to(layer_v.dtype)
+                with self.clock("patch"):
+                    layer_k[:, :, computed] = k.to(layer_k.dtype)
+                    layer_v[:, :, computed] = v.to(layer_v.dtype)
             if stale is not None:
                 check = Check(
                     runner,
@@ -285,10 +323,12 @@ class _LayerLoop:
                     self.blend.deviation,
                 )
                 n_keep = budget(ratio, self.n_approx, self.probe_cost, runner.n_layers - self.blend.check_layers[0] - 1)
-                active, keep_rows = select(self.blend.select, check, n_keep)
+                with self.clock("select"):
+                    active, keep_rows = select(self.blend.select, check, n_keep)
                 # Only the survivors' queries go on; but every token scored here keeps its fresh
                 # K/V in this layer (already paid for, and closer to full than the cached KV).
-                q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
+                with self.clock("gather"):
+                    q, hidden = q[:, :, keep_rows], hidden[:, keep_rows]
                 if active.numel() == T:  # everything kept: exactly the full computation from here on
                     active = None
             hidden = yield from self._attend_and_finish(layer, q, layer_k, layer_v, active, hidden)
@@ -306,10 +346,12 @@ class _LayerLoop:
         """Q/K/V of the active rows (a token's projections depend only on its own hidden state)."""
         chunks = self._chunks(hidden.shape[1])
         if len(chunks) == 1:
-            return self.runner.project_qkv(layer, hidden, cos, sin)
+            with self.clock("project"):
+                return self.runner.project_qkv(layer, hidden, cos, sin)
         parts = []
         for rows in chunks:
-            parts.append(self.runner.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
+            with self.clock("project"):
+                parts.append(self.runner.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
             yield from self.pause()
         q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
         return q, k, v
@@ -327,12 +369,17 @@ class _LayerLoop:
         chunked (every key is already in place, so each chunk sees exactly what the whole would)."""
         runner, chunks = self.runner, self._chunks(q.shape[2])
         if len(chunks) == 1:
-            return runner.finish_layer(layer, hidden, runner.attend(layer, q, layer_k, layer_v, query_positions=active))
+            with self.clock("attention"):
+                attn = runner.attend(layer, q, layer_k, layer_v, query_positions=active)
+            with self.clock("mlp"):
+                return runner.finish_layer(layer, hidden, attn)
         positions = active if active is not None else torch.arange(self.T, device=q.device)
         parts = []
         for rows in chunks:
-            attn = runner.attend(layer, q[:, :, rows], layer_k, layer_v, query_positions=positions[rows])
-            parts.append(runner.finish_layer(layer, hidden[:, rows], attn))
+            with self.clock("attention"):
+                attn = runner.attend(layer, q[:, :, rows], layer_k, layer_v, query_positions=positions[rows])
+            with self.clock("mlp"):
+                parts.append(runner.finish_layer(layer, hidden[:, rows], attn))
             yield from self.pause()
         return torch.cat(parts, dim=1)
 

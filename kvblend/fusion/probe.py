@@ -19,6 +19,7 @@ patched in place).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -50,6 +51,7 @@ def probe_pass(
     cos_all: torch.Tensor,
     sin_all: torch.Tensor,
     pause: Callable[[], Steps[None]] | None = None,
+    clock: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> Steps[tuple[torch.Tensor, list[LayerKV]]]:
     """Run the `rows` (positions, ascending) through every layer over the feed's cached KV.
 
@@ -57,26 +59,34 @@ def probe_pass(
     ([T] float32: per layer, the maximum over heads of the mean attention of rows[score_from:] (the
     question), normalised to sum 1 over the `candidates` mask, then averaged over layers) and every
     layer's KV as read from the feed, with
-    the rows' probe K/V written in (the main loop recomputes those rows anyway).
+    the rows' probe K/V written in (the main loop recomputes those rows anyway). `clock` (a StageClock) splits
+    its time into reading the cached layers ("load") and the pass itself ("probe").
     """
+    timed = clock if clock is not None else _untimed
     hidden = runner.embed(token_ids[:, rows])
     cos, sin = cos_all[:, rows], sin_all[:, rows]
     weights = candidates.float()
     total = torch.zeros(token_ids.shape[1], dtype=torch.float32, device=token_ids.device)
     kept: list[LayerKV] = []
     for layer in range(runner.n_layers):
-        q, k, v = runner.project_qkv(layer, hidden, cos, sin)
-        layer_k, layer_v = feed.layer(layer)
-        layer_k[:, :, rows] = k.to(layer_k.dtype)
-        layer_v[:, :, rows] = v.to(layer_v.dtype)
-        kept.append((layer_k, layer_v))
-        probs = runner.attention_weights(layer, q, layer_k, rows)  # [1, heads, rows, T]
-        per_token = probs[0, :, score_from:].mean(dim=1).amax(dim=0)  # [T]: the most attentive head
-        total += per_token / per_token.dot(weights).clamp_min(1e-12)
-        hidden = runner.finish_layer(layer, hidden, _attention_output(runner, probs, layer_v, hidden.dtype))
+        with timed("load"):
+            layer_k, layer_v = feed.layer(layer)
+        with timed("probe"):
+            q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+            layer_k[:, :, rows] = k.to(layer_k.dtype)
+            layer_v[:, :, rows] = v.to(layer_v.dtype)
+            kept.append((layer_k, layer_v))
+            probs = runner.attention_weights(layer, q, layer_k, rows)  # [1, heads, rows, T]
+            per_token = probs[0, :, score_from:].mean(dim=1).amax(dim=0)  # [T]: the most attentive head
+            total += per_token / per_token.dot(weights).clamp_min(1e-12)
+            hidden = runner.finish_layer(layer, hidden, _attention_output(runner, probs, layer_v, hidden.dtype))
         if pause is not None:
             yield from pause()
     return total / runner.n_layers, kept
+
+
+def _untimed(stage: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 def _attention_output(runner: ModelRunner, probs: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -81,6 +81,11 @@ class QueryResult:
     fusion: FusionResult | None = None
     generation: Generation | None = None
 
+    @property
+    def stages(self) -> dict[str, float]:
+        """Where the fusion's time went (kvblend.fusion.fuse.StageClock), in seconds per stage."""
+        return dict(self.fusion.stages) if self.fusion is not None else {}
+
     def to_dict(self) -> dict:
         return {
             "answer": self.answer,
@@ -96,4 +101,5 @@ class QueryResult:
             "prefix_cached": self.prefix_cached,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "warnings": self.warnings,
+            "stages": {k: round(v, 4) for k, v in self.stages.items()},
         }
