@@ -1,4 +1,9 @@
-"""Defaults, each spelled once. Every module and command reads them from here.
+"""The defaults a query, an ingest and the server start from, each spelled once; every module and command
+that uses one reads it from here.
+
+The settings of one workflow's own knobs live beside the model they parameterise, also spelled once: `bench`'s
+in kvblend.evaluation.records, `tune`'s calibration in kvblend.tuning.delay, `profile`'s lengths in
+kvblend.tuning.profiling, storage prices in kvblend.tuning.storage.
 
 Plain constants only (no imports beyond the standard library): the CLI reads
 them to render `--help` without importing torch. The choices these defaults are
@@ -24,6 +29,11 @@ HEAD_TOKENS = 4  # `heads`: leading tokens of every cached segment forced into t
 # template's whole instruction prefix (system prompt + user turn up to the passages)
 DEFAULT_SINK = "none"
 SINK_TOKENS = 4
+
+# ── serving (`kvblend serve`) ──
+DEFAULT_MAX_QUEUE = 16  # requests waiting beyond those running; one more is a 429
+DEFAULT_MAX_BATCH = 8  # sequences decoding together, one batched forward pass per step
+DEFAULT_MAX_STORED_TOKENS = 4096  # new passage tokens one request may store (~80 MB of lossless KV)
 
 # ── retrieval and prompts ──
 DEFAULT_TOP_K = 6

@@ -23,13 +23,16 @@ import bench_archive  # noqa: E402
 import bench_codecs  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_query  # noqa: E402
+import bench_redis  # noqa: E402
 import bench_serve  # noqa: E402
+import bench_serve_bound  # noqa: E402
 import bench_startup  # noqa: E402
 from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 
-# bench also writes the variants section; restructure_ab needs an old checkout (scripts/bench_ab.py) and
-# serve takes ~15 min, so both run only when named in --only (their last results are kept and rendered)
-SECTIONS = ["startup", "engine", "archive", "query", "bench", "pareto", "codecs", "codecs_ttft"]
+# bench also writes the variants section; restructure_ab needs an old checkout (scripts/bench_ab.py); the server
+# sections take 10-60 min each (serve, serve_nodes, serve_bound): these run only when named in --only (their last
+# results are kept and rendered)
+SECTIONS = ["startup", "engine", "archive", "query", "bench", "pareto", "codecs", "codecs_ttft", "redis"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
 
 
@@ -81,7 +84,15 @@ def run_section(name: str) -> None:
     elif name == "startup":
         r = bench_startup.main()
     elif name == "serve":
-        r = bench_serve.main([str(Path(sys.executable).parent / "kvblend")], 2, 2, 256)
+        r = bench_serve.main([str(Path(sys.executable).parent / "kvblend")])
+    elif name == "serve_nodes":  # two serving nodes on one throwaway Redis, 8 clients, 200 requests, blend
+        args = bench_serve.parser().parse_args(["--redis", "--nodes", "2", "--modes", "blend", "--concurrency", "8",
+                                                "--rates", "", "--requests", "200", "--records", "16"])
+        r = bench_serve.run(args)
+    elif name == "serve_bound":
+        r = bench_serve_bound.main(bench_serve_bound.parser().parse_args([]))
+    elif name == "redis":
+        r = bench_redis.main()
     elif name == "variants":  # the variants alone (full is still run: it is the reference)
         data = str(SHARED_DATA / "musique_dev.json")
         r = run_cli_json("variants", ["bench", data, "--limit", "20", "--modes", "full", "--variants", "--json"])
@@ -138,7 +149,11 @@ def render() -> str:
          "`python scripts/bench_codecs.py` — 3 MuSiQue questions × 6 passages archived once per codec, "
          "5 interleaved repetitions (medians), warm and cold page cache.",
          lambda r: bench_codecs.markdown(r)),
-        ("serve", "Server: requests/s and TTFT under concurrent clients (issue 14)", "", bench_serve.markdown),
+        ("serve", "Server under load: continuous batching, blend vs full (issues 14, 21)", "", bench_serve.markdown),
+        ("serve_bound", "Server under a disk bound: unique long prompts, --max-archive-size (issue 21)", "",
+         bench_serve_bound.markdown),
+        ("redis", "Redis archive vs local archive: TTFT, ingest, bytes per token (issue 22)", "", bench_redis.markdown),
+        ("serve_nodes", "Two serving nodes on one Redis: load test (issue 22)", "", bench_serve.markdown),
     ]
     for name, title, how, fmt in sections:
         r = load(name)

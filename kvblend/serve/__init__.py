@@ -3,7 +3,8 @@
     schema.py     request parsing (OpenAI chat schema + the `kvblend` extension) and the error shape
     chunks.py     messages → (system prompt, client chunks, question); segments as the response reports them
     responses.py  completion, stream-chunk, models and error bodies
-    worker.py     the bounded queue, the one model thread, cancellation between tokens
+    scheduler.py  continuous batching: the bounded queue, one model thread, batched decode steps with new
+                  requests' fusion in slices between them, cancellation between steps
     metrics.py    Prometheus text exposition
     app.py        the routes (FastAPI), the disconnect watch, SSE streaming
     server.py     uvicorn: logs on stderr, graceful shutdown

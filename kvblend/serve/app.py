@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,8 +46,18 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
 OPEN_PATHS = {"/health"}  # answered without the API key (load balancers' health checks)
 
 
-def error_for(exc: BaseException) -> ApiError:
-    """The HTTP answer to a failure: the user's mistakes are 4xx, only our own faults are 5xx."""
+def error_for(exc: BaseException, hidden: Sequence[str] = ()) -> ApiError:
+    """The HTTP answer to a failure: the user's mistakes are 4xx, only our own faults are 5xx.
+
+    `hidden`: the server's own paths (the archive directory and its real path), replaced in every message by
+    "<archive>": an error names what went wrong, never where the server keeps its files."""
+    answer = _classify(exc)
+    for path in sorted((p for p in hidden if p), key=len, reverse=True):
+        answer.message = answer.message.replace(path, "<archive>")
+    return answer
+
+
+def _classify(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, NotFoundError):
@@ -66,7 +76,14 @@ def error_for(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}", "internal_error", type="server_error")
 
 
-def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    metrics: Metrics,
+    model: str,
+    store: str,
+    api_key: str | None = None,
+    hidden_paths: Sequence[str] = (),
+) -> FastAPI:
     """The ASGI app around a started engine; the scheduler runs for the app's lifespan."""
 
     @asynccontextmanager
@@ -118,7 +135,7 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str, a
             return refuse(exc)
         first = await next_event(request, job)
         if first[0] == "error":
-            return refuse(error_for(first[1]))
+            return refuse(error_for(first[1], hidden_paths))
         if first[0] == "cancelled":
             return closed()
         cid = completion_id(req.legacy)
@@ -133,7 +150,7 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str, a
         while kind == "token":
             kind, value = await next_event(request, job)
         if kind != "done":
-            return refuse(error_for(value)) if kind == "error" else closed()
+            return refuse(error_for(value, hidden_paths)) if kind == "error" else closed()
         metrics.request(200)
         observe(value, job)
         return JSONResponse(completion_body(cid, model, value, job.queue_wait_s, req.legacy))
@@ -174,7 +191,7 @@ def create_app(scheduler: Scheduler, metrics: Metrics, model: str, store: str, a
                 if req.include_usage:
                     yield event({**chunk_body(cid, model, 0, req.legacy), "choices": [], "usage": usage(value)})
             elif kind == "error":
-                yield event(error_for(value).body())
+                yield event(error_for(value, hidden_paths).body())
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a no-op once done

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvblend.defaults import DEFAULT_MODE, DEFAULT_TOP_K
+from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MODE, DEFAULT_TOP_K
 from kvblend.generation import DecodeState, Generation, decode_step, logprobs_of, next_token
 from kvblend.options import PromptTemplate, QueryOptions, SamplingConfig
 from kvblend.pipeline.query import Prepared, answered, finish_steps, prepare_steps
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvblend.serve")
 
-DEFAULT_MAX_BATCH = 8
 ROWS_PER_STEP = 256  # a prefill unit: the projections or attention + MLP of this many tokens of one layer
 # Prefill time per iteration: what keeps the running streams' inter-token latency near ITL_FACTOR times a lone
 # stream's (the decode step of the whole batch, plus this), and at least MIN_PREFILL_S so new requests progress.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import logging.config
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,9 @@ def run_server(options: ServeOptions) -> None:
             after_request=bound,
             max_stored_tokens=options.max_stored_tokens,
         )
-        app = create_app(scheduler, Metrics(), engine.model_name, archive.store.kind, options.api_key)
+        local = engine.location.path
+        hidden = (str(local), os.path.realpath(os.path.expanduser(local))) if local is not None else ()
+        app = create_app(scheduler, Metrics(), engine.model_name, archive.store.kind, options.api_key, hidden)
         config = uvicorn.Config(
             app,
             host=options.host,

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvblend.archive import Archive, resolve_location
 from kvblend.archive.records import TUNED_VERSION, TunedRatio, location_key, tuned_key
-from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_SELECT, DEFAULT_TOP_K
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_RATIO, DEFAULT_SELECT, DEFAULT_TOP_K
 from kvblend.errors import UsageError
 from kvblend.machine import machine_info
 from kvblend.model import load_model
@@ -274,20 +274,31 @@ def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str
         log=log,
         select=req.select,
     )
-    floor = quality_floor(quality.by_ratio, req.tolerance, quality.kl_bound)
+    floor, source, notes = floor_or_default(quality, req.tolerance, req.kl_bound)
+    return quality, floor, source, notes
+
+
+def floor_or_default(sweep: QualitySweep, tolerance: float, kl_bound_vs_reuse: float) -> tuple[float, str, list[str]]:
+    """(r_quality, its source, notes): the sweep's quality floor, or, when even the largest ratio tested misses
+    the bounds, the default ratio, said in one line with what was measured.
+
+    Why not 1.0 (recompute everything), as the floor's definition would have it: a calibration set that no ratio
+    satisfies says more about the set (unlike the user's prompts, or a bound too tight for this model) than about
+    the archive, and storing 1.0 would make every later query silently cost as much as `--mode full`."""
+    floor = quality_floor(sweep.by_ratio, tolerance, sweep.kl_bound)
     if floor is not None:
-        return quality, floor, "calibration", []
-    top = max(req.ratios)
-    v = quality.by_ratio[top]
+        return floor, "calibration", []
+    top = max(sweep.by_ratio)
+    v = sweep.by_ratio[top]
+    bound = "no bound" if sweep.kl_bound is None else f"≤ {sweep.kl_bound:.3f} = {kl_bound_vs_reuse:g}× reuse's"
+    drop = "not measured" if v.f1_drop is None else f"{v.f1_drop:+.3f}"
     return (
-        quality,
-        1.0,
+        DEFAULT_RATIO,
         "fallback",
         [
-            f"even r = {top:g} misses the bounds (F1 drop {v.f1_drop:+.3f} vs ≤ {req.tolerance:g}, KL {v.kl:.3f} vs "
-            f"≤ {quality.kl_bound:.3f} = {req.kl_bound:g}× reuse's), so r_quality = 1.0: queries will recompute every "
-            "token (the cost of --mode full); test larger --ratios (e.g. 0.5,0.7), loosen --kl-bound/--tolerance, "
-            "or pass --r-quality"
+            f"no ratio up to {top:g} met the bounds (at {top:g}: KL {v.kl:.3f} vs {bound}, F1 drop {drop} vs "
+            f"≤ {tolerance:g}); kept the default ratio {DEFAULT_RATIO:g} — pass --r-quality, --ratios or "
+            "--kl-bound to choose otherwise"
         ],
     )
 

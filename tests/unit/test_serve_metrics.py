@@ -84,6 +84,15 @@ def test_errors_map_to_statuses_users_can_act_on():
     assert error_for(given) is given
 
 
+def test_errors_never_name_the_servers_paths():
+    """The archive's directory (as given and as its real path) never reaches a client, whatever the error."""
+    hidden = ("/srv/kv", "/mnt/disk1/kv")
+    empty = error_for(UsageError("the archive at /srv/kv is empty: run `kvblend ingest PATH` first"), hidden)
+    assert empty.message.startswith("the archive at <archive> is empty") and "/srv" not in empty.message
+    corrupt = error_for(ArchiveError("corrupt blob /mnt/disk1/kv/blobs/ab/cd.kv"), hidden)
+    assert corrupt.message == "corrupt blob <archive>/blobs/ab/cd.kv" and corrupt.status == 500
+
+
 def test_client_chunks_replace_retrieval_unless_top_k_asks_for_it():
     assert query_options(ChatRequest(question="Q", chunks=["A"])).top_k == 0
     assert query_options(ChatRequest(question="Q", chunks=["A"], top_k=2)).top_k == 2

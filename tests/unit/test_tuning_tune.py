@@ -80,3 +80,27 @@ def test_tune_bad_options_fail_before_any_work(tmp_path, args, says):
     line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", *args))
     assert says in line
     assert not (tmp_path / "a").exists()
+
+
+def _sweep(kls: dict[float, float], reuse_kl: float = 1.0):
+    from kvblend.tuning.delay import RatioQuality
+    from kvblend.tuning.quality import QualitySweep
+
+    return QualitySweep(4, 0.5, reuse_kl, 0.2 * reuse_kl, {r: RatioQuality(0.0, kl) for r, kl in kls.items()})
+
+
+def test_tune_keeps_the_default_ratio_when_no_ratio_meets_the_bound():
+    """Issue 20: a sweep where even 0.7 misses the KL bound stores the default ratio, never 1.0 (the cost of
+    full), and says so in one line with the measured KL; a sweep that passes keeps its floor."""
+    from kvblend.defaults import DEFAULT_RATIO
+    from kvblend.tuning.delay import DEFAULT_TUNE_RATIOS
+    from kvblend.tuning.tune import floor_or_default
+
+    assert max(DEFAULT_TUNE_RATIOS) == 0.7 and 0.5 in DEFAULT_TUNE_RATIOS
+    failing = _sweep({0.3: 0.5, 0.5: 0.4, 0.7: 0.3})  # bound 0.2
+    ratio, source, notes = floor_or_default(failing, tolerance=0.02, kl_bound_vs_reuse=0.2)
+    assert (ratio, source) == (DEFAULT_RATIO, "fallback")
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "0.7" in notes[0] and "KL 0.300" in notes[0] and f"default ratio {DEFAULT_RATIO:g}" in notes[0]
+    passing = _sweep({0.1: 0.5, 0.3: 0.15, 0.5: 0.1, 0.7: 0.05})
+    assert floor_or_default(passing, 0.02, 0.2)[:2] == (0.3, "calibration")
