@@ -6,6 +6,7 @@ because prompt assembly, the feeds, the pipeline and the fusor all speak it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -39,16 +40,29 @@ class Segment:
             self.cached = self.kv is not None
 
 
-#: Work done in steps: a generator that yields at safe points between units of work and returns its result.
-#: A server interleaves many (one request's fusion between other requests' decode steps); a plain call
-#: drains it with :func:`drain`.
-Steps = Generator[None, None, T]
+class Waiting:
+    """What stepwise work yields while it can do nothing but wait for someone else (another writer storing a
+    segment it needs). A server gives the turn to other requests instead of spending it on this one; a plain
+    call sleeps a moment before asking again."""
+
+    def __repr__(self) -> str:
+        return "WAITING"
+
+
+WAITING = Waiting()
+WAIT_POLL_S = 0.01  # how long a drained caller sleeps when the work it runs yields WAITING
+
+#: Work done in steps: a generator that yields at safe points between units of work (None, or WAITING when it
+#: is blocked on another writer) and returns its result. A server interleaves many (one request's fusion between
+#: other requests' decode steps); a plain call drains it with :func:`drain`.
+Steps = Generator[Waiting | None, None, T]
 
 
 def drain(steps: Steps[T]) -> T:
     """Run stepwise work to its end and return its result."""
     while True:
         try:
-            next(steps)
+            if next(steps) is WAITING:
+                time.sleep(WAIT_POLL_S)
         except StopIteration as done:
             return done.value

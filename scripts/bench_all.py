@@ -85,9 +85,13 @@ def run_section(name: str) -> None:
         r = bench_startup.main()
     elif name == "serve":
         r = bench_serve.main([str(Path(sys.executable).parent / "kvblend")])
-    elif name == "serve_nodes":  # two serving nodes on one throwaway Redis, 8 clients, 200 requests, blend
+    elif name == "serve_nodes":  # two serving nodes on one throwaway Redis, 8 clients, 200 requests, blend; cold:
+        # the passages are new when the first requests send them; 7 records (an odd count) for 8 clients
+        # round-robin over 2 nodes, so the same new passages reach both nodes at once, and every later request
+        # for a record goes to the other node than the last one did
         args = bench_serve.parser().parse_args(["--redis", "--nodes", "2", "--modes", "blend", "--concurrency", "8",
-                                                "--rates", "", "--requests", "200", "--records", "16"])
+                                                "--rates", "", "--requests", "200", "--records", "7", "--cold",
+                                                "--max-tokens", "32", "--out", str(OUT_DIR / "serve_nodes.json")])
         r = bench_serve.run(args)
     elif name == "serve_bound":
         r = bench_serve_bound.main(bench_serve_bound.parser().parse_args([]))

@@ -251,7 +251,7 @@ class _LayerLoop:
     def pause(self) -> Steps[None]:
         """A safe point between units of work."""
         self._busy += time.perf_counter() - self._resumed
-        yield
+        yield None
         self._resumed = time.perf_counter()
 
     def probe(self, ids: torch.Tensor) -> Steps[None]:

@@ -257,17 +257,17 @@ class ModelRunner:
                 parts = []
                 for rows in chunks:
                     parts.append(self.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
-                    yield
+                    yield None
                 q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
                 done = []
                 for rows in chunks:
                     attn = self.attend(layer, q[:, :, rows], k, v, query_positions=positions[rows] - start_position)
                     done.append(self.finish_layer(layer, hidden[:, rows], attn))
-                    yield
+                    yield None
                 hidden = torch.cat(done, dim=1)
             for row, tokens in enumerate(batch):
                 out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
-            yield
+            yield None
         return out
 
 

@@ -34,7 +34,7 @@ from kvblend.pipeline.results import IngestReport
 from kvblend.prompt import segment_text_for_kv
 from kvblend.retrieval import get_embedder
 from kvblend.segmenter import split_into_segments
-from kvblend.types import LayerKV, Steps, drain
+from kvblend.types import WAITING, LayerKV, Steps, drain
 
 MIN_CHUNK_TOKENS = 16
 CLAIM_WAIT_S = 60.0  # how long to wait for a segment another node is prefilling before prefilling it here
@@ -280,8 +280,7 @@ def _await_others(
         for key in [k for k in waiting if archive.has_segment(k)]:
             del waiting[key]
         if waiting:
-            yield  # a server decodes its running requests meanwhile
-            time.sleep(0.01)
+            yield WAITING  # a server gives the turn to its other requests meanwhile; drain() sleeps a moment
     return list(waiting.values())
 
 

@@ -47,7 +47,7 @@ from kvblend.pipeline.query import Prepared, answered, finish_steps, prepare_ste
 from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import question_with_history
 from kvblend.serve.schema import ApiError, ChatRequest
-from kvblend.types import Steps
+from kvblend.types import WAIT_POLL_S, WAITING, Steps, Waiting
 
 if TYPE_CHECKING:
     from kvblend.pipeline.engine import Engine
@@ -394,36 +394,53 @@ class Scheduler:
                 r.job.end_cancelled()
 
     def _prefill_turn(self) -> None:
-        """Advance new requests (oldest first), then bookkeeping, for at most the budget."""
+        """Advance new requests (oldest first), then bookkeeping, for at most the budget.
+
+        A request that is only waiting for another writer (a passage another request or node is prefilling)
+        gives up its turn to the next one, so it never blocks the very request it waits for; when every one is
+        waiting and nothing decodes, the thread sleeps a moment instead of spinning."""
         if self._decoding:
             lone = self._lone_decode_s or self._last_decode_s
             budget = max(MIN_PREFILL_S, ITL_FACTOR * lone - self._last_decode_s)
         else:
             budget = IDLE_PREFILL_S
         deadline = time.perf_counter() + budget
+        waiting: set[int] = set()  # requests that said WAITING this turn
         while time.perf_counter() < deadline and (self._prefilling or self._background):
-            if self._prefilling:
-                self._advance(self._prefilling[0], deadline)
-            else:
+            ready = [r for r in self._prefilling if id(r) not in waiting]
+            if ready:
+                if self._advance(ready[0], deadline) is WAITING:
+                    waiting.add(id(ready[0]))
+            elif self._background:
                 self._advance_background(deadline)
+            else:  # everyone waits on someone else's write
+                if self._decoding:
+                    return
+                time.sleep(WAIT_POLL_S)
+                waiting.clear()
 
-    def _advance(self, running: _Running, deadline: float) -> None:
+    def _advance(self, running: _Running, deadline: float) -> Waiting | None:
+        """Run a request's steps until the deadline, its first token, or it says it is WAITING (returned)."""
         assert running.steps is not None
         try:
             while time.perf_counter() < deadline:
-                next(running.steps)
+                if next(running.steps) is WAITING:
+                    return WAITING
         except StopIteration as done:
             self._prefilling.remove(running)
             self._first_tokens(running, done.value)
         except Exception as exc:  # reported to the client by app.error_for (a bug is logged there)
             self._prefilling.remove(running)
             running.job.emit("error", exc)
+        return None
 
     def _advance_background(self, deadline: float) -> None:
         steps = self._background[0]
         try:
             while time.perf_counter() < deadline:
-                next(steps)
+                if next(steps) is WAITING:
+                    self._background.rotate(-1)  # let the next bookkeeping go first
+                    return
         except StopIteration:
             self._background.popleft()
         except Exception as exc:  # bookkeeping never fails an answered request

@@ -73,7 +73,7 @@ def archive_bound(engine: Engine, max_bytes: int) -> Callable[[Prepared], Steps[
     fit `max_bytes` again (`gc --max-size` while serving), so no client can fill the disk or the Redis."""
 
     def after(prepared: Prepared) -> Steps[None]:
-        yield
+        yield None
         if not any(info.stored for info in prepared.infos) and not prepared.unreadable:
             return
         archive = engine.archive()

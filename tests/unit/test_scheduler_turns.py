@@ -1,0 +1,41 @@
+"""The serving scheduler's prefill turn: a request blocked on another writer never holds the turn."""
+
+from __future__ import annotations
+
+import threading
+
+from kvblend.serve.scheduler import Scheduler, _Running
+from kvblend.types import WAITING, Steps
+
+
+def _waits_for(stored: threading.Event, polls: list[int]) -> Steps[None]:
+    """A request whose passage another request is prefilling: it can only wait (a claim held elsewhere)."""
+    while not stored.is_set():
+        polls.append(1)
+        yield WAITING
+    while True:
+        yield None
+
+
+def _prefills(stored: threading.Event, layers: list[int]) -> Steps[None]:
+    """The request that holds the claim: it stores the passage after a few layers of work."""
+    for layer in range(5):
+        layers.append(layer)
+        yield None
+    stored.set()
+    while True:
+        yield None
+
+
+def test_a_request_waiting_on_another_writer_gives_its_turn_to_the_next():
+    """The oldest request waits for a passage the younger one is prefilling (same node, or another node's claim):
+    within one turn the younger one runs and stores it. Before, the oldest kept the turn until its 60 s wait
+    ran out, so two concurrent requests sharing a new passage cost a minute."""
+    stored, polls, layers = threading.Event(), [], []
+    scheduler = Scheduler(engine=None, max_queue=4)  # type: ignore[arg-type]  # the turn never touches the model
+    older = _Running(job=None, steps=_waits_for(stored, polls))  # type: ignore[arg-type]
+    younger = _Running(job=None, steps=_prefills(stored, layers))  # type: ignore[arg-type]
+    scheduler._prefilling = [older, younger]
+    scheduler._prefill_turn()
+    assert stored.is_set() and layers == [0, 1, 2, 3, 4]
+    assert polls  # the oldest was asked first, and said it was waiting
