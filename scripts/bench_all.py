@@ -1,10 +1,15 @@
 """`make bench`: run every benchmark and refresh BENCHMARKS.md.
 
-Sections: engine (issue 2), archive (issue 3), query (issue 4), quality/latency
-bench and fusor variants on MuSiQue (issue 5), controller profile (issue 6).
-Each writes bench-out/<name>.json; this script renders them into BENCHMARKS.md
-with the command, machine and date. `--only a,b` reruns some sections and keeps
-the others' last results.
+Sections run by default (SECTIONS): startup, engine, archive, query, bench (the
+MuSiQue table and the variants), pareto, codecs, codecs_ttft and redis. The
+server sections take 5-45 minutes each and run only when named in `--only`:
+serve (one node, blend vs full under load), serve_nodes (two nodes on one
+Redis) and serve_bound (unique long prompts under --max-archive-size);
+restructure_ab is written by scripts/bench_ab.py against an old checkout. Each
+section writes bench-out/<name>.json; this script renders them all into
+BENCHMARKS.md with the command, machine and date. `--only a,b` reruns some
+sections and keeps the others' last results; `--render-only` re-renders.
+Running needs ../shared/data (the MuSiQue records); rendering does not.
 """
 
 from __future__ import annotations
@@ -188,7 +193,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SECTIONS))
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
-    if not SHARED_DATA.exists():
+    if not args.render_only and not SHARED_DATA.exists():
         raise SystemExit(f"benchmark data not found at {SHARED_DATA} (make bench needs ../shared/data)")
     if not args.render_only:
         for name in args.only.split(","):

@@ -147,6 +147,7 @@ def ingest(
         + (f" (compression {report.compression_ratio:.2f}x vs fp16)" if report.bytes_written else "")
         + f"; archive {human_bytes(on_disk)} at {engine.location}; {report.seconds:.1f}s"
         + (f" (model load {report.model_load_seconds:.1f}s)" if report.model_load_seconds else "")
+        + (f"; {report.embeddings_restored} lost retrieval embeddings restored" if report.embeddings_restored else "")
     )
 
 

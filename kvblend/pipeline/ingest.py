@@ -137,6 +137,7 @@ def ingest_paths(
                 report.documents_unchanged += 1
                 report.segments_reused += len(previous.segment_keys)
                 report.tokens_total += previous.n_tokens
+                report.embeddings_restored += restore_embeddings(archive, previous)
             else:
                 pending.documents.append(
                     _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
@@ -148,6 +149,20 @@ def ingest_paths(
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report
+
+
+def restore_embeddings(archive: Archive, doc: DocumentRecord) -> int:
+    """Embed again, from their records' text, the segments of a stored document whose retrieval embeddings are
+    gone, and return how many. Redis run as a cache may evict any key, the embeddings hash included; the KV is
+    still there, so no prefill is needed, but without this an unchanged document would be skipped and never
+    retrieved again."""
+    missing = [
+        rec for rec in (archive.get_segment(k) for k in doc.segment_keys) if rec and not archive.has_embedding(rec.key)
+    ]
+    if missing:
+        vectors = get_embedder().embed([rec.text for rec in missing])
+        archive.put_embeddings([(rec.key, vec) for rec, vec in zip(missing, vectors)])
+    return len(missing)
 
 
 def stored_as(archive: Archive, doc: DocumentRecord, codec: str, sink: str = "alone") -> bool:

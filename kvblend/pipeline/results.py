@@ -30,6 +30,7 @@ class IngestReport:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     model_load_seconds: float = 0.0  # part of `seconds`, left out of the rate
+    embeddings_restored: int = 0  # stored segments whose evicted retrieval embeddings were embedded again
     skipped: list[dict] = field(default_factory=list)
 
     @property

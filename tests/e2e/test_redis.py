@@ -150,3 +150,23 @@ def _redis_goes_away(a: Server, redis_url: str) -> None:
         a.client().chat.completions.create(model="kvblend", messages=[{"role": "user", "content": QUESTION}],
                                            max_tokens=2)
     assert info.value.status_code == 503 and "cannot reach Redis" in str(info.value)
+
+
+def test_evicted_retrieval_embeddings_come_back_with_the_next_ingest(docs):
+    """Redis may evict any key, the shared embeddings hash too: retrieval then finds nothing, and re-running
+    the same ingest embeds the stored segments again (no prefill) so questions are answered from them again."""
+    import redis
+
+    with redis_server() as server:
+        first = json.loads(run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", "--json",
+                                   check=True).stdout)
+        client = redis.Redis.from_url(server.url)
+        emb = [k for k in client.scan_iter(match="*:emb") if k.endswith(b":emb")]
+        assert len(emb) == 1 and client.delete(*emb) == 1  # what an LRU eviction of that one key does
+        assert "empty" in one_line_error(query(server.url))
+        again = json.loads(run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", "--json",
+                                   check=True).stdout)
+        assert again["documents_unchanged"] == len(NAMES) and again["segments_new"] == 0
+        assert again["embeddings_restored"] == first["segments_new"]
+        answered = json.loads(query(server.url).stdout)
+        assert answered["answer"] and {s["document"] for s in answered["segments"]} <= set(NAMES)
