@@ -174,7 +174,7 @@ def query(
     check_layers: Optional[str] = typer.Option(
         None,
         "--check-layers",
-        help="Layers where blend selects tokens, e.g. 1 (default) or 1,2,3 (gradual filtering); 0 only with --select probe (chooses before any layer runs).",
+        help="Layers where blend selects tokens, e.g. 1 or 1,2,3 (gradual filtering); 0 only with --select probe, which chooses before any layer runs (default: 0 for probe, 1 for the other policies).",
     ),
     deviation: Deviation = typer.Option(
         Deviation(DEFAULT_DEVIATION), "--deviation", help="HKVD measure (chosen by `kvblend bench --variants`)."

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvblend.defaults import DEFAULT_CHECK_LAYERS
 from kvblend.evaluation.harness import RecordRunner
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.evaluation.records import QARecord
@@ -32,7 +33,7 @@ def series_config(series: str, ratio: float) -> BlendConfig:
     """The blend settings one line of the chart stands for."""
     if series == PROBE_AT_0:
         return BlendConfig.single(ratio, check_layer=0, select="probe")
-    return BlendConfig.single(ratio, select=series)
+    return BlendConfig.single(ratio, check_layer=DEFAULT_CHECK_LAYERS[0], select=series)  # all compared at layer 1
 
 
 def run_pareto(

@@ -13,10 +13,10 @@ from typing import Any
 
 from kvblend.archive.codec import check_codec
 from kvblend.defaults import (
-    DEFAULT_CHECK_LAYERS,
     DEFAULT_CODEC,
     DEFAULT_DEVIATION,
     DEFAULT_SELECT,
+    default_check_layers,
 )
 from kvblend.errors import UsageError
 from kvblend.evaluation.records import DEFAULT_VARIANT_RATIO
@@ -40,7 +40,7 @@ class RunSpec:
     mode: str
     ratio: float | None = None
     deviation: str = DEFAULT_DEVIATION
-    check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
+    check_layers: tuple[int, ...] = ()  # none given: the selection policy's default (defaults.default_check_layers)
     sink: str = "alone"
     source: str = "archive"
     codec: str = DEFAULT_CODEC  # how the passages' KV is archived (canonical name; aliases resolved)
@@ -54,10 +54,12 @@ class RunSpec:
         if self.mode != "blend":  # the blend knobs do not apply: normalise so equal runs compare equal
             object.__setattr__(self, "ratio", None)
             object.__setattr__(self, "deviation", DEFAULT_DEVIATION)
-            object.__setattr__(self, "check_layers", DEFAULT_CHECK_LAYERS)
             object.__setattr__(self, "select", DEFAULT_SELECT)
+            object.__setattr__(self, "check_layers", default_check_layers(DEFAULT_SELECT))
         elif self.ratio is None:
             raise UsageError("a blend run needs a ratio")
+        elif not self.check_layers:
+            object.__setattr__(self, "check_layers", default_check_layers(self.select))
         choice(Deviation, self.deviation, "deviation")
         choice(Select, self.select, "selection policy")
         if self.sink not in SINK_POLICIES:
@@ -70,7 +72,9 @@ class RunSpec:
     @property
     def label(self) -> str:
         text = self.mode if self.ratio is None else f"{self.mode}@{self.ratio:g}"
-        if self.mode == "blend" and (self.deviation != DEFAULT_DEVIATION or self.check_layers != DEFAULT_CHECK_LAYERS):
+        if self.mode == "blend" and (
+            self.deviation != DEFAULT_DEVIATION or self.check_layers != default_check_layers(self.select)
+        ):
             text += f" dev={self.deviation} L={','.join(map(str, self.check_layers))}"
         if self.mode == "blend" and self.select != DEFAULT_SELECT:
             text += f" select={self.select}"

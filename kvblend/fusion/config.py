@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvblend.defaults import (
-    DEFAULT_CHECK_LAYERS,
     DEFAULT_DEVIATION,
     DEFAULT_RATIO,
     DEFAULT_SELECT,
+    default_check_layers,
 )
 from kvblend.errors import UsageError
 from kvblend.options import Deviation, Select, check_ratio, choice
@@ -18,22 +18,28 @@ from kvblend.options import Deviation, Select, check_ratio, choice
 @dataclass(frozen=True)
 class BlendConfig:
     """Check layers, their ratios (fractions of *approximate cached* tokens kept active), and the
-    selection policy (kvblend.fusion.policies) with its deviation measure."""
+    selection policy (kvblend.fusion.policies) with its deviation measure. No check layers given: the
+    policy's default (kvblend.defaults.default_check_layers: before layer 0 for the probe, else layer 1)."""
 
-    check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
+    check_layers: tuple[int, ...] = ()
     ratios: tuple[float, ...] = (DEFAULT_RATIO,)
     deviation: str = DEFAULT_DEVIATION
     select: str = DEFAULT_SELECT
+
+    def __post_init__(self) -> None:
+        if not self.check_layers:
+            object.__setattr__(self, "check_layers", default_check_layers(self.select))
 
     @classmethod
     def single(
         cls,
         ratio: float = DEFAULT_RATIO,
-        check_layer: int = DEFAULT_CHECK_LAYERS[0],
+        check_layer: int | None = None,
         deviation: str = DEFAULT_DEVIATION,
         select: str = DEFAULT_SELECT,
     ) -> BlendConfig:
-        return cls((check_layer,), (ratio,), deviation, select)
+        """One check layer (None: the policy's default) keeping `ratio` of the approximate cached tokens."""
+        return cls((check_layer,) if check_layer is not None else (), (ratio,), deviation, select)
 
     @property
     def selects(self) -> bool:
@@ -53,6 +59,7 @@ class BlendConfig:
 
         r_j = ratio · (1 + 0.5·(n−1−j)/n), e.g. 3 layers at 0.15 → 0.20, 0.175, 0.15.
         """
+        check_layers = tuple(check_layers) or default_check_layers(select)
         n = len(check_layers)
         ratios = tuple(min(1.0, ratio * (1 + 0.5 * (n - 1 - j) / n)) for j in range(n))
         return cls(tuple(check_layers), ratios, deviation, select)

@@ -18,11 +18,11 @@ from typing import Self
 from kvblend.archive import Archive, KeyScheme, Location, resolve_location
 from kvblend.archive.records import TunedRatio, tuned_key
 from kvblend.defaults import (
-    DEFAULT_CHECK_LAYERS,
     DEFAULT_CODEC,
     DEFAULT_RATIO,
     DEFAULT_SINK,
     SINK_TOKENS,
+    default_check_layers,
 )
 from kvblend.errors import ArchiveUnavailableError
 from kvblend.fusion import BlendConfig
@@ -157,7 +157,7 @@ class Resources:
     def blend_config(self, opts: QueryOptions) -> tuple[BlendConfig, float]:
         """The blend settings a query runs with, and the ratio it reports."""
         ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio(opts.select) or DEFAULT_RATIO
-        layers = tuple(opts.check_layers or DEFAULT_CHECK_LAYERS)
+        layers = tuple(opts.check_layers or default_check_layers(opts.select))
         cfg = BlendConfig.gradual(ratio, layers, opts.deviation, opts.select)
         cfg.validate(self.runner.n_layers)
         return cfg, ratio

@@ -27,7 +27,7 @@ from importlib.resources import as_file, files
 from importlib.resources.abc import Traversable
 from typing import Any
 
-from kvblend.defaults import DEFAULT_CHECK_LAYERS, DEFAULT_SELECT
+from kvblend.defaults import DEFAULT_SELECT
 from kvblend.errors import UsageError
 from kvblend.evaluation.harness import MemoryKV, PromptTooLong, RecordRunner, Reference
 from kvblend.evaluation.metrics import f1_score
@@ -132,7 +132,7 @@ def measure_quality(
     records: Sequence[QARecord],
     ratios: Sequence[float],
     max_new_tokens: int = SWEEP_MAX_NEW_TOKENS,
-    check_layer: int = DEFAULT_CHECK_LAYERS[0],
+    check_layer: int | None = None,
     tolerance: float | None = None,
     kl_bound_vs_reuse: float | None = None,
     log: Log | None = None,
@@ -157,7 +157,8 @@ def measure_quality(
     early_stop = tolerance is not None and kl_bound is not None
     results: dict[float, RatioQuality] = {}
     for r in sorted(ratios, reverse=True) if early_stop else list(ratios):
-        spec = RunSpec("blend", r, check_layers=(check_layer,), source="memory", select=select)
+        layers = (check_layer,) if check_layer is not None else ()  # none: the policy's default
+        spec = RunSpec("blend", r, check_layers=layers, source="memory", select=select)
         runs = [rr.run(c.index, c.record, [spec], reference=c.reference, memory=c.memory)[1][0] for c in cases]
         q = results[r] = _ratio_quality(cases, runs, full_f1)
         log(f"r={r:g}: KL {q.kl:.4f}, F1 {q.f1:.3f} (drop {q.f1_drop:+.3f}), same answer as full {q.same_as_full:.0%}")

@@ -54,7 +54,7 @@ def test_each_policy_spends_exactly_its_budget(runner, cached_prefix):
     ratio, L = 0.3, runner.n_layers
     spent = {}
     for select in SELECTIONS:
-        fused = fuse(runner, segs, "blend", BlendConfig.single(ratio, select=select))
+        fused = fuse(runner, segs, "blend", BlendConfig.single(ratio, check_layer=1, select=select))
         T, exact = len(fused.token_ids), fused.exact_prefix_tokens
         n_approx = fused.cached_tokens - exact
         always = T - fused.cached_tokens
