@@ -66,11 +66,12 @@ def time_ingest(engines: dict[str, Engine], docs: Path, url: str) -> dict[str, d
     """Each store ingests the same tree into an empty archive; also the footprint it added (lossless)."""
     out = {}
     for name in STORES:
-        before = footprint(engines[name], url if name == "redis" else None)
+        redis_url = url if name == "redis" else None
+        before = footprint(engines[name], redis_url)
         t0 = time.perf_counter()
         report = engines[name].ingest([docs])
         elapsed = time.perf_counter() - t0
-        added = footprint(engines[name], url if name == "redis" else None) - before
+        added = footprint(engines[name], redis_url) - before
         out[name] = {"seconds": elapsed, "tokens": report.tokens_new, "segments": report.segments_new,
                      "footprint_bytes": added, "footprint_per_token": added / max(report.tokens_new, 1)}
     return out
@@ -83,10 +84,11 @@ def bytes_per_token(engines: dict[str, Engine], records: list[dict], n: int, url
     added: dict[str, dict[str, float]] = {s: {"lossless": ingest[s]["footprint_per_token"]} for s in STORES}
     for codec in CODECS[1:]:
         for name in STORES:
-            before = footprint(engines[name], url if name == "redis" else None)
+            redis_url = url if name == "redis" else None
+            before = footprint(engines[name], redis_url)
             stored = engines[name].store_texts(texts, codec=codec)
             tokens = sum(r.n_tokens for r in stored)
-            added[name][codec] = (footprint(engines[name], url if name == "redis" else None) - before) / tokens
+            added[name][codec] = (footprint(engines[name], redis_url) - before) / tokens
     out: dict[str, dict] = {}
     for name in STORES:
         stats = engines[name].archive().stats()

@@ -70,6 +70,7 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
 
+
 STOP_TIMEOUT_S = 60  # a server's own grace (10 s) plus uvicorn's (20 s), with room
 
 

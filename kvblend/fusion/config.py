@@ -62,7 +62,7 @@ class BlendConfig:
         check_layers = tuple(check_layers) or default_check_layers(select)
         n = len(check_layers)
         ratios = tuple(min(1.0, ratio * (1 + 0.5 * (n - 1 - j) / n)) for j in range(n))
-        return cls(tuple(check_layers), ratios, deviation, select)
+        return cls(check_layers, ratios, deviation, select)
 
     def validate(self, n_layers: int) -> None:
         """Refuse settings the fusor cannot honour, with the flag's vocabulary in the message."""

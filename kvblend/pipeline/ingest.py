@@ -156,9 +156,8 @@ def restore_embeddings(archive: Archive, doc: DocumentRecord) -> int:
     gone, and return how many. Redis run as a cache may evict any key, the embeddings hash included; the KV is
     still there, so no prefill is needed, but without this an unchanged document would be skipped and never
     retrieved again."""
-    missing = [
-        rec for rec in (archive.get_segment(k) for k in doc.segment_keys) if rec and not archive.has_embedding(rec.key)
-    ]
+    lost = [k for k in doc.segment_keys if not archive.has_embedding(k)]  # records are read only for these
+    missing = [rec for rec in (archive.get_segment(k) for k in lost) if rec is not None]
     if missing:
         vectors = get_embedder().embed([rec.text for rec in missing])
         archive.put_embeddings([(rec.key, vec) for rec, vec in zip(missing, vectors)])

@@ -22,7 +22,6 @@ from kvblend.defaults import (
     DEFAULT_RATIO,
     DEFAULT_SINK,
     SINK_TOKENS,
-    default_check_layers,
 )
 from kvblend.errors import ArchiveUnavailableError
 from kvblend.fusion import BlendConfig
@@ -157,7 +156,7 @@ class Resources:
     def blend_config(self, opts: QueryOptions) -> tuple[BlendConfig, float]:
         """The blend settings a query runs with, and the ratio it reports."""
         ratio = opts.ratio if opts.ratio is not None else self.tuned_ratio(opts.select) or DEFAULT_RATIO
-        layers = tuple(opts.check_layers or default_check_layers(opts.select))
+        layers = tuple(opts.check_layers or ())  # none: the policy's default (BlendConfig.gradual)
         cfg = BlendConfig.gradual(ratio, layers, opts.deviation, opts.select)
         cfg.validate(self.runner.n_layers)
         return cfg, ratio

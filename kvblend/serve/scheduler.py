@@ -405,14 +405,16 @@ class Scheduler:
         else:
             budget = IDLE_PREFILL_S
         deadline = time.perf_counter() + budget
-        waiting: set[int] = set()  # requests that said WAITING this turn
+        waiting: set[int] = set()  # requests and bookkeeping that said WAITING this turn (by id)
         while time.perf_counter() < deadline and (self._prefilling or self._background):
             ready = [r for r in self._prefilling if id(r) not in waiting]
+            chores = [s for s in self._background if id(s) not in waiting]
             if ready:
                 if self._advance(ready[0], deadline) is WAITING:
                     waiting.add(id(ready[0]))
-            elif self._background:
-                self._advance_background(deadline)
+            elif chores:
+                if self._advance_background(chores[0], deadline) is WAITING:
+                    waiting.add(id(chores[0]))
             else:  # everyone waits on someone else's write
                 if self._decoding:
                     return
@@ -434,18 +436,18 @@ class Scheduler:
             running.job.emit("error", exc)
         return None
 
-    def _advance_background(self, deadline: float) -> None:
-        steps = self._background[0]
+    def _advance_background(self, steps: Steps[None], deadline: float) -> Waiting | None:
+        """Run one piece of bookkeeping until the deadline, its end, or it says it is WAITING (returned)."""
         try:
             while time.perf_counter() < deadline:
                 if next(steps) is WAITING:
-                    self._background.rotate(-1)  # let the next bookkeeping go first
-                    return
+                    return WAITING
         except StopIteration:
-            self._background.popleft()
+            self._background.remove(steps)
         except Exception as exc:  # bookkeeping never fails an answered request
-            self._background.popleft()
+            self._background.remove(steps)
             log.warning("after a request: %s", exc)
+        return None
 
     def _first_tokens(self, running: _Running, prepared: Prepared) -> None:
         """The fused KV is ready: each choice gets its own decode buffers and samples its first token."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import logging
 import logging.config
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,8 +116,8 @@ def run_server(options: ServeOptions) -> None:
             after_request=bound,
             max_stored_tokens=options.max_stored_tokens,
         )
-        local = engine.location.path
-        hidden = (str(local), os.path.realpath(os.path.expanduser(local))) if local is not None else ()
+        where = engine.location  # a local archive's directory as given and as its real path (Location.key)
+        hidden = (str(where.path), where.key) if where.path is not None else ()
         app = create_app(scheduler, Metrics(), engine.model_name, archive.store.kind, options.api_key, hidden)
         config = uvicorn.Config(
             app,

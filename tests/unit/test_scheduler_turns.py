@@ -39,3 +39,22 @@ def test_a_request_waiting_on_another_writer_gives_its_turn_to_the_next():
     scheduler._prefill_turn()
     assert stored.is_set() and layers == [0, 1, 2, 3, 4]
     assert polls  # the oldest was asked first, and said it was waiting
+
+
+def test_bookkeeping_waiting_on_another_writer_lets_the_next_bookkeeping_run():
+    """After answers, one request's bookkeeping (storing a passage again) may wait for a write that a later
+    request's bookkeeping makes: the later one runs in the same turn, and the waiting one finishes on the next."""
+    stored, polls, layers = threading.Event(), [], []
+
+    def finishes(steps: Steps[None]) -> Steps[None]:
+        for step in steps:
+            if stored.is_set() and step is None:
+                return
+            yield step
+
+    scheduler = Scheduler(engine=None, max_queue=4)  # type: ignore[arg-type]
+    scheduler._background.extend([finishes(_waits_for(stored, polls)), _prefills(stored, layers)])
+    scheduler._prefill_turn()
+    assert stored.is_set() and layers == [0, 1, 2, 3, 4] and polls
+    scheduler._prefill_turn()
+    assert len(scheduler._background) == 1  # the waiting one ended once the write was there; the other idles on
