@@ -25,7 +25,7 @@ from kvblend.cli.common import (
     parse_size,
     print_json,
 )
-from kvblend.defaults import DEFAULT_SELECT
+from kvblend.defaults import DEFAULT_SELECT, DEFAULT_TOP_K
 from kvblend.evaluation.records import parse_ratios
 from kvblend.options import Select
 from kvblend.tuning.delay import (
@@ -220,10 +220,15 @@ def tune(
     calibration: Optional[Path] = typer.Option(
         None,
         "--calibration",
-        help="MuSiQue-schema JSON (default: the calibration set bundled with kvblend).",
+        help="MuSiQue-schema JSON, or 'bundled' for the MuSiQue set shipped with kvblend (default: prompts made of the archive's own passages, each asking how one of their sentences ends; the bundled set when the archive has none).",
         show_default=False,
     ),
-    limit: int = typer.Option(DEFAULT_CALIBRATION_LIMIT, "--limit", help="Calibration records to run."),
+    limit: int = typer.Option(DEFAULT_CALIBRATION_LIMIT, "--limit", help="Calibration prompts to run."),
+    top_k: int = typer.Option(
+        DEFAULT_TOP_K,
+        "--top-k",
+        help="Passages a query stitches together (as `query --top-k`): the archive's calibration prompts hold this many, and the context length tuned for is this many mean segments.",
+    ),
     tolerance: float = typer.Option(DEFAULT_TOLERANCE, "--tolerance", help="Largest F1 drop vs full accepted."),
     kl_bound: float = typer.Option(
         DEFAULT_KL_BOUND,
@@ -242,7 +247,7 @@ def tune(
     context_tokens: Optional[int] = typer.Option(
         None,
         "--context-tokens",
-        help=f"Prompt length to tune for (default: top-6 × the archive's mean segment, else {TYPICAL_PROMPT_TOKENS}).",
+        help=f"Prompt length to tune for (default: --top-k × the archive's mean segment, else {TYPICAL_PROMPT_TOKENS}).",
         show_default=False,
     ),
     storage_costs: str = typer.Option(
@@ -273,6 +278,7 @@ def tune(
         costs=parse_costs(storage_costs),
         archive_bytes=parse_size(archive_size) if archive_size else None,
         select=select,
+        top_k=top_k,
     )
     req.check()  # before the model loads
     result = run_tune(req, log=_logger(as_json, "tune"))
@@ -286,7 +292,8 @@ def _quality_table(result: TuneResult) -> Table:
     s, q = result.setting, result.setting.quality
     assert q is not None, "only a calibrated setting has a quality table"
     qt = Table(
-        title=f"quality vs full ({q.records} calibration records, full F1 {q.full_f1:.3f}, reuse KL {q.reuse_kl:.4f})",
+        title=f"quality vs full ({q.records} calibration prompts from {s.calibration or 'the bundled set'}; "
+        f"full F1 {q.full_f1:.3f}, reuse KL {q.reuse_kl:.4f})",
         title_justify="left",
     )
     for col in ("ratio", "F1", "F1 drop", "first-token KL", "same answer", "within bounds"):

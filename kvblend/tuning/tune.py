@@ -20,6 +20,7 @@ from kvblend.archive import Archive, resolve_location
 from kvblend.archive.records import TUNED_VERSION, TunedRatio, location_key, tuned_key
 from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_RATIO, DEFAULT_SELECT, DEFAULT_TOP_K
 from kvblend.errors import UsageError
+from kvblend.evaluation.records import QARecord
 from kvblend.machine import machine_info
 from kvblend.model import load_model
 from kvblend.model.loading import pick_compute_device
@@ -46,6 +47,7 @@ from kvblend.tuning.profile import (
     location_profile,
     today,
 )
+from kvblend.tuning.archive_prompts import archive_calibration
 from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
 from kvblend.tuning.storage import (
     DEFAULT_STORAGE_COSTS,
@@ -170,6 +172,7 @@ class TunedSetting:
     # the selection policy the quality floor was measured for; a query with another policy does not take
     # this ratio (settings stored before policies existed were measured with hkvd)
     select: str = "hkvd"
+    calibration: str = ""  # where the calibration prompts came from (CalibrationSet.source)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"version": TUNED_VERSION, **asdict(self)}
@@ -204,7 +207,8 @@ class TuneRequest:
     archive: str | os.PathLike[str] | None = None
     model: str | None = None
     compute: str | None = None
-    calibration: str | os.PathLike[str] | None = None  # None: the bundled set
+    # None: prompts from the archive's own passages (the bundled set when it has none); BUNDLED: the bundled set
+    calibration: str | os.PathLike[str] | None = None
     limit: int = DEFAULT_CALIBRATION_LIMIT
     tolerance: float = DEFAULT_TOLERANCE
     kl_bound: float = DEFAULT_KL_BOUND
@@ -214,9 +218,14 @@ class TuneRequest:
     costs: Mapping[str, float] = field(default_factory=lambda: parse_costs(DEFAULT_STORAGE_COSTS))
     archive_bytes: int | None = None  # None: the archive's size
     select: str = DEFAULT_SELECT  # blend's selection policy the quality floor is measured for
+    top_k: int = DEFAULT_TOP_K  # passages a query stitches: the context length tuned for, the calibration's prompts
 
     def check(self) -> None:
         choice(Select, self.select, "--select")
+        if self.limit < 1:
+            raise UsageError("--limit must be at least 1")
+        if self.top_k < 1:
+            raise UsageError("--top-k must be at least 1")
         if self.tolerance < 0 or self.kl_bound < 0:
             raise UsageError("--tolerance and --kl-bound must be >= 0")
         if self.r_quality is not None and not 0 < self.r_quality <= 1:
@@ -243,8 +252,8 @@ def typical_prompt_tokens(archive: Archive, top_k: int = DEFAULT_TOP_K) -> tuple
     return top_k * DEFAULT_CHUNK_TOKENS, f"{top_k} × {DEFAULT_CHUNK_TOKENS} tokens (archive has no segments)"
 
 
-def _context_length(ar: Archive, here: Profile, given: int | None) -> tuple[int, str]:
-    L, source = (given, "--context-tokens") if given is not None else typical_prompt_tokens(ar)
+def _context_length(ar: Archive, here: Profile, given: int | None, top_k: int) -> tuple[int, str]:
+    L, source = (given, "--context-tokens") if given is not None else typical_prompt_tokens(ar, top_k)
     max_pos = here.model.max_positions or 0
     if max_pos and max_pos < L:
         return max_pos, source + f", capped at the model's context {max_pos}"
@@ -261,10 +270,37 @@ def _profile_notes(here: Profile) -> list[str]:
     return notes
 
 
-def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str, list[str]]:
+#: `--calibration` value that asks for the calibration set bundled with kvblend.
+BUNDLED = "bundled"
+
+
+@dataclass
+class CalibrationSet:
+    records: list[QARecord]
+    source: str  # "archive: …", "bundled" or the file's path
+    notes: list[str] = field(default_factory=list)
+
+
+def calibration_set(req: TuneRequest, ar: Archive) -> CalibrationSet:
+    """The prompts the quality floor is measured on: a given file, the bundled set, or by default prompts made
+    of the archive's own passages (kvblend.tuning.archive_prompts), which look like the queries it will serve."""
+    if req.calibration is not None and str(req.calibration) != BUNDLED:
+        return CalibrationSet(load_calibration(req.calibration, req.limit), str(req.calibration))
+    if req.calibration is None:
+        records = archive_calibration(ar.iter_segments(), req.limit, req.top_k)
+        if records:
+            most = max(len(r.passages) for r in records)
+            return CalibrationSet(records, f"archive: {len(records)} prompts of up to {most} of its passages")
+        note = "the archive has no passage to ask about: calibrated on the bundled set (MuSiQue)"
+        return CalibrationSet(load_calibration(None, req.limit), BUNDLED, [note])
+    return CalibrationSet(load_calibration(None, req.limit), BUNDLED)
+
+
+def _quality_floor(req: TuneRequest, calibration: CalibrationSet, log: Log) -> tuple[QualitySweep, float, str, list[str]]:
     """(sweep, r_quality, its source, notes) from the calibration set."""
-    records = load_calibration(req.calibration, req.limit)
-    log(f"calibration: {len(records)} records × ratios {', '.join(f'{r:g}' for r in req.ratios)} vs full")
+    records = calibration.records
+    ratios = ", ".join(f"{r:g}" for r in req.ratios)
+    log(f"calibration ({calibration.source}): {len(records)} prompts × ratios {ratios} vs full")
     quality = measure_quality(
         load_model(req.model, req.compute),
         records,
@@ -275,7 +311,7 @@ def _quality_floor(req: TuneRequest, log: Log) -> tuple[QualitySweep, float, str
         select=req.select,
     )
     floor, source, notes = floor_or_default(quality, req.tolerance, req.kl_bound)
-    return quality, floor, source, notes
+    return quality, floor, source, calibration.notes + notes
 
 
 def floor_or_default(sweep: QualitySweep, tolerance: float, kl_bound_vs_reuse: float) -> tuple[float, str, list[str]]:
@@ -322,15 +358,16 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
                 f"no profile of this archive's location ({path}) for {source.name} on {compute} "
                 f"on this machine: run `kvblend profile --archive {path}` first"
             )
-        L, L_source = _context_length(ar, here, req.context_tokens)
+        L, L_source = _context_length(ar, here, req.context_tokens, req.top_k)
         size = req.archive_bytes if req.archive_bytes is not None else ar.size_bytes()
         notes = _profile_notes(here)
-        quality = None
+        quality, calibration = None, ""
         if req.r_quality is not None:
             rq, rq_source = req.r_quality, "given"
         else:
-            quality, rq, rq_source, more = _quality_floor(req, log)
-            notes += more
+            prompts = calibration_set(req, ar)
+            quality, rq, rq_source, more = _quality_floor(req, prompts, log)
+            notes, calibration = notes + more, prompts.source
         decision = decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)
         codec = choose_codec(here, rq, L, here.cost_model)
         decision.notes = notes + decision.notes + ([codec.note] if codec.note else [])
@@ -362,6 +399,7 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             decision.notes,
             codec,
             req.select,
+            calibration,
         )
         key = tuned_key(source.name, compute, path)
         ar.put_tuned(key, setting.to_dict())

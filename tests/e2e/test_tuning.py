@@ -11,7 +11,7 @@ from kvblend.archive.records import normalize_path
 from kvblend.tuning.profile import Profile
 from kvblend.tuning.profiling import QUICK_LENGTHS
 from kvblend.tuning.quality import measure_quality
-from support import run_cli
+from support import FIXTURES, run_cli
 
 
 def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
@@ -71,12 +71,41 @@ def test_measure_quality_through_the_harness_on_default_model(default_runner):
     assert list(strict.by_ratio) == [1.0] and strict.skipped == [0.3]
 
 
-def test_tune_calibrates_on_the_bundled_set(tmp_path):
-    """`tune` without --r-quality: the quality sweep on one bundled record, stored with the setting."""
-    path = tmp_path / "archive"
+def _tune_archive_of(docs, path):
+    """`ingest` DOCS, `profile --quick`, then `tune` calibrating on the archive's own passages: its JSON."""
+    run_cli("ingest", docs, "--archive", path, "--compute", "cpu", check=True)
     run_cli("profile", "--quick", "--archive", path, "--compute", "cpu", check=True)
-    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--ratios", "0.3,1",
-                   "--context-tokens", "1024", "--json", check=True)
-    out = json.loads(proc.stdout)
-    assert out["quality"]["records"] == 1 and "1" in out["quality"]["by_ratio"]
-    assert out["r_quality_source"] in ("calibration", "fallback") and 0 < out["ratio"] <= 1
+    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "2", "--top-k", "3",
+                   "--ratios", "0.15,0.3,0.5",
+                   "--json", check=True)
+    return json.loads(proc.stdout)
+
+
+def _assert_tuned_from_the_archive(out, path=None):
+    assert out["calibration"].startswith("archive: 2 prompts of up to 3"), out["calibration"]
+    assert out["quality"]["records"] == 2 and out["quality"]["by_ratio"]
+    assert out["r_quality_source"] in ("calibration", "fallback")
+    assert 0 < out["ratio"] <= 0.5, out  # issue 20: a ratio a user can live with, never 1.0
+    if path is None:
+        return
+    shown = json.loads(run_cli("query", "--archive", path, "--compute", "cpu", "--max-tokens", "1", "--json",
+                               "What is this about?", check=True).stdout)
+    assert shown["ratio"] == pytest.approx(out["ratio"])  # queries take the stored ratio
+
+
+def test_tune_on_three_musique_passages_stores_a_usable_ratio(tmp_path):
+    """Issue 20: `profile --quick` + `tune` on an archive of 3 MuSiQue passages stores a ratio <= 0.5,
+    calibrated on prompts made of those passages."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    record = json.loads((FIXTURES / "musique_sample.json").read_text())[0]
+    for i, ctx in enumerate(record["ctxs"][:3]):
+        (docs / f"passage{i}.txt").write_text(ctx["text"])
+    _assert_tuned_from_the_archive(_tune_archive_of(docs, tmp_path / "archive"), tmp_path / "archive")
+
+
+def test_tune_on_the_bundled_documents_stores_a_usable_ratio(tmp_path):
+    """The same on the documents shipped with kvblend (the demo's)."""
+    from kvblend.evaluation.demo import demo_docs
+
+    _assert_tuned_from_the_archive(_tune_archive_of(demo_docs(), tmp_path / "archive"))

@@ -24,7 +24,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def put(ar: Archive, key: str, seed: int = 0, **kw) -> SegmentRecord:
-    rec = SegmentRecord(key=key, token_ids=list(range(TOKENS)), text=f"text of {key}", **kw)
+    rec = SegmentRecord(key=key, token_ids=list(range(TOKENS)), **{"text": f"text of {key}", **kw})
     return ar.put_segment(rec, layers(seed))
 
 

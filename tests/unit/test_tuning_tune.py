@@ -75,6 +75,8 @@ def test_tune_without_profile_says_what_to_run(tmp_path):
     (["--tolerance", "-1"], "--tolerance"),
     (["--ratios", "0.1,2"], "--ratios"),
     (["--storage-costs", "ram"], "--storage-costs"),
+    (["--limit", "0"], "--limit"),
+    (["--top-k", "0"], "--top-k"),
 ])
 def test_tune_bad_options_fail_before_any_work(tmp_path, args, says):
     line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", *args))
@@ -104,3 +106,63 @@ def test_tune_keeps_the_default_ratio_when_no_ratio_meets_the_bound():
     assert "0.7" in notes[0] and "KL 0.300" in notes[0] and f"default ratio {DEFAULT_RATIO:g}" in notes[0]
     passing = _sweep({0.1: 0.5, 0.3: 0.15, 0.5: 0.1, 0.7: 0.05})
     assert floor_or_default(passing, 0.02, 0.2)[:2] == (0.3, "calibration")
+
+
+PASSAGES = {
+    "alpha": "The Bergen office is managed by Marit Haugen and has forty staff on two floors. It opened in 1998.",
+    "beta": "The Gdansk plant builds circuit boards for the sonar line and employs about 180 people.",
+    "gamma": "Short.",  # nothing to ask about: no sentence of 8 words or more
+}
+
+
+def _archive_of_passages(tmp_path, passages=PASSAGES, prefix=True):
+    from archive_helpers import put
+
+    from kvblend.archive import Archive
+
+    ar = Archive.open(tmp_path / "ar", model_name="tiny", model_fingerprint="fp-tiny")
+    for key, text in passages.items():
+        put(ar, key, text=text)
+    if prefix:  # the instruction prefix is archived too, and is no passage
+        put(ar, "prefix", text="You will be asked a question after reading several passages and more words.",
+            extra={"role": "prefix"})
+    return ar
+
+
+def test_archive_calibration_asks_about_each_passage_in_turn(tmp_path):
+    from kvblend.tuning.archive_prompts import archive_calibration, sentence_clozes
+
+    with _archive_of_passages(tmp_path) as ar:
+        prompts = archive_calibration(ar.iter_segments(), limit=4, per_prompt=6)
+        again = archive_calibration(ar.iter_segments(), limit=4, per_prompt=6)
+    assert [p.question for p in prompts] == [p.question for p in again]  # same archive, same prompts
+    texts = set(PASSAGES.values()) - {PASSAGES["gamma"]}
+    for p in prompts:
+        assert {t for _, t in p.passages} == texts  # both usable passages, never the prefix nor "Short."
+        quoted = p.question.split('"')[1].removesuffix(" …")
+        source = next(t for t in texts if quoted in t)
+        assert p.answers[0] in source and not source.startswith(p.answers[0])  # the sentence's end is the answer
+    asked = {next(k for k, t in PASSAGES.items() if p.question.split('"')[1][:20] in t) for p in prompts}
+    assert asked == {"alpha", "beta"}  # every passage is asked about before any is asked twice
+    one = archive_calibration(_archive_of_passages(tmp_path / "b").iter_segments(), limit=2, per_prompt=1)
+    assert all(len(p.passages) == 1 for p in one)
+    assert sentence_clozes("Short. Also short.") == []
+    cloze = sentence_clozes("One two three four five six seven eight nine ten.")[0]
+    assert (cloze.quoted, cloze.rest) == ("One two three four five", "six seven eight nine ten")
+
+
+def test_tune_calibrates_on_the_archive_unless_told(tmp_path):
+    from kvblend.tuning.tune import BUNDLED, TuneRequest, calibration_set
+
+    with _archive_of_passages(tmp_path) as ar:
+        own = calibration_set(TuneRequest(limit=3), ar)
+        bundled = calibration_set(TuneRequest(limit=1, calibration=BUNDLED), ar)
+    assert own.source == "archive: 3 prompts of up to 2 of its passages" and len(own.records) == 3
+    assert not own.notes
+    assert bundled.source == "bundled" and len(bundled.records) == 1 and not bundled.notes
+    assert {t for _, t in own.records[0].passages} <= set(PASSAGES.values())
+    assert not {t for _, t in bundled.records[0].passages} & set(PASSAGES.values())
+    with _archive_of_passages(tmp_path / "empty", passages={"gamma": "Short."}) as ar:
+        fallback = calibration_set(TuneRequest(limit=2), ar)
+    assert fallback.source == "bundled" and len(fallback.records) == 2
+    assert fallback.notes == ["the archive has no passage to ask about: calibrated on the bundled set (MuSiQue)"]
