@@ -74,7 +74,7 @@ def run_section(name: str) -> None:
         r = run_cli_json("bench", ["bench", data, "--limit", "20", "--json",
                                    "--plot", str(ROOT / "docs" / "bench-musique.png")])
         name = "bench"
-    elif name == "pareto":  # every selection policy over ratios 0.05-0.5, KV in memory
+    elif name == "pareto":  # every selection policy over ratios 0.05-0.5, each point a query from the archive
         data = str(SHARED_DATA / "musique_dev.json")
         (ROOT / "docs").mkdir(exist_ok=True)
         r = run_cli_json("pareto", ["bench", data, "--limit", "10", "--modes", "full", "--pareto", "--json",
@@ -151,7 +151,7 @@ def render() -> str:
         ("bench", "Quality vs latency on MuSiQue (issue 5)", None, lambda r: markdown_results(r)),
         ("variants", "Selection policies and fusor variants on MuSiQue (issues 5, 13)", None,
          lambda r: markdown_variants(r)),
-        ("pareto", "Selection policies: first-token KL vs recompute share (issue 13)", None,
+        ("pareto", "Selection policies: first-token KL vs recompute share and TTFT (issues 13, 20)", None,
          lambda r: markdown_pareto(r.get("pareto") or [])),
         ("codecs", "Codecs: size vs fidelity on MuSiQue (issue 15)", None, lambda r: markdown_codecs(r)),
         ("codecs_ttft", "Codecs: blend TTFT from each codec's archive (issue 15)",
@@ -179,7 +179,7 @@ def render() -> str:
         if name == "bench" and (ROOT / "docs" / "bench-musique.png").exists():
             parts += ["![quality vs TTFT](docs/bench-musique.png)", ""]
         if name == "pareto" and (ROOT / "docs" / "pareto-musique.png").exists():
-            parts += ["![first-token KL vs recompute share](docs/pareto-musique.png)", ""]
+            parts += ["![first-token KL vs recompute share and vs TTFT](docs/pareto-musique.png)", ""]
         extra = ROOT / "docs" / f"benchmark-notes-{name}.md"  # per-section commentary, kept across re-runs
         if extra.exists():
             parts += [extra.read_text(), ""]

@@ -103,7 +103,7 @@ def bench(
     pareto: bool = typer.Option(
         False,
         "--pareto",
-        help="Also sweep every selection policy over ratios 0.05-0.5 (first-token KL and recompute share only, KV in memory); with --plot, the chart is KL vs recompute share.",
+        help="Also sweep every selection policy over ratios 0.05-0.5, each point a query from the archive to its first token (first-token KL, recompute share, TTFT); with --plot, the chart is KL vs recompute share beside KL vs TTFT.",
     ),
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
     answers: bool = typer.Option(
@@ -112,7 +112,7 @@ def bench(
     plot: Optional[Path] = typer.Option(
         None,
         "--plot",
-        help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share per policy (and the TTFT chart to NAME-ttft.png).",
+        help="Write quality (F1, answer KL) vs TTFT to this PNG (needs matplotlib); with --pareto, first-token KL vs recompute share and vs TTFT per policy (and the quality chart to NAME-ttft.png).",
         show_default=False,
     ),
     out_file: Optional[Path] = typer.Option(
@@ -296,11 +296,13 @@ def _print_human(data: dict) -> None:
 
 
 def _print_pareto(con, points: list[dict]) -> None:
-    """The --pareto sweep: first-token KL and recompute share per policy and ratio."""
+    """The --pareto sweep: first-token KL, recompute share and speed-up over full per policy and ratio."""
     from kvblend.evaluation.report import pareto_grid
 
     headers, rows = pareto_grid(points)
-    con.print(_table("selection policies: first-token KL from full (recompute share), KV in memory", headers, rows))
+    con.print(
+        _table("selection policies: first-token KL from full (recompute share, TTFT speed-up over full)", headers, rows)
+    )
 
 
 def _print_codecs(con, results: list[dict]) -> None:

@@ -168,7 +168,7 @@ def run_bench(
     if pareto:
         from kvblend.evaluation.pareto import run_pareto
 
-        sweep = run_pareto(engine.runner, records, chunks=chunks, on_progress=on_progress)
+        sweep = run_pareto(engine, records, chunks=chunks, template=template, on_progress=on_progress)
     return BenchReport(
         pareto=sweep,
         model=engine.model_name,

@@ -195,19 +195,20 @@ def markdown_codecs(data: dict) -> str:
 
 
 def pareto_grid(points: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The `--pareto` sweep as (headers, rows): per policy, first-token KL from full (recompute share)
-    at each ratio. The CLI's table and the markdown one are this grid."""
+    """The `--pareto` sweep as (headers, rows): per policy, first-token KL from full (recompute share, TTFT
+    speed-up over full) at each ratio. The CLI's table and the markdown one are this grid."""
     ratios = sorted({p["ratio"] for p in points})
     by = {(p["select"], p["ratio"]): p for p in points}
     rows = [
-        [policy]
-        + [
-            f"{by[policy, r]['kl_vs_full']:.4f} ({by[policy, r]['recompute_share']:.1%})" if (policy, r) in by else "—"
-            for r in ratios
-        ]
+        [policy] + [_pareto_cell(by[policy, r]) if (policy, r) in by else "—" for r in ratios]
         for policy in dict.fromkeys(p["select"] for p in points)
     ]
     return ["policy"] + [f"r={r:g}" for r in ratios], rows
+
+
+def _pareto_cell(point: dict) -> str:
+    speedup = f", {point['speedup']:.2f}×" if point.get("speedup") else ""  # sweeps saved before TTFTs have none
+    return f"{point['kl_vs_full']:.4f} ({point['recompute_share']:.1%}{speedup})"
 
 
 def markdown_pareto(points: list[dict]) -> str:

@@ -26,6 +26,7 @@ from kvblend.model import load_model
 from kvblend.model.loading import pick_compute_device
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.options import Select, choice
+from kvblend.tuning.archive_prompts import archive_calibration
 from kvblend.tuning.codecs import CodecDecision, choose_codec
 from kvblend.tuning.delay import (
     DEFAULT_CALIBRATION_LIMIT,
@@ -47,7 +48,6 @@ from kvblend.tuning.profile import (
     location_profile,
     today,
 )
-from kvblend.tuning.archive_prompts import archive_calibration
 from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
 from kvblend.tuning.storage import (
     DEFAULT_STORAGE_COSTS,
@@ -296,7 +296,9 @@ def calibration_set(req: TuneRequest, ar: Archive) -> CalibrationSet:
     return CalibrationSet(load_calibration(None, req.limit), BUNDLED)
 
 
-def _quality_floor(req: TuneRequest, calibration: CalibrationSet, log: Log) -> tuple[QualitySweep, float, str, list[str]]:
+def _quality_floor(
+    req: TuneRequest, calibration: CalibrationSet, log: Log
+) -> tuple[QualitySweep, float, str, list[str]]:
     """(sweep, r_quality, its source, notes) from the calibration set."""
     records = calibration.records
     ratios = ", ".join(f"{r:g}" for r in req.ratios)

@@ -36,3 +36,25 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     assert blend["recompute_share"] < 0.5
     assert reuse["recompute_share"] < blend["recompute_share"]
     assert blend["kl_vs_full"] > 0 and reuse["kl_vs_full"] > 0
+
+
+def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):
+    """Issue 20: `bench --pareto --plot` puts every (policy, ratio) through a query from the archive, so each point
+    has a TTFT beside its KL and share, and the chart draws KL against both."""
+    from kvblend.evaluation.pareto import PARETO_RATIOS, PARETO_SERIES
+
+    plot = tmp_path / "pareto.png"
+    proc = run_cli("bench", CALIBRATION, "--limit", "1", "--chunks", "1", "--modes", "full", "--pareto",
+                   "--json", "--plot", plot, "--compute", "cpu", check=True)
+    points = json.loads(proc.stdout)["pareto"]
+    assert [(p["select"], p["ratio"]) for p in points] == [(s, r) for s in PARETO_SERIES for r in PARETO_RATIOS]
+    full_ttft = {p["full_ttft_median_s"] for p in points}
+    assert len(full_ttft) == 1 and full_ttft.pop() > 0  # one full run per record, the same for every point
+    for p in points:
+        assert p["records"] == 1 and p["kl_vs_full"] >= 0 and p["ttft_median_s"] > 0
+        assert p["speedup"] == round(p["full_ttft_median_s"] / p["ttft_median_s"], 3) or \
+            abs(p["speedup"] - p["full_ttft_median_s"] / p["ttft_median_s"]) < 0.01
+    for series in PARETO_SERIES:  # more recompute at a larger ratio, in every line
+        shares = [p["recompute_share"] for p in points if p["select"] == series]
+        assert shares == sorted(shares) and shares[0] < shares[-1] < 1, (series, shares)
+    assert plot.stat().st_size > 1000

@@ -133,3 +133,16 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     assert line.startswith("kvblend: error:")
     assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "mode": "turbo",
             "passage": "ctxs[0]"}[case] in line
+
+
+def test_pareto_grid_shows_kl_share_and_speedup_per_policy_and_ratio():
+    from kvblend.evaluation.report import pareto_grid
+
+    points = [
+        {"select": "probe", "ratio": 0.1, "kl_vs_full": 0.05, "recompute_share": 0.11, "speedup": 4.2},
+        {"select": "probe", "ratio": 0.2, "kl_vs_full": 0.02, "recompute_share": 0.21, "speedup": 3.1},
+        {"select": "hkvd", "ratio": 0.2, "kl_vs_full": 0.04, "recompute_share": 0.2},  # saved before TTFTs
+    ]
+    headers, rows = pareto_grid(points)
+    assert headers == ["policy", "r=0.1", "r=0.2"]
+    assert rows == [["probe", "0.0500 (11.0%, 4.20×)", "0.0200 (21.0%, 3.10×)"], ["hkvd", "—", "0.0400 (20.0%)"]]
