@@ -7,6 +7,7 @@ come from the torch-free :mod:`kvblend.evaluation.records`.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from kvblend.cli.common import (
     print_json,
     progress_enabled,
 )
-from kvblend.defaults import DEFAULT_SELECT
+from kvblend.defaults import DEFAULT_SELECT, DEFAULT_SINK
 from kvblend.errors import UsageError
 from kvblend.evaluation.records import (
     DEFAULT_BENCH_MAX_NEW_TOKENS,
@@ -50,7 +51,7 @@ from kvblend.evaluation.records import (
     parse_modes,
     parse_ratios,
 )
-from kvblend.options import Select, check_ratio
+from kvblend.options import MUSIQUE_TEMPLATE, PromptTemplate, Select, Sink, check_ratio
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
 
@@ -94,6 +95,19 @@ def bench(
     ),
     select: Select = typer.Option(
         Select(DEFAULT_SELECT), "--select", help="Blend's token selection policy for the main table."
+    ),
+    sink: Sink = typer.Option(
+        Sink(DEFAULT_SINK),
+        "--sink",
+        help="How the passages are archived, as `ingest --sink`: alone (none), after the template's first tokens, or after the default template's instruction prefix.",
+    ),
+    template: str = typer.Option(
+        "musique",
+        "--template",
+        help="Prompt template: musique (the paper's MuSiQue layout) or default (what `kvblend query` uses).",
+    ),
+    system: Optional[str] = typer.Option(
+        None, "--system", help="System prompt in place of the template's.", show_default=False
     ),
     variants: bool = typer.Option(
         False,
@@ -143,6 +157,7 @@ def bench(
         raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
     _check_writable_target(plot, "--plot", ".png")
     _check_writable_target(out_file, "--out", ".json")
+    prompt_template = _template(template, system)
     if plot is not None:
         from kvblend.evaluation.plot import check_plot_available
 
@@ -159,7 +174,7 @@ def bench(
     from kvblend.pipeline import Engine
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
-        with Engine(target, model, compute) as engine, _progress(as_json) as on_progress:
+        with Engine(target, model, compute, sink=sink) as engine, _progress(as_json) as on_progress:
             report = run_bench(
                 engine,
                 records,
@@ -173,6 +188,7 @@ def bench(
                 codecs=codec_list,
                 select=select,
                 pareto=pareto,
+                template=prompt_template,
                 on_progress=on_progress,
             )
     data = report.to_dict(answers=answers)
@@ -188,6 +204,17 @@ def bench(
     if not as_json:
         for what, path in written:
             err.print(f"wrote {what} to {path}")
+
+
+def _template(name: str, system: str | None) -> PromptTemplate:
+    """`--template` and `--system` as a PromptTemplate (the system prompt replaces the template's own)."""
+    templates = {"musique": MUSIQUE_TEMPLATE, "default": PromptTemplate()}
+    if name not in templates:
+        raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(templates)}")
+    if system is not None and not system.strip():
+        raise UsageError("--system must not be empty")
+    chosen = templates[name]
+    return chosen if system is None else dataclasses.replace(chosen, system=system)
 
 
 @contextmanager

@@ -9,6 +9,7 @@ in memory) run in the same pass, sharing full's reference.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 
@@ -84,6 +85,16 @@ def _variant_rows(
     return rows
 
 
+def template_name(template: PromptTemplate) -> str:
+    """What a report calls the prompt template: musique, default, or the one of them with another system prompt."""
+    for name, known in (("musique", MUSIQUE_TEMPLATE), ("default", PromptTemplate())):
+        if template == known:
+            return name
+        if dataclasses.replace(template, system=known.system) == known:
+            return f"{name} + --system"
+    return "custom"
+
+
 def run_bench(
     engine,
     records: Sequence[QARecord],
@@ -148,7 +159,9 @@ def run_bench(
 
     settings = {
         "chunks": chunks,
-        "template": "musique" if template == MUSIQUE_TEMPLATE else "custom",
+        "template": template_name(template),
+        "system": template.system,
+        "sink": str(engine.sink),
         "max_new_tokens": max_new_tokens,
         "decoding": "greedy",
         "answer_kl_tokens": answer_kl_tokens,

@@ -20,6 +20,7 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     assert {"model", "machine", "command", "date", "records", "results"} <= set(report)
     assert report["records"] == 2
     assert report["model"] and report["machine"] and report["command"].startswith("kvblend bench")
+    assert (report["settings"]["template"], report["settings"]["sink"]) == ("musique", "none")  # bench's defaults
     assert json.loads(out_json.read_text()) == report
     assert plot.stat().st_size > 1000
     rows = {(r["mode"], r["ratio"]): r for r in report["results"]}
@@ -45,8 +46,13 @@ def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):
 
     plot = tmp_path / "pareto.png"
     proc = run_cli("bench", CALIBRATION, "--limit", "1", "--chunks", "1", "--modes", "full", "--pareto",
-                   "--json", "--plot", plot, "--compute", "cpu", check=True)
-    points = json.loads(proc.stdout)["pareto"]
+                   "--json", "--plot", plot, "--compute", "cpu", "--template", "default", "--sink", "prefix",
+                   "--system", "Answer briefly.", check=True)
+    report = json.loads(proc.stdout)
+    settings = report["settings"]  # the passages archived after the prefix, asked with another system prompt
+    assert (settings["template"], settings["sink"], settings["system"]) == ("default + --system", "prefix",
+                                                                            "Answer briefly.")
+    points = report["pareto"]
     assert [(p["select"], p["ratio"]) for p in points] == [(s, r) for s in PARETO_SERIES for r in PARETO_RATIOS]
     full_ttft = {p["full_ttft_median_s"] for p in points}
     assert len(full_ttft) == 1 and full_ttft.pop() > 0  # one full run per record, the same for every point

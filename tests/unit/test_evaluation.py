@@ -117,7 +117,8 @@ def test_calibration_set_is_package_data():
     assert parse_modes("full, blend") == ("full", "blend")
 
 
-@pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "mode", "passage"])
+@pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "mode", "passage", "template", "system",
+                                  "sink"])
 def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     args = {
         "missing": [tmp_path / "nope.json"],
@@ -126,13 +127,16 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
         "ratio": [CALIBRATION, "--ratios", "0.15,1.5"],
         "mode": [CALIBRATION, "--modes", "full,turbo"],
         "passage": [tmp_path / "passage.json"],
+        "template": [CALIBRATION, "--template", "chatml"],
+        "system": [CALIBRATION, "--system", " "],
+        "sink": [CALIBRATION, "--sink", "everything"],
     }[case]
     (tmp_path / "wrong.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "contexts": []}]))
     (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
     line = one_line_error(run_cli("bench", *args))
     assert line.startswith("kvblend: error:")
     assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "mode": "turbo",
-            "passage": "ctxs[0]"}[case] in line
+            "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink"}[case] in line
 
 
 def test_pareto_grid_shows_kl_share_and_speedup_per_policy_and_ratio():
@@ -146,3 +150,15 @@ def test_pareto_grid_shows_kl_share_and_speedup_per_policy_and_ratio():
     headers, rows = pareto_grid(points)
     assert headers == ["policy", "r=0.1", "r=0.2"]
     assert rows == [["probe", "0.0500 (11.0%, 4.20×)", "0.0200 (21.0%, 3.10×)"], ["hkvd", "—", "0.0400 (20.0%)"]]
+
+
+def test_bench_names_its_template():
+    import dataclasses
+
+    from kvblend.evaluation.bench import template_name
+    from kvblend.options import MUSIQUE_TEMPLATE, PromptTemplate
+
+    assert template_name(MUSIQUE_TEMPLATE) == "musique" and template_name(PromptTemplate()) == "default"
+    assert template_name(PromptTemplate(system="Be terse.")) == "default + --system"
+    assert template_name(dataclasses.replace(MUSIQUE_TEMPLATE, system="Be terse.")) == "musique + --system"
+    assert template_name(PromptTemplate(before_passages="Docs:\n")) == "custom"
