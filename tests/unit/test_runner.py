@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from support import ARCHS, tiny_runner
-from kvblend.model.attention import QUERY_BLOCK, QueryBlockPlanner, dense_suffix, is_short_suffix, sparse_queries
+from kvblend.model.attention import (
+    QUERY_BLOCK,
+    QueryBlockPlanner,
+    dense_suffix,
+    is_short_suffix,
+    last_query,
+    sparse_queries,
+)
 
 ATOL = 1e-4
 
@@ -103,6 +110,22 @@ def test_dense_suffix_kernel_equals_dense_masked_attention():
     assert not is_short_suffix(torch.arange(skip, n_keys - 1), n_keys)  # not a suffix
     got = dense_suffix(q, k, v, hd**-0.5)
     assert torch.allclose(got, masked_attention(q, k, v, positions, None, hd**-0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_last_query_kernel_equals_sdpa_over_a_slice_of_a_decode_buffer(dtype, atol):
+    """Decoding's kernel: one query over the first keys of a larger buffer, grouped query heads."""
+    g = torch.Generator().manual_seed(5)
+    hd, used = 8, 70
+    q = torch.randn(1, 6, 1, hd, generator=g).to(dtype)
+    k_buf = torch.randn(1, 2, 100, hd, generator=g).to(dtype)
+    v_buf = torch.randn(1, 2, 100, hd, generator=g).to(dtype)
+    k, v = k_buf[:, :, :used], v_buf[:, :, :used]
+    got = last_query(q, k, v, hd**-0.5)
+    positions = torch.tensor([used - 1])
+    want = masked_attention(q.float(), k.float(), v.float(), positions, None, hd**-0.5)
+    assert got.shape == (1, 6, 1, hd) and got.dtype == dtype
+    assert torch.allclose(got.float(), want, atol=atol)
 
 
 def layer0_k(runner, ids: list[int]) -> torch.Tensor:
