@@ -56,6 +56,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_BATCH_TOKENS = 4096  # prefill batch budget (tokens incl. padding) for ingest
 DEFAULT_CODEC = "zstd-shuffle"
 DEFAULT_LEVEL = 3
+# zstd's fast levels that `ingest --level` accepts: literals stored raw, so decoding is close to a copy
+MIN_FAST_LEVEL = -7
 DEFAULT_PREFETCH_DEPTH = 2
 
 # ── model ──

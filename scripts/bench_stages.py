@@ -4,7 +4,10 @@ Records from musique_dev (6 passages each, archived once), answered to the first
 token from the archive by `full`, by blend as it was when issue 20 was filed
 (the probe choosing at layer 1) and by today's default (the probe choosing
 before layer 0), in that order every repetition; the first repetition is a
-warm-up. Per setting: median TTFT, speed-up over full, compute share, and each
+warm-up. A fourth setting answers like the default from a second archive of the
+same passages stored with `ingest --codec zstd --level -1` (zstd's fast mode:
+no entropy coding, KV at about its raw size), to show what decoding costs in
+the load stage. Per setting: median TTFT, speed-up over full, compute share, and each
 stage of the fusion's StageClock (`query -v`) as milliseconds and share of
 TTFT. Attention also gets its *work share*: the query-key pairs the kept
 queries attend to, over full's T(T+1)/2. Selected tokens sit late in the prompt
@@ -30,10 +33,15 @@ from kvblend.generation import SamplingConfig  # noqa: E402
 from kvblend.pipeline import Engine, QueryOptions  # noqa: E402
 from kvblend.prompt import MUSIQUE_TEMPLATE  # noqa: E402
 
+#: archive name → (codec, zstd level) its passages are stored with
+ARCHIVES = {"default": ("lossless", 3), "fast": ("zstd", -1)}
+#: setting → (archive, query options)
 SETTINGS = {
-    "full": {"mode": "full"},
-    "blend, probe at layer 1 (when issue 20 was filed)": {"mode": "blend", "ratio": 0.15, "check_layers": (1,)},
-    "blend, probe before layer 0 (today's default)": {"mode": "blend", "ratio": 0.15},
+    "full": ("default", {"mode": "full"}),
+    "blend, probe at layer 1 (when issue 20 was filed)": ("default", {"mode": "blend", "ratio": 0.15,
+                                                                      "check_layers": (1,)}),
+    "blend, probe before layer 0 (today's default)": ("default", {"mode": "blend", "ratio": 0.15}),
+    "the default from an archive stored with --codec zstd --level -1": ("fast", {"mode": "blend", "ratio": 0.15}),
 }
 STAGE_ORDER = ("attention", "mlp", "project", "probe", "load", "patch", "gather", "select")
 
@@ -51,17 +59,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
     args = ap.parse_args(argv)
     records = json.loads((SHARED_DATA / "musique_dev.json").read_text())[: args.records]
-    engine = Engine(Path(tempfile.mkdtemp(prefix="kvblend-stages-")) / "archive", compute="cpu")
-    engine.warm_up()
-    keys = [[r.key for r in engine.store_texts([f"{c['title']}\n\n{c['text']}" for c in rec["ctxs"][:6]])]
+    root = Path(tempfile.mkdtemp(prefix="kvblend-stages-"))
+    engines = {name: Engine(root / name, compute="cpu") for name in ARCHIVES}
+    keys = {}
+    for name, (codec, level) in ARCHIVES.items():
+        engines[name].warm_up()
+        keys[name] = [[r.key for r in engines[name].store_texts(
+            [f"{c['title']}\n\n{c['text']}" for c in rec["ctxs"][:6]], codec=codec, level=level)]
             for rec in records]
     runs: dict[str, list] = {name: [] for name in SETTINGS}
     for rep in range(args.reps + 1):
-        for rec, ks in zip(records, keys):
-            for name, kw in SETTINGS.items():
-                opts = QueryOptions(segment_keys=ks, template=MUSIQUE_TEMPLATE,
+        for i, rec in enumerate(records):
+            for name, (archive, kw) in SETTINGS.items():
+                opts = QueryOptions(segment_keys=keys[archive][i], template=MUSIQUE_TEMPLATE,
                                     sampling=SamplingConfig(max_new_tokens=1), **kw)
-                res = engine.query(rec["question"], opts)
+                res = engines[archive].query(rec["question"], opts)
                 if rep:
                     f = res.fusion
                     runs[name].append({"ttft": res.ttft_s, "share": res.recompute_share, "stages": f.stages,

@@ -46,6 +46,7 @@ from kvblend.defaults import (
     DEFAULT_SELECT,
     DEFAULT_SINK,
     DEFAULT_TOP_K,
+    MIN_FAST_LEVEL,
 )
 from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
@@ -70,7 +71,11 @@ def register(app: typer.Typer) -> None:
 def ingest(
     paths: list[Path] = typer.Argument(..., help="Files or directories (recursive) of text to archive."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
-    level: int = typer.Option(DEFAULT_LEVEL, "--level", help="zstd compression level (1-22)."),
+    level: int = typer.Option(
+        DEFAULT_LEVEL,
+        "--level",
+        help="zstd compression level, 1-22; or -7..-1, zstd's fast mode: KV stored at about its raw size, but decoded several times faster (for hosts where decoding, not reading, delays the first token; see BENCHMARKS.md).",
+    ),
     codec: Codec = typer.Option(
         Codec.lossless,
         "--codec",
@@ -95,8 +100,8 @@ def ingest(
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
     from kvblend.pipeline import Engine
 
-    if not 1 <= level <= 22:
-        raise UsageError("--level must be between 1 and 22")
+    if not (MIN_FAST_LEVEL <= level <= -1 or 1 <= level <= 22):
+        raise UsageError(f"--level must be between 1 and 22, or {MIN_FAST_LEVEL} and -1 (fast mode)")
     if batch_tokens < 1:
         raise UsageError("--batch-tokens must be at least 1")
     for p in paths:

@@ -52,6 +52,15 @@ def test_bad_type_is_one_line_and_exit_2(args):
     assert proc.returncode == 2 and "Invalid value" in line
 
 
+@pytest.mark.parametrize("level", ["0", "23", "-8"])
+def test_ingest_refuses_a_level_zstd_does_not_offer(level, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("text")
+    line = one_line_error(run_cli("ingest", tmp_path / "d", "--archive", tmp_path / "a", "--level", level))
+    assert "--level must be between 1 and 22, or -7 and -1" in line
+    assert not (tmp_path / "a").exists()
+
+
 def test_unknown_command_is_one_line_and_exit_2():
     proc = run_cli("frobnicate")
     assert proc.returncode == 2 and "frobnicate" in one_line_error(proc)

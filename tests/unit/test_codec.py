@@ -33,9 +33,10 @@ def _kv(dtype: torch.dtype, heads: int = 2, n: int = 33, dim: int = 16, seed: in
 
 @pytest.mark.parametrize("codec", C.LOSSLESS_CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_is_bit_identical(codec, dtype):
+@pytest.mark.parametrize("level", [3, -1, -7])  # negative: zstd's fast mode (`ingest --level -1`)
+def test_round_trip_is_bit_identical(codec, dtype, level):
     k, v = _kv(dtype)
-    k2, v2 = C.decode_layer(C.encode_layer(k, v, codec), codec)
+    k2, v2 = C.decode_layer(C.encode_layer(k, v, codec, level), codec)
     assert k2.dtype == dtype and v2.dtype == dtype
     assert k2.shape == k.shape and v2.shape == v.shape
     assert torch.equal(_bits(k2), _bits(k)) and torch.equal(_bits(v2), _bits(v))
