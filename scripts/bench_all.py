@@ -1,10 +1,12 @@
 """`make bench`: run every benchmark and refresh BENCHMARKS.md.
 
 Sections run by default (SECTIONS): startup, engine, archive, query, bench (the
-MuSiQue table and the variants), pareto, codecs, codecs_ttft and redis. The
-server sections take 5-45 minutes each and run only when named in `--only`:
-serve (one node, blend vs full under load), serve_nodes (two nodes on one
-Redis) and serve_bound (unique long prompts under --max-archive-size);
+MuSiQue table and the variants), stages (blend's time per stage), pareto,
+codecs, codecs_ttft, redis and decode (one batched decode step per batch size).
+The long sections run only when named in `--only`: serve (one node, blend vs
+full under load), serve_nodes (two nodes on one Redis), serve_bound (unique
+long prompts under --max-archive-size), each 5-45 minutes, and sinks (the
+prefix sink from the archive under three templates, about an hour);
 restructure_ab is written by scripts/bench_ab.py against an old checkout. Each
 section writes bench-out/<name>.json; this script renders them all into
 BENCHMARKS.md with the command, machine and date. `--only a,b` reruns some
@@ -31,13 +33,17 @@ import bench_query  # noqa: E402
 import bench_redis  # noqa: E402
 import bench_serve  # noqa: E402
 import bench_serve_bound  # noqa: E402
+import bench_sinks  # noqa: E402
+import bench_stages  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_startup  # noqa: E402
 from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 
 # bench also writes the variants section; restructure_ab needs an old checkout (scripts/bench_ab.py); the server
 # sections take 10-60 min each (serve, serve_nodes, serve_bound): these run only when named in --only (their last
 # results are kept and rendered)
-SECTIONS = ["startup", "engine", "archive", "query", "bench", "pareto", "codecs", "codecs_ttft", "redis"]
+SECTIONS = ["startup", "engine", "archive", "query", "bench", "stages", "pareto", "codecs", "codecs_ttft", "redis",
+            "decode"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
 
 
@@ -102,6 +108,12 @@ def run_section(name: str) -> None:
         r = bench_serve_bound.main(bench_serve_bound.parser().parse_args([]))
     elif name == "redis":
         r = bench_redis.main()
+    elif name == "stages":
+        r = bench_stages.main([])
+    elif name == "decode":
+        r = bench_decode.main()
+    elif name == "sinks":  # 12 bench runs (2 sinks x 3 templates x 2 record sets): about an hour on 2 cores
+        r = bench_sinks.main([])
     elif name == "variants":  # the variants alone (full is still run: it is the reference)
         data = str(SHARED_DATA / "musique_dev.json")
         r = run_cli_json("variants", ["bench", data, "--limit", "20", "--modes", "full", "--variants", "--json"])
@@ -151,6 +163,13 @@ def render() -> str:
         ("bench", "Quality vs latency on MuSiQue (issue 5)", None, lambda r: markdown_results(r)),
         ("variants", "Selection policies and fusor variants on MuSiQue (issues 5, 13)", None,
          lambda r: markdown_variants(r)),
+        ("stages", "Where blend's time goes, per stage, before and after issue 20",
+         "`python scripts/bench_stages.py` — 3 musique_dev records × 6 passages, 3 interleaved repetitions after "
+         "a warm-up (medians); each stage in ms (share of TTFT).", lambda r: r["markdown"]),
+        ("sinks", "The prefix sink measured from the archive (issue 20)",
+         "`python scripts/bench_sinks.py` — each cell one `kvblend bench` run (command in bench-out/sinks.json): "
+         "passages archived with `--sink none` or `--sink prefix`, asked under three templates.",
+         lambda r: r["markdown"]),
         ("pareto", "Selection policies: first-token KL vs recompute share and TTFT (issues 13, 20)", None,
          lambda r: markdown_pareto(r.get("pareto") or [])),
         ("codecs", "Codecs: size vs fidelity on MuSiQue (issue 15)", None, lambda r: markdown_codecs(r)),
@@ -163,6 +182,9 @@ def render() -> str:
          bench_serve_bound.markdown),
         ("redis", "Redis archive vs local archive: TTFT, ingest, bytes per token (issue 22)", "", bench_redis.markdown),
         ("serve_nodes", "Two serving nodes on one Redis: load test (issue 22)", "", bench_serve.markdown),
+        ("decode", "One batched decode step per batch size (issue 21)",
+         "`python scripts/bench_decode.py` — the serving benchmark's prompts (3 MuSiQue passages), `full`.",
+         lambda r: r["markdown"]),
     ]
     for name, title, how, fmt in sections:
         r = load(name)
