@@ -28,21 +28,8 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def last_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query at the newest position: it may see every key, so no mask (decoding, one token per step).
-
-    On a CPU, two grouped matmuls: each KV head's query heads stacked as rows, so K and V are read once, in
-    place (decoding reads them as a slice of a larger buffer). SDPA's CPU path for a single query took
-    several times as long for the same keys (BENCHMARKS.md, serving notes). Softmax in fp32 whatever the
-    compute dtype. Elsewhere SDPA, whose kernels handle one query well.
-    """
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    b, heads, _, hd = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.reshape(b, kv_heads, heads // kv_heads, hd)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float().mul_(scale)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, heads, 1, hd)
+    """One query at the newest position: it may see every key, so no mask (decoding, one token per step)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
 
 def is_short_suffix(query_positions: torch.Tensor, n_keys: int) -> bool:
