@@ -147,6 +147,9 @@ MUSIQUE_TEMPLATE = PromptTemplate(
     ),
 )
 
+#: The templates `bench --template` names (and reports name), by name.
+NAMED_TEMPLATES: dict[str, PromptTemplate] = {"musique": MUSIQUE_TEMPLATE, "default": PromptTemplate()}
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

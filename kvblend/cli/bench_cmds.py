@@ -51,7 +51,7 @@ from kvblend.evaluation.records import (
     parse_modes,
     parse_ratios,
 )
-from kvblend.options import MUSIQUE_TEMPLATE, PromptTemplate, Select, Sink, check_ratio
+from kvblend.options import NAMED_TEMPLATES, PromptTemplate, Select, Sink, check_ratio
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
 
@@ -208,12 +208,11 @@ def bench(
 
 def _template(name: str, system: str | None) -> PromptTemplate:
     """`--template` and `--system` as a PromptTemplate (the system prompt replaces the template's own)."""
-    templates = {"musique": MUSIQUE_TEMPLATE, "default": PromptTemplate()}
-    if name not in templates:
-        raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(templates)}")
+    if name not in NAMED_TEMPLATES:
+        raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(NAMED_TEMPLATES)}")
     if system is not None and not system.strip():
         raise UsageError("--system must not be empty")
-    chosen = templates[name]
+    chosen = NAMED_TEMPLATES[name]
     return chosen if system is None else dataclasses.replace(chosen, system=system)
 
 

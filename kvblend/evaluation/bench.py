@@ -32,7 +32,7 @@ from kvblend.evaluation.specs import FULL, RunRecord, RunSpec, main_specs, varia
 from kvblend.evaluation.summary import BenchReport, mean, rounded, summarize
 from kvblend.generation import SamplingConfig
 from kvblend.machine import describe_machine
-from kvblend.options import QueryOptions, check_ratio
+from kvblend.options import NAMED_TEMPLATES, QueryOptions, check_ratio
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate
 
 
@@ -87,7 +87,7 @@ def _variant_rows(
 
 def template_name(template: PromptTemplate) -> str:
     """What a report calls the prompt template: musique, default, or the one of them with another system prompt."""
-    for name, known in (("musique", MUSIQUE_TEMPLATE), ("default", PromptTemplate())):
+    for name, known in NAMED_TEMPLATES.items():
         if template == known:
             return name
         if dataclasses.replace(template, system=known.system) == known:

@@ -63,18 +63,24 @@ def sentence_clozes(text: str) -> list[Cloze]:
     return clozes
 
 
-def usable_passages(records: Iterable[SegmentRecord]) -> list[SegmentRecord]:
-    """Archived passages a question can be asked about: not the instruction prefix, with text to quote."""
-    usable = [r for r in records if r.extra.get("role") != "prefix" and r.text.strip() and sentence_clozes(r.text)]
-    return sorted(usable, key=lambda r: r.key)
+def usable_passages(records: Iterable[SegmentRecord]) -> dict[str, tuple[SegmentRecord, list[Cloze]]]:
+    """Archived passages a question can be asked about (not the instruction prefix, with a sentence to quote),
+    by key in key order, each with its clozes."""
+    usable = {}
+    for rec in sorted(records, key=lambda r: r.key):
+        clozes = sentence_clozes(rec.text) if rec.extra.get("role") != "prefix" else []
+        if clozes:
+            usable[rec.key] = (rec, clozes)
+    return usable
 
 
 def archive_calibration(records: Iterable[SegmentRecord], limit: int, per_prompt: int) -> list[QARecord]:
     """Up to `limit` prompts of up to `per_prompt` archived passages each, every one asking about a different
     passage where there are enough (empty when the archive has no passage to ask about)."""
-    passages = usable_passages(records)
-    if not passages or limit < 1:
+    usable = usable_passages(records)
+    if not usable or limit < 1:
         return []
+    passages = [rec for rec, _ in usable.values()]
     rng = random.Random(SEED)
     targets = rng.sample(passages, len(passages))
     prompts = []
@@ -83,6 +89,6 @@ def archive_calibration(records: Iterable[SegmentRecord], limit: int, per_prompt
         others = [p for p in passages if p.key != target.key]
         chosen = [target, *rng.sample(others, min(len(others), max(0, per_prompt - 1)))]
         rng.shuffle(chosen)
-        cloze = rng.choice(sentence_clozes(target.text))
+        cloze = rng.choice(usable[target.key][1])
         prompts.append(QARecord(cloze.question, [("", p.text) for p in chosen], [cloze.rest]))
     return prompts
