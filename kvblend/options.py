@@ -72,6 +72,18 @@ class Sink(StrEnum):
     prefix = "prefix"
 
 
+class ComputeDtype(StrEnum):
+    """The dtype the model computes in (vLLM's `--dtype`); unset: fp32 on CPU, bf16 on CUDA.
+
+    bf16 halves what a decode step reads and runs on AMX where a CPU has it, so it
+    can be much faster than fp32; its answers drift further from fp32's (see BENCHMARKS.md).
+    """
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class Codec(StrEnum):
     """How a segment's KV is stored (kvblend.archive.codec); `lossless` names the default lossless codec."""
 

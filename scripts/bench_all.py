@@ -5,7 +5,8 @@ MuSiQue table and the variants), stages (blend's time per stage), pareto,
 codecs, codecs_ttft, redis and decode (one batched decode step per batch size).
 The long sections run only when named in `--only`: serve (one node, blend vs
 full under load), serve_nodes (two nodes on one Redis), serve_bound (unique
-long prompts under --max-archive-size), each 5-45 minutes, and sinks (the
+long prompts under --max-archive-size), serve_bf16 (serve's load test under
+--dtype bf16), each 5-45 minutes, and sinks (the
 prefix sink from the archive under three templates, about an hour);
 restructure_ab is written by scripts/bench_ab.py against an old checkout. Each
 section writes bench-out/<name>.json; this script renders them all into
@@ -96,6 +97,10 @@ def run_section(name: str) -> None:
         r = bench_startup.main()
     elif name == "serve":
         r = bench_serve.main([str(Path(sys.executable).parent / "kvblend")])
+    elif name == "serve_bf16":  # the same server load test with the servers computing in bf16 (--dtype bf16)
+        args = bench_serve.parser().parse_args(["--dtype", "bf16", "--concurrency", "1,2,4,8", "--rates", "",
+                                                "--out", str(OUT_DIR / "serve_bf16.json")])
+        r = bench_serve.run(args)
     elif name == "serve_nodes":  # two serving nodes on one throwaway Redis, 8 clients, 200 requests, blend; cold:
         # the passages are new when the first requests send them; 7 records (an odd count) for 8 clients
         # round-robin over 2 nodes, so the same new passages reach both nodes at once, and every later request
@@ -178,6 +183,7 @@ def render() -> str:
          "5 interleaved repetitions (medians), warm and cold page cache.",
          lambda r: bench_codecs.markdown(r)),
         ("serve", "Server under load: continuous batching, blend vs full (issues 14, 21)", "", bench_serve.markdown),
+        ("serve_bf16", "Server under load in bf16 (`serve --dtype bf16`, issue 21)", "", bench_serve.markdown),
         ("serve_bound", "Server under a disk bound: unique long prompts, --max-archive-size (issue 21)", "",
          bench_serve_bound.markdown),
         ("redis", "Redis archive vs local archive: TTFT, ingest, bytes per token (issue 22)", "", bench_redis.markdown),

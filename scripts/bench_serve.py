@@ -110,7 +110,8 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
         ports = free_ports(n)
         for i, port in enumerate(ports):
             log = logs / f"node{i}.log"
-            cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute,
+            dtype = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
+            cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute, *dtype,
                    "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
                    *getattr(args, "serve_args", [])]
             with log.open("w") as fh:
@@ -456,7 +457,8 @@ def markdown(r: dict) -> str:
     lines = [
         f"Command: `{r['command']}` — {s['distinct_prompts']} MuSiQue records from #{s['offset']}, "
         f"{s['passages']} passages each as client chunks, {warm}; streamed, max_tokens {s['max_tokens']} with "
-        f"ignore_eos, temperature 0; {len(s['urls'])} server(s), --max-batch {s['max_batch']}, --max-queue "
+        f"ignore_eos, temperature 0; {len(s['urls'])} server(s), --dtype {s.get('dtype') or 'default'}, "
+        f"--max-batch {s['max_batch']}, --max-queue "
         f"{s['max_queue']}, Poisson cells capped at {s['max_in_flight']} in flight. Client-side timings, "
         "vLLM's definitions (TTFT includes queue wait).  ",
         f"Machine: {r['machine']}  ",
@@ -506,6 +508,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="servers over the same archive, requests round-robin")
     p.add_argument("--url", action="append", help="drive this running server's /v1 URL instead (repeatable)")
     p.add_argument("--compute", default="cpu")
+    p.add_argument("--dtype", help="the servers' --dtype (default: theirs, fp32 on CPU)")
     p.add_argument("--threads", type=int, help="torch threads per server (default: the cores shared by --nodes)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=32)

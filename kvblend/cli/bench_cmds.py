@@ -30,6 +30,7 @@ from rich.table import Table
 
 from kvblend.cli.common import (
     ComputeOpt,
+    DtypeOpt,
     JsonOpt,
     ModelOpt,
     archive_dir_or_scratch,
@@ -51,7 +52,7 @@ from kvblend.evaluation.records import (
     parse_modes,
     parse_ratios,
 )
-from kvblend.options import NAMED_TEMPLATES, PromptTemplate, Select, Sink, check_ratio
+from kvblend.options import NAMED_TEMPLATES, ComputeDtype, PromptTemplate, Select, Sink, check_ratio
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
 
@@ -141,6 +142,7 @@ def bench(
     ),
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
+    dtype: Optional[ComputeDtype] = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
@@ -174,7 +176,7 @@ def bench(
     from kvblend.pipeline import Engine
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
-        with Engine(target, model, compute, sink=sink) as engine, _progress(as_json) as on_progress:
+        with Engine(target, model, compute, dtype, sink=sink) as engine, _progress(as_json) as on_progress:
             report = run_bench(
                 engine,
                 records,

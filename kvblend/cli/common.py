@@ -39,6 +39,12 @@ ModelOpt = typer.Option(
 ComputeOpt = typer.Option(
     None, "--compute", help="Compute device: cpu or cuda (default: cuda when present).", show_default=False
 )
+DtypeOpt = typer.Option(
+    None,
+    "--dtype",
+    help="Compute dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA); KV is archived in bf16 under bf16, else fp16, and keyed by it.",
+    show_default=False,
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
 WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
 

@@ -25,6 +25,7 @@ from rich.table import Table
 from kvblend.cli.common import (
     ArchiveOpt,
     ComputeOpt,
+    DtypeOpt,
     JsonOpt,
     ModelOpt,
     archive_dir_or_scratch,
@@ -52,6 +53,7 @@ from kvblend.documents import read_user_text
 from kvblend.errors import UsageError
 from kvblend.options import (
     Codec,
+    ComputeDtype,
     Deviation,
     Mode,
     PromptTemplate,
@@ -95,6 +97,7 @@ def ingest(
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
+    dtype: Optional[ComputeDtype] = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
@@ -107,7 +110,7 @@ def ingest(
     for p in paths:
         if not p.exists():
             raise UsageError(f"no such file or directory: {p}")
-    with Engine(archive, model, compute, sink=sink) as engine:
+    with Engine(archive, model, compute, dtype, sink=sink) as engine:
         if progress_enabled(as_json):
             with Progress(
                 TextColumn("[bold]ingest"),
@@ -220,6 +223,7 @@ def query(
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
+    dtype: Optional[ComputeDtype] = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
@@ -240,7 +244,7 @@ def query(
         cache_prefix=prefix_cache,
         sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
     ).validate()  # a usage error now, not a traceback after the model loaded
-    with Engine(archive, model, compute) as engine:
+    with Engine(archive, model, compute, dtype) as engine:
         engine.archive(create=False)  # fail fast on a missing archive, before loading the model
 
         def stream(piece: str) -> None:

@@ -11,9 +11,10 @@ from typing import Optional
 
 import typer
 
-from kvblend.cli.common import ArchiveOpt, ComputeOpt, ModelOpt, parse_size
+from kvblend.cli.common import ArchiveOpt, ComputeOpt, DtypeOpt, ModelOpt, parse_size
 from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS
 from kvblend.errors import UsageError
+from kvblend.options import ComputeDtype
 
 API_KEY_ENV = "KVBLEND_API_KEY"
 
@@ -59,6 +60,7 @@ def serve(
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
+    dtype: Optional[ComputeDtype] = DtypeOpt,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) that reuses archived KV.
 
@@ -84,4 +86,6 @@ def serve(
         raise UsageError("--max-archive-size must be more than 0 bytes")
     from kvblend.serve.server import ServeOptions, run_server
 
-    run_server(ServeOptions(host, port, archive, model, compute, max_queue, max_batch, key, bound, max_stored_tokens))
+    run_server(
+        ServeOptions(host, port, archive, model, compute, dtype, max_queue, max_batch, key, bound, max_stored_tokens)
+    )

@@ -91,15 +91,16 @@ def run_server(options: ServeOptions) -> None:
     """Load the model once, then serve until SIGTERM or Ctrl-C."""
     check_port(options.host, options.port)
     logging.config.dictConfig(log_config())
-    engine = Engine(options.archive, options.model, options.compute)
+    engine = Engine(options.archive, options.model, options.compute, options.dtype)
     try:
         log.info("loading %s; archive %s", engine.model_name, engine.location)
         archive = engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
         log.info(
-            "model loaded in %.1fs on %s; batches of up to %d sequences",
+            "model loaded in %.1fs on %s (%s); batches of up to %d sequences",
             engine.model_load_s,
             engine.runner.device,
+            str(engine.runner.dtype).removeprefix("torch."),
             options.max_batch,
         )
         if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
@@ -141,6 +142,7 @@ class ServeOptions:
     archive: str | None
     model: str | None
     compute: str | None
+    dtype: str | None
     max_queue: int
     max_batch: int
     api_key: str | None

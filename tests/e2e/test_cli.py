@@ -88,6 +88,22 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     assert not off["prefix_cached"] and off["recomputed_tokens"] == first["recomputed_tokens"]
 
 
+def test_bf16_queries_reuse_fp16_segments_and_key_their_own_prefix(archive, tmp_path):
+    """`--dtype bf16` over an archive ingested in fp32 (KV stored fp16): the passages' KV is reused (converted),
+    while the instruction prefix, exact KV, is archived under a bf16 key of its own and left alone by fp32."""
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+    question = "Who manages the plant where the Tern-4 sonar is built?"
+    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json")
+    first = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
+    assert first["answer"].strip() and all(s["cached"] for s in first["segments"])
+    assert not first["prefix_cached"]
+    again = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
+    assert again["prefix_cached"] and again["answer"] == first["answer"]
+    fp32 = json.loads(run(*base, "--dtype", "fp32", check=True).stdout)
+    assert not fp32["prefix_cached"]  # the bf16 prefix is not fp32's: it computes (and archives) its own
+
+
 def test_ls_stats_show_json(archive):
     arc = archive / "arc"
     docs = json.loads(run("ls", "--archive", arc, "--json", check=True).stdout)

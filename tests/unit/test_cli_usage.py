@@ -52,6 +52,14 @@ def test_bad_type_is_one_line_and_exit_2(args):
     assert proc.returncode == 2 and "Invalid value" in line
 
 
+@pytest.mark.parametrize("command", ["ingest", "query", "bench", "serve"])
+def test_dtype_is_a_choice_checked_before_anything_loads(command, tmp_path):
+    proc = run_cli(command, *COMMANDS[command], "--dtype", "fp64", "--archive", tmp_path / "a")
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "--dtype" in line and "fp64" in line
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("level", ["0", "23", "-8"])
 def test_ingest_refuses_a_level_zstd_does_not_offer(level, tmp_path):
     (tmp_path / "d").mkdir()
