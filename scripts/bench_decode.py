@@ -6,7 +6,7 @@ scripts/bench_serve.py sends), fused by `full`. Per compute dtype and batch size
 dtypes interleaved per batch size (best of the two medians). The model's weights
 are read once a step whatever the batch; each sequence's KV is read once a step
 for its own query, so a batch's step grows with its summed context: bf16 halves
-both reads (and this Xeon's AVX512-BF16 runs bf16 matmuls natively).
+both reads (and a CPU with AMX or AVX512-BF16 runs bf16 matmuls natively).
 
     .venv/bin/python scripts/bench_decode.py     # → bench-out/decode.json + markdown
 """
