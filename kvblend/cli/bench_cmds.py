@@ -47,6 +47,7 @@ from kvblend.evaluation.records import (
     DEFAULT_BENCH_RATIOS,
     DEFAULT_CHUNKS,
     DEFAULT_VARIANT_RATIO,
+    PARETO_RATIOS,
     load_records,
     parse_codecs,
     parse_modes,
@@ -55,6 +56,7 @@ from kvblend.evaluation.records import (
 from kvblend.options import NAMED_TEMPLATES, ComputeDtype, PromptTemplate, Select, Sink, check_ratio
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
+PARETO_RATIOS_TEXT = ",".join(f"{r:g}" for r in PARETO_RATIOS)
 
 
 def register(app: typer.Typer) -> None:
@@ -118,7 +120,12 @@ def bench(
     pareto: bool = typer.Option(
         False,
         "--pareto",
-        help="Also sweep every selection policy over ratios 0.05-0.5, each point a query from the archive to its first token (first-token KL, recompute share, TTFT); with --plot, the chart is KL vs recompute share beside KL vs TTFT.",
+        help="Also sweep every selection policy over --pareto-ratios, each point a query from the archive to its first token (first-token KL, recompute share, TTFT); with --plot, the chart is KL vs recompute share beside KL vs TTFT.",
+    ),
+    pareto_ratios: str = typer.Option(
+        PARETO_RATIOS_TEXT,
+        "--pareto-ratios",
+        help="Ratios each policy's --pareto line runs (fewer: a cheaper sweep).",
     ),
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
     answers: bool = typer.Option(
@@ -149,6 +156,7 @@ def bench(
     # Everything a user can get wrong fails here, before the model loads.
     mode_list = parse_modes(modes)
     ratio_list = parse_ratios(ratios) if "blend" in mode_list else ()
+    pareto_list = parse_ratios(pareto_ratios, "--pareto-ratios")
     codec_list = parse_codecs(codecs)
     check_ratio(variant_ratio, "--variant-ratio")
     if offset < 0:
@@ -190,6 +198,7 @@ def bench(
                 codecs=codec_list,
                 select=select,
                 pareto=pareto,
+                pareto_ratios=pareto_list,
                 template=prompt_template,
                 on_progress=on_progress,
             )

@@ -23,6 +23,7 @@ from kvblend.evaluation.records import (
     DEFAULT_BENCH_RATIOS,
     DEFAULT_CHUNKS,
     DEFAULT_VARIANT_RATIO,
+    PARETO_RATIOS,
     QARecord,
     parse_codecs,
     parse_modes,
@@ -114,6 +115,7 @@ def run_bench(
     codecs: Sequence[str] = (DEFAULT_CODEC,),
     select: str = DEFAULT_SELECT,
     pareto: bool = False,
+    pareto_ratios: Sequence[float] | None = None,
 ) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
@@ -122,7 +124,8 @@ def run_bench(
     ``codecs``: reuse and blend run once per codec on the same records (each
     codec's passages archived under their own keys); full runs once. With
     ``pareto``, every selection policy's ratio sweep (kvblend.evaluation.pareto)
-    runs after, on the same records, into the report's ``pareto``.
+    runs after, on the same records, into the report's ``pareto`` (over ``pareto_ratios``, default
+    kvblend.evaluation.records.PARETO_RATIOS).
     """
     if not records:
         raise UsageError("no records to benchmark")
@@ -181,7 +184,14 @@ def run_bench(
     if pareto:
         from kvblend.evaluation.pareto import run_pareto
 
-        sweep = run_pareto(engine, records, chunks=chunks, template=template, on_progress=on_progress)
+        sweep = run_pareto(
+            engine,
+            records,
+            ratios=parse_ratios(pareto_ratios or PARETO_RATIOS, "--pareto-ratios"),
+            chunks=chunks,
+            template=template,
+            on_progress=on_progress,
+        )
     return BenchReport(
         pareto=sweep,
         model=engine.model_name,

@@ -20,13 +20,12 @@ from pathlib import Path
 from kvblend.defaults import DEFAULT_CHECK_LAYERS
 from kvblend.evaluation.harness import RecordRunner
 from kvblend.evaluation.metrics import kl_divergence
-from kvblend.evaluation.records import QARecord
+from kvblend.evaluation.records import PARETO_RATIOS, QARecord
 from kvblend.evaluation.specs import RunSpec
 from kvblend.evaluation.summary import mean
 from kvblend.options import SELECTIONS
 from kvblend.prompt import MUSIQUE_TEMPLATE, PromptTemplate
 
-PARETO_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 #: Beside the policies (checked at layer 1): the probe choosing before layer 0 (its scores need no fresh layer).
 PROBE_AT_0 = "probe@layer0"
 PARETO_SERIES = (*SELECTIONS, PROBE_AT_0)

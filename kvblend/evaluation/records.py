@@ -28,6 +28,8 @@ DEFAULT_CHUNKS = 6
 DEFAULT_BENCH_MAX_NEW_TOKENS = 32
 ANSWER_KL_TOKENS = 16  # full's first answer tokens that every mode is teacher-forced through
 DEFAULT_VARIANT_RATIO = DEFAULT_RATIO
+#: `bench --pareto`: the ratios every policy's line runs (`--pareto-ratios`)
+PARETO_RATIOS = (0.05, 0.1, DEFAULT_RATIO, 0.2, 0.3, 0.5)
 
 _SCHEMA = 'a JSON list of {"ctxs": [{"title", "text"}, ...], "question", "answers"}'
 

@@ -15,8 +15,10 @@ CODEC_KEYS = {"codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps
 def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     out_json, plot = tmp_path / "report.json", tmp_path / "plot.png"
     proc = run_cli("bench", CALIBRATION, "--limit", "2", "--chunks", "3", "--modes", "full,reuse,blend",
-                   "--ratios", "0.15", "--json", "--out", out_json, "--plot", plot, "--compute", "cpu", check=True)
+                   "--ratios", "0.15", "--max-tokens", "8", "--json", "--out", out_json, "--plot", plot, "--compute", "cpu",
+                   check=True)
     report = json.loads(proc.stdout)
+    assert report["settings"]["max_new_tokens"] == 8
     assert {"model", "machine", "command", "date", "records", "results"} <= set(report)
     assert report["records"] == 2
     assert report["model"] and report["machine"] and report["command"].startswith("kvblend bench")
@@ -42,10 +44,12 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
 def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):
     """Issue 20: `bench --pareto --plot` puts every (policy, ratio) through a query from the archive, so each point
     has a TTFT beside its KL and share, and the chart draws KL against both."""
-    from kvblend.evaluation.pareto import PARETO_RATIOS, PARETO_SERIES
+    from kvblend.evaluation.pareto import PARETO_SERIES
 
     plot = tmp_path / "pareto.png"
+    ratios = (0.1, 0.3)  # --pareto-ratios: a two-point line per policy keeps the test short
     proc = run_cli("bench", CALIBRATION, "--limit", "1", "--chunks", "1", "--modes", "full", "--pareto",
+                   "--pareto-ratios", ",".join(map(str, ratios)),
                    "--json", "--plot", plot, "--compute", "cpu", "--template", "default", "--sink", "prefix",
                    "--system", "Answer briefly.", check=True)
     report = json.loads(proc.stdout)
@@ -53,7 +57,7 @@ def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):
     assert (settings["template"], settings["sink"], settings["system"]) == ("default + --system", "prefix",
                                                                             "Answer briefly.")
     points = report["pareto"]
-    assert [(p["select"], p["ratio"]) for p in points] == [(s, r) for s in PARETO_SERIES for r in PARETO_RATIOS]
+    assert [(p["select"], p["ratio"]) for p in points] == [(s, r) for s in PARETO_SERIES for r in ratios]
     full_ttft = {p["full_ttft_median_s"] for p in points}
     assert len(full_ttft) == 1 and full_ttft.pop() > 0  # one full run per record, the same for every point
     for p in points:

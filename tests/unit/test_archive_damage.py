@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 
 import lmdb
 import pytest
@@ -16,6 +17,11 @@ from kvblend.archive import Archive, encode_layer, rebuild_index
 from kvblend.archive.blobs import write_blob
 from kvblend.errors import ArchiveDamagedError, ArchiveVersionError
 from support import one_line_error, run_cli
+
+#: LMDB's page layout (lmdb.h's MDB_page), written out here rather than taken from the code under test
+PAGE = 4096
+LMDB_PAGE_HEADER = struct.Struct("=QHHHH")  # pgno, pad, flags, lower, upper
+P_LEAF = 0x02
 
 # Every command, as far as it gets without a model: each must stop at the damaged index.
 COMMANDS = [["ls"], ["stats"], ["show", "seg00"], ["verify"], ["verify", "--repair"], ["gc", "--dry-run"],
@@ -121,18 +127,28 @@ def test_truncated_index_rebuilt_from_blobs(tmp_path):
 
 
 def _corrupt_first_segment_page(arc) -> None:
-    """Overwrite the header of every index page holding seg01's record (LMDB then says MDB_CORRUPTED).
+    """Overwrite the header of every leaf page whose node area holds seg01's record (LMDB then says
+    MDB_CORRUPTED).
 
-    Every copy, because LMDB's copy-on-write leaves stale copies of a record in pages it no longer
-    reads: corrupting only the first copy found made the test pass or fail with the page layout.
+    Every such copy, because LMDB's copy-on-write leaves stale copies of a record in pages it no longer
+    reads: corrupting only the first copy found made the test pass or fail with the page layout. Only
+    leaf pages, and only where the record lies in the used node area (at or after mp_upper): a reused
+    page keeps stale bytes in its free gap, and when that page had become the segments table's branch
+    root, corrupting it lost every segment record at once (a rare flake of the rebuild test below).
     """
     path = arc / "index" / "data.mdb"
     data = path.read_bytes()
-    pages = {at // 4096 for at in range(len(data)) if data.startswith(b'"key":"seg01"', at)}
+    pages = set()
+    for at in range(len(data)):
+        if data.startswith(b'"key":"seg01"', at):
+            page = at // PAGE
+            _, _, flags, _, upper = LMDB_PAGE_HEADER.unpack_from(data, page * PAGE)
+            if flags & P_LEAF and at - page * PAGE >= upper:
+                pages.add(page)
     assert pages
     with open(path, "r+b") as f:
         for page in pages:
-            f.seek(page * 4096)
+            f.seek(page * PAGE)
             f.write(b"\xff" * 16)
 
 

@@ -117,14 +117,15 @@ def test_calibration_set_is_package_data():
     assert parse_modes("full, blend") == ("full", "blend")
 
 
-@pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "mode", "passage", "template", "system",
-                                  "sink"])
+@pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "pareto_ratio", "mode", "passage",
+                                  "template", "system", "sink"])
 def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     args = {
         "missing": [tmp_path / "nope.json"],
         "schema": [tmp_path / "wrong.json"],
         "limit0": [CALIBRATION, "--limit", "0"],
         "ratio": [CALIBRATION, "--ratios", "0.15,1.5"],
+        "pareto_ratio": [CALIBRATION, "--pareto", "--pareto-ratios", "0.1,0"],
         "mode": [CALIBRATION, "--modes", "full,turbo"],
         "passage": [tmp_path / "passage.json"],
         "template": [CALIBRATION, "--template", "chatml"],
@@ -135,7 +136,7 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
     line = one_line_error(run_cli("bench", *args))
     assert line.startswith("kvblend: error:")
-    assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "mode": "turbo",
+    assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "pareto_ratio": "--pareto-ratios", "mode": "turbo",
             "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink"}[case] in line
 
 
