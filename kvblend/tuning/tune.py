@@ -290,7 +290,8 @@ def calibration_set(req: TuneRequest, ar: Archive) -> CalibrationSet:
         records = archive_calibration(ar.iter_segments(), req.limit, req.top_k)
         if records:
             most = max(len(r.passages) for r in records)
-            return CalibrationSet(records, f"archive: {len(records)} prompts of up to {most} of its passages")
+            prompts = f"{len(records)} prompt" + ("s" if len(records) != 1 else "")
+            return CalibrationSet(records, f"archive: {prompts} of up to {most} of its passages")
         note = "the archive has no passage to ask about: calibrated on the bundled set (MuSiQue)"
         return CalibrationSet(load_calibration(None, req.limit), BUNDLED, [note])
     return CalibrationSet(load_calibration(None, req.limit), BUNDLED)
