@@ -236,6 +236,8 @@ class ModelRunner:
         instruction prefix used as attention sink) are computed but not returned.
         KV comes back as [kv_heads, n, head_dim] per layer, on the compute device. It yields
         after every layer, so a server can interleave it with other requests' decode steps.
+        The last layer's attention and MLP are skipped: only its K/V are kept, and they come
+        from its input (1/n_layers of the work, for nothing).
         """
         if not batch or any(len(ids) == 0 for ids in batch):
             raise UsageError("cannot prefill an empty segment")
@@ -250,21 +252,24 @@ class ModelRunner:
         out: list[list[LayerKV]] = [[] for _ in batch]
         chunks = row_chunks(width, self.step_rows)
         for layer in range(self.n_layers):
+            last = layer == self.n_layers - 1
             if len(chunks) == 1:
                 q, k, v = self.project_qkv(layer, hidden, cos, sin)
-                hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
+                if not last:
+                    hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
             else:  # by token ranges: every key is computed first, then each range's queries attend causally
                 parts = []
                 for rows in chunks:
                     parts.append(self.project_qkv(layer, hidden[:, rows], cos[:, rows], sin[:, rows]))
                     yield None
                 q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
-                done = []
-                for rows in chunks:
-                    attn = self.attend(layer, q[:, :, rows], k, v, query_positions=positions[rows] - start_position)
-                    done.append(self.finish_layer(layer, hidden[:, rows], attn))
-                    yield None
-                hidden = torch.cat(done, dim=1)
+                if not last:  # of the last layer only its K/V are kept
+                    done = []
+                    for rows in chunks:
+                        attn = self.attend(layer, q[:, :, rows], k, v, query_positions=positions[rows] - start_position)
+                        done.append(self.finish_layer(layer, hidden[:, rows], attn))
+                        yield None
+                    hidden = torch.cat(done, dim=1)
             for row, tokens in enumerate(batch):
                 out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
             yield None
