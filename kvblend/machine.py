@@ -93,7 +93,7 @@ def describe_machine(runner=None) -> str:
     if runner is not None:
         dev = runner.device
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-        compute = f", compute {dev.type} ({name}, {str(runner.dtype).replace('torch.', '')})"
+        compute = f", compute {dev.type} ({name}, {runner.dtype_name})"
     load = loadavg()
     return (
         f"{socket.gethostname()}: {cpu_model()}, {os.cpu_count()} cores"

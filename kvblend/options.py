@@ -75,7 +75,7 @@ class Sink(StrEnum):
 class ComputeDtype(StrEnum):
     """The dtype the model computes in (vLLM's `--dtype`); unset: fp32 on CPU, bf16 on CUDA.
 
-    bf16 halves what a decode step reads and runs on AMX where a CPU has it, so it
+    bf16 halves what a decode step reads and runs natively where a CPU has AMX or AVX512-BF16, so it
     can be much faster than fp32; its answers drift further from fp32's (see BENCHMARKS.md).
     """
 

@@ -110,7 +110,7 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
         ports = free_ports(n)
         for i, port in enumerate(ports):
             log = logs / f"node{i}.log"
-            dtype = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
+            dtype = ["--dtype", args.dtype] if args.dtype else []
             cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute, *dtype,
                    "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
                    *getattr(args, "serve_args", [])]

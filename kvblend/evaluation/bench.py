@@ -115,7 +115,7 @@ def run_bench(
     codecs: Sequence[str] = (DEFAULT_CODEC,),
     select: str = DEFAULT_SELECT,
     pareto: bool = False,
-    pareto_ratios: Sequence[float] | None = None,
+    pareto_ratios: Sequence[float] = PARETO_RATIOS,
 ) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
@@ -124,8 +124,7 @@ def run_bench(
     ``codecs``: reuse and blend run once per codec on the same records (each
     codec's passages archived under their own keys); full runs once. With
     ``pareto``, every selection policy's ratio sweep (kvblend.evaluation.pareto)
-    runs after, on the same records, into the report's ``pareto`` (over ``pareto_ratios``, default
-    kvblend.evaluation.records.PARETO_RATIOS).
+    runs after, on the same records, into the report's ``pareto`` (over ``pareto_ratios``).
     """
     if not records:
         raise UsageError("no records to benchmark")
@@ -175,7 +174,7 @@ def run_bench(
         "select": select,
         "archive": str(engine.location),
         "compute": engine.runner.device.type,
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "dtype": engine.runner.dtype_name,
         # what a codec's bytes/token compares with: K and V of every layer in fp16
         "raw_bytes_per_token": 2 * 2 * engine.runner.n_layers * engine.runner.n_kv_heads * engine.runner.head_dim,
         "mean_prompt_tokens": round(mean([r.prompt_tokens for r in runs if r.spec == FULL]), 1),
@@ -187,7 +186,7 @@ def run_bench(
         sweep = run_pareto(
             engine,
             records,
-            ratios=parse_ratios(pareto_ratios or PARETO_RATIOS, "--pareto-ratios"),
+            ratios=parse_ratios(pareto_ratios, "--pareto-ratios"),
             chunks=chunks,
             template=template,
             on_progress=on_progress,

@@ -85,6 +85,11 @@ class ModelRunner:
             return getattr(self.config, "sliding_window", None)
         return None
 
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as reports and logs name it ("float32", "bfloat16")."""
+        return str(self.dtype).removeprefix("torch.")
+
     # ── text ──
     @property
     def stop_token_ids(self) -> set[int]:

@@ -100,7 +100,7 @@ def run_server(options: ServeOptions) -> None:
             "model loaded in %.1fs on %s (%s); batches of up to %d sequences",
             engine.model_load_s,
             engine.runner.device,
-            str(engine.runner.dtype).removeprefix("torch."),
+            engine.runner.dtype_name,
             options.max_batch,
         )
         if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:

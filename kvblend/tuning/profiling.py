@@ -162,7 +162,7 @@ def build_profile(
             runner.n_layers,
             runner.n_kv_heads,
             runner.head_dim,
-            str(runner.dtype).replace("torch.", ""),
+            runner.dtype_name,
             runner.max_positions,
         ),
         compute=runner.device.type,
