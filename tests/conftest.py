@@ -35,6 +35,40 @@ def default_runner():
 
 
 @pytest.fixture(scope="session")
+def bundled_archive(request, tmp_path_factory, worker_id) -> Path:
+    """An archive of the bundled documents (default settings), ingested once per test run and shared by the
+    run's workers: tests copy it (`copy_of_bundled_archive`) instead of each paying ~20 s of prefill.
+
+    The first worker to ask builds it under a file lock while another waits; the model loads only to build.
+    """
+    from filelock import FileLock
+
+    from kvblend.evaluation.demo import demo_docs
+    from kvblend.pipeline import Engine
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # this run's directory, above every worker's own
+    path, done = root / "bundled-archive", root / "bundled-archive.done"
+    with FileLock(str(root / "bundled-archive.lock")):
+        if not done.exists():
+            with Engine(path, runner=request.getfixturevalue("default_runner")) as engine:
+                engine.ingest([demo_docs()])  # the demo's own path to them: its documents are then unchanged
+            done.touch()
+    return path
+
+
+@pytest.fixture
+def copy_of_bundled_archive(bundled_archive, tmp_path) -> Path:
+    """A private copy of the bundled documents' archive, to change at will."""
+    import shutil
+
+    path = tmp_path / "bundled-archive"
+    shutil.copytree(bundled_archive, path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def redis_single():
     """One real redis-server for this test process (each xdist worker starts its own)."""
     from redis_support import redis_server

@@ -75,7 +75,7 @@ def load_model(model: str | None = None, compute: str | None = None, dtype: str 
     with _unreadable_checkpoint(source):
         hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub types `to` for models only
+    hf_model.to(device).eval()
     return ModelRunner(hf_model, tokenizer, name=source.name, fingerprint=fingerprint)
 
 
@@ -134,7 +134,7 @@ def _convert_gguf(source: ModelSource, target: Path) -> Path:
     # The de-quantised weights are plain tensors now; forget the quantiser so they can be saved.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None  # type: ignore[assignment]
+    model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:

@@ -14,7 +14,7 @@ CODEC_KEYS = {"codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps
 
 def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     out_json, plot = tmp_path / "report.json", tmp_path / "plot.png"
-    proc = run_cli("bench", CALIBRATION, "--limit", "2", "--chunks", "3", "--modes", "full,reuse,blend",
+    proc = run_cli("bench", CALIBRATION, "--limit", "2", "--chunks", "2", "--modes", "full,reuse,blend",
                    "--ratios", "0.15", "--max-tokens", "8", "--json", "--out", out_json, "--plot", plot, "--compute", "cpu",
                    check=True)
     report = json.loads(proc.stdout)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
-from support import DOCS
 from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
@@ -22,21 +20,11 @@ QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
 SHORT = SamplingConfig(max_new_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def built_archive(tmp_path_factory, default_runner):
-    path = tmp_path_factory.mktemp("arc") / "archive"
-    with Engine(path, runner=default_runner) as engine:
-        report = engine.ingest([DOCS])
-    assert report.segments_new >= 12
-    return path
-
-
 @pytest.fixture
-def engine(built_archive, default_runner, tmp_path):
-    """A private copy of the archive, so tests that damage it don't leak."""
-    path = tmp_path / "archive"
-    shutil.copytree(built_archive, path)
-    with Engine(path, runner=default_runner) as eng:
+def engine(copy_of_bundled_archive, default_runner):
+    """A private copy of the bundled documents' archive, so tests that damage it don't leak."""
+    with Engine(copy_of_bundled_archive, runner=default_runner) as eng:
+        assert eng.archive().stats().segments >= 12
         yield eng
 
 
@@ -46,7 +34,7 @@ def pinned(engine, n: int = 4, **changes) -> QueryOptions:
 
 
 def test_full_answers_exactly_as_model_generate(engine, default_runner):
-    result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=4))
+    result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=2))
     ids = torch.tensor([result.fusion.token_ids])
     with torch.inference_mode():
         ref = default_runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
@@ -60,7 +48,7 @@ def test_full_answers_exactly_as_model_generate(engine, default_runner):
 
 
 def test_blend_at_ratio_one_answers_as_full(engine):
-    opts = pinned(engine)
+    opts = pinned(engine, 2)
     full = engine.query(QUESTION, replace(opts, mode="full"))
     blend = engine.query(QUESTION, replace(opts, mode="blend", ratio=1.0))
     assert blend.answer == full.answer
