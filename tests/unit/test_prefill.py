@@ -14,7 +14,7 @@ from kvblend.model.prefill import MAX_PAD_FRACTION, batches_by_tokens, precomput
 
 def test_a_short_tail_segment_is_not_padded_to_the_long_ones():
     """Three documents of ~630 tokens split 499 + 132 (as the segmenter does at 512): the tails get a batch of
-    their own instead of being padded to 499, which made 60% of that ingest's prefill pads."""
+    their own instead of being padded to 499, which made that ingest's prefill compute 1.6× its tokens."""
     lengths = [499, 132, 497, 136, 480, 125]
     batches = list(batches_by_tokens(lengths, budget=4096))
     assert sorted(map(sorted, batches)) == [[0, 2, 4], [1, 3, 5]]
