@@ -36,11 +36,16 @@ _SCHEMA = 'a JSON list of {"ctxs": [{"title", "text"}, ...], "question", "answer
 
 @dataclass
 class QARecord:
-    """One QA item: passages (title, text) in retrieval order, a question, gold answers."""
+    """One QA item: passages (title, text) in retrieval order, a question, gold answers.
+
+    `segment_keys`, when the passages are archived segments (tune's calibration prompts), name them in the same
+    order, so their stored KV can be read instead of prefilled again.
+    """
 
     question: str
     passages: list[tuple[str, str]]
     answers: list[str]
+    segment_keys: tuple[str, ...] = ()
 
     def passage_texts(self, chunks: int | None = None) -> list[str]:
         """The first `chunks` passages (all with None) as archived: ``"{title}\\n\\n{text}"``."""

@@ -15,7 +15,9 @@ bundled set's KL bound was missed at every ratio up to 0.3). So, by default,
   (for the F1 bound).
 
 Everything is drawn with a fixed seed from the archive's segment keys, so the
-same archive gives the same prompts on every run.
+same archive gives the same prompts on every run. Each prompt names its
+segments, so the sweep reads their stored KV (what queries will read: the
+archive's codec and sink included) instead of prefilling them again.
 """
 
 from __future__ import annotations
@@ -90,5 +92,7 @@ def archive_calibration(records: Iterable[SegmentRecord], limit: int, per_prompt
         chosen = [target, *rng.sample(others, min(len(others), max(0, per_prompt - 1)))]
         rng.shuffle(chosen)
         cloze = rng.choice(usable[target.key][1])
-        prompts.append(QARecord(cloze.question, [("", p.text) for p in chosen], [cloze.rest]))
+        prompts.append(
+            QARecord(cloze.question, [("", p.text) for p in chosen], [cloze.rest], tuple(p.key for p in chosen))
+        )
     return prompts

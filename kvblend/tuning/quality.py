@@ -3,7 +3,8 @@
 The sweep runs through the benchmark harness (:class:`~kvblend.evaluation.harness.RecordRunner`),
 so `tune` and `bench` judge blending with the same prompt template, decoding and
 metrics. Each record's passages are prefilled alone (as the archive stores
-them) and held in memory; ``full`` and ``reuse`` run once per record, then
+them) and held in memory, or, for prompts made of the archive's own segments,
+read back from it; ``full`` and ``reuse`` run once per record, then
 ``blend`` at each ratio against full's reference. Per ratio: mean first-token
 KL from full, mean F1 vs gold (greedy), its drop from full's F1, and how often
 the answer equals full's.
@@ -35,6 +36,7 @@ from kvblend.evaluation.records import QARecord, load_records
 from kvblend.evaluation.specs import RunRecord, RunSpec
 from kvblend.prompt import MUSIQUE_TEMPLATE
 from kvblend.tuning.delay import RatioQuality, passes_bounds
+from kvblend.types import Segment
 
 SWEEP_MAX_NEW_TOKENS = 16
 
@@ -99,11 +101,28 @@ class _Case:
     full_f1: float
 
 
-def _references(rr: RecordRunner, records: Sequence[QARecord], log: Log) -> tuple[list[_Case], list[float]]:
+#: The stored KV of an archived segment, by key, as a cached prompt segment (None: unreadable, prefill instead).
+ArchivedPassage = Callable[[str], Segment | None]
+
+
+def _archived_memory(rec: QARecord, archived: ArchivedPassage | None) -> MemoryKV:
+    """The record's passages with the KV the archive holds for them, when it names its segments and every one
+    reads back whole; else nothing (the harness prefills the passages from their text)."""
+    if archived is None or not rec.segment_keys:
+        return {}
+    segments = [archived(key) for key in rec.segment_keys]
+    if any(s is None for s in segments):
+        return {}
+    return {REUSE_IN_MEMORY.sink: [s for s in segments if s is not None]}
+
+
+def _references(
+    rr: RecordRunner, records: Sequence[QARecord], log: Log, archived: ArchivedPassage | None = None
+) -> tuple[list[_Case], list[float]]:
     """Full (the reference) and reuse on every record that fits; the cases and reuse's KLs."""
     cases, reuse_kls = [], []
     for n, rec in enumerate(records):
-        memory: MemoryKV = {}
+        memory = _archived_memory(rec, archived)
         try:
             ref, runs = rr.run(n, rec, [REUSE_IN_MEMORY], memory=memory)
         except PromptTooLong:
@@ -137,8 +156,12 @@ def measure_quality(
     kl_bound_vs_reuse: float | None = None,
     log: Log | None = None,
     select: str = DEFAULT_SELECT,
+    archived: ArchivedPassage | None = None,
 ) -> QualitySweep:
     """Quality of `blend` at each ratio against `full` on calibration records (see the module doc).
+
+    With `archived`, records that name their segments (tune's prompts made of the archive's passages) run on the
+    KV the archive holds for them, as queries will, instead of a fresh prefill.
 
     With ``tolerance`` and ``kl_bound_vs_reuse`` the sweep saves work without
     changing :func:`~kvblend.tuning.delay.quality_floor`'s answer: ratios run
@@ -148,7 +171,7 @@ def measure_quality(
     log = log or (lambda _msg: None)
     started = time.perf_counter()
     rr = RecordRunner(runner, MUSIQUE_TEMPLATE, max_new_tokens, answer_kl_tokens=0, reference_spec=FULL_IN_MEMORY)
-    cases, reuse_kls = _references(rr, records, log)
+    cases, reuse_kls = _references(rr, records, log, archived)
     full_f1 = statistics.fmean(c.full_f1 for c in cases)
     reuse_kl = statistics.fmean(reuse_kls)
     kl_bound = None if kl_bound_vs_reuse is None else kl_bound_vs_reuse * reuse_kl

@@ -19,7 +19,7 @@ from typing import Any
 from kvblend.archive import Archive, resolve_location
 from kvblend.archive.records import TUNED_VERSION, TunedRatio, location_key, tuned_key
 from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_RATIO, DEFAULT_SELECT, DEFAULT_TOP_K
-from kvblend.errors import UsageError
+from kvblend.errors import CorruptBlobError, UsageError
 from kvblend.evaluation.records import QARecord
 from kvblend.machine import machine_info
 from kvblend.model import load_model
@@ -48,13 +48,14 @@ from kvblend.tuning.profile import (
     location_profile,
     today,
 )
-from kvblend.tuning.quality import Log, QualitySweep, load_calibration, measure_quality
+from kvblend.tuning.quality import ArchivedPassage, Log, QualitySweep, load_calibration, measure_quality
 from kvblend.tuning.storage import (
     DEFAULT_STORAGE_COSTS,
     StorageDecision,
     cheapest_storage,
     parse_costs,
 )
+from kvblend.types import Segment
 
 #: Context lengths in the per-length table `tune` prints (plus the one tuned for).
 TABLE_LENGTHS = (512, 1024, 2048, 3072, 4096, 8192)
@@ -298,23 +299,51 @@ def calibration_set(req: TuneRequest, ar: Archive) -> CalibrationSet:
 
 
 def _quality_floor(
-    req: TuneRequest, calibration: CalibrationSet, log: Log
+    req: TuneRequest, calibration: CalibrationSet, log: Log, ar: Archive
 ) -> tuple[QualitySweep, float, str, list[str]]:
     """(sweep, r_quality, its source, notes) from the calibration set."""
     records = calibration.records
     ratios = ", ".join(f"{r:g}" for r in req.ratios)
     log(f"calibration ({calibration.source}): {len(records)} prompts × ratios {ratios} vs full")
+    runner = load_model(req.model, req.compute)
     quality = measure_quality(
-        load_model(req.model, req.compute),
+        runner,
         records,
         req.ratios,
         tolerance=req.tolerance,
         kl_bound_vs_reuse=req.kl_bound,
         log=log,
         select=req.select,
+        archived=archived_passages(ar, runner.n_layers),
     )
     floor, source, notes = floor_or_default(quality, req.tolerance, req.kl_bound)
     return quality, floor, source, calibration.notes + notes
+
+
+def archived_passages(ar: Archive, n_layers: int) -> ArchivedPassage:
+    """The stored KV of archived segments, read once each (calibration prompts share passages): what the sweep
+    measures blending on is then exactly what queries read, the archive's codec and sink included, and the
+    passages are not prefilled again."""
+    read: dict[str, Segment | None] = {}
+
+    def passage(key: str) -> Segment | None:
+        if key not in read:
+            read[key] = _stored_segment(ar, key, n_layers)
+        return read[key]
+
+    return passage
+
+
+def _stored_segment(ar: Archive, key: str, n_layers: int) -> Segment | None:
+    """A segment with every layer of its stored KV; None when it does not read back whole (then prefilled)."""
+    rec = ar.get_segment(key)
+    if rec is None:
+        return None
+    try:
+        kv = [ar.read_layer(rec, layer) for layer in range(n_layers)]
+    except CorruptBlobError:
+        return None
+    return Segment(list(rec.token_ids), kv=kv, key=key, base_position=rec.base_position)
 
 
 def floor_or_default(sweep: QualitySweep, tolerance: float, kl_bound_vs_reuse: float) -> tuple[float, str, list[str]]:
@@ -369,7 +398,7 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             rq, rq_source = req.r_quality, "given"
         else:
             prompts = calibration_set(req, ar)
-            quality, rq, rq_source, more = _quality_floor(req, prompts, log)
+            quality, rq, rq_source, more = _quality_floor(req, prompts, log, ar)
             notes, calibration = notes + more, prompts.source
         decision = decide(here, rq, L, r_quality_source=rq_source, L_source=L_source)
         codec = choose_codec(here, rq, L, here.cost_model)

@@ -71,6 +71,40 @@ def test_measure_quality_through_the_harness_on_default_model(default_runner):
     assert list(strict.by_ratio) == [1.0] and strict.skipped == [0.3]
 
 
+def test_the_sweep_reads_archived_passages_when_a_record_names_them(default_runner):
+    """tune's prompts name their archived segments: the sweep then runs on the KV the archive returns for them
+    (here built by hand), not on a fresh prefill; a segment that does not read back falls back to the prefill."""
+    from dataclasses import replace
+
+    from kvblend.model.prefill import precompute_kv
+    from kvblend.prompt import segment_text_for_kv
+    from kvblend.types import Segment
+
+    named = replace(RECORD, segment_keys=("offices", "plants"))
+    ids = [default_runner.tokenize(segment_text_for_kv(t)) for t in RECORD.passage_texts()]
+    stored = dict(zip(named.segment_keys, precompute_kv(default_runner, ids)))
+    asked: list[str] = []
+
+    def archived(key: str, scale: float = 1.0, missing: str = "") -> Segment | None:
+        asked.append(key)
+        kv = [(k * scale, v * scale) for k, v in stored[key]]
+        return None if key == missing else Segment(ids[list(stored).index(key)], kv=kv, key=key)
+
+    def sweep(record, reader=None):
+        return measure_quality(default_runner, [record], [0.3], max_new_tokens=2, archived=reader)
+
+    prefilled = sweep(RECORD, archived)  # a record naming no segment is prefilled as before
+    assert not asked
+    same = sweep(named, archived)
+    assert asked == ["offices", "plants"]
+    assert same.reuse_kl == pytest.approx(prefilled.reuse_kl, abs=1e-6)
+    assert same.by_ratio[0.3].kl == pytest.approx(prefilled.by_ratio[0.3].kl, abs=1e-6)
+    other = sweep(named, lambda key: archived(key, scale=0.5))  # other stored KV, another measurement
+    assert abs(other.reuse_kl - prefilled.reuse_kl) > 1e-3
+    fallback = sweep(named, lambda key: archived(key, missing="plants"))
+    assert fallback.reuse_kl == pytest.approx(prefilled.reuse_kl, abs=1e-6)
+
+
 def _tune_archive_of(docs, path, prompts: int = 2):
     """`ingest` DOCS (none: `path` is an archive already), `profile --quick`, then `tune` calibrating on
     `prompts` prompts made of the archive's own passages: its JSON."""

@@ -139,6 +139,7 @@ def test_archive_calibration_asks_about_each_passage_in_turn(tmp_path):
     texts = set(PASSAGES.values()) - {PASSAGES["gamma"]}
     for p in prompts:
         assert {t for _, t in p.passages} == texts  # both usable passages, never the prefix nor "Short."
+        assert [PASSAGES[k] for k in p.segment_keys] == [t for _, t in p.passages]  # named, in prompt order
         quoted = p.question.split('"')[1].removesuffix(" …")
         source = next(t for t in texts if quoted in t)
         assert p.answers[0] in source and not source.startswith(p.answers[0])  # the sentence's end is the answer
@@ -166,3 +167,26 @@ def test_tune_calibrates_on_the_archive_unless_told(tmp_path):
         fallback = calibration_set(TuneRequest(limit=2), ar)
     assert fallback.source == "bundled" and len(fallback.records) == 2
     assert fallback.notes == ["the archive has no passage to ask about: calibrated on the bundled set (MuSiQue)"]
+
+
+def test_archived_passages_read_each_segment_once_and_none_when_it_does_not_read_back(tmp_path):
+    """What tune's sweep reads for a calibration prompt: a segment's every stored layer, at its base position;
+    a missing segment or a damaged blob is None, so the sweep prefills that prompt instead of failing."""
+    import torch
+    from archive_helpers import N_LAYERS as LAYERS, flip_byte
+
+    from kvblend.tuning.tune import archived_passages
+
+    with _archive_of_passages(tmp_path) as ar:
+        passage = archived_passages(ar, LAYERS)
+        alpha = passage("alpha")
+        assert alpha is not None and alpha.cached and alpha.key == "alpha" and len(alpha.kv) == LAYERS
+        assert alpha.token_ids == ar.get_segment("alpha").token_ids
+        for layer, (k, v) in enumerate(alpha.kv):
+            stored_k, stored_v = ar.read_layer("alpha", layer)
+            assert torch.equal(k, stored_k) and torch.equal(v, stored_v)
+        assert passage("alpha") is alpha  # read once, shared by every prompt that holds it
+        assert passage("no-such-key") is None
+        beta = ar.get_segment("beta")
+        flip_byte(ar.path / beta.blob, beta.layers[LAYERS - 1].offset + 3)
+        assert archived_passages(ar, LAYERS)("beta") is None
