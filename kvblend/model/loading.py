@@ -95,7 +95,7 @@ def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
 
 
 def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
-    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not ~20 s.
+    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not the ~10 s a conversion takes.
 
     The copy goes to the model cache; a user whose cache cannot be written (no home, a
     read-only home) gets it under the system temp directory instead of an error.
