@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,10 +173,11 @@ def _gguf_parsed_once() -> Iterator[None]:
             setattr(gguf, name, original)
 
 
-def _memoised(function):
-    results: dict = {}
+def _memoised(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` answering each distinct call (arguments compared by their text) once."""
+    results: dict[tuple, Any] = {}
 
-    def call(*args, **kwargs):
+    def call(*args: Any, **kwargs: Any) -> Any:
         key = (tuple(str(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
         if key not in results:
             results[key] = function(*args, **kwargs)
