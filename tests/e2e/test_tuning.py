@@ -82,13 +82,14 @@ def test_the_sweep_reads_archived_passages_when_a_record_names_them(default_runn
 
     named = replace(RECORD, segment_keys=("offices", "plants"))
     ids = [default_runner.tokenize(segment_text_for_kv(t)) for t in RECORD.passage_texts()]
-    stored = dict(zip(named.segment_keys, precompute_kv(default_runner, ids)))
+    stored = dict(zip(named.segment_keys, zip(ids, precompute_kv(default_runner, ids))))  # key → (ids, KV)
     asked: list[str] = []
 
     def archived(key: str, scale: float = 1.0, missing: str = "") -> Segment | None:
         asked.append(key)
-        kv = [(k * scale, v * scale) for k, v in stored[key]]
-        return None if key == missing else Segment(ids[list(stored).index(key)], kv=kv, key=key)
+        tokens, layers = stored[key]
+        kv = [(k * scale, v * scale) for k, v in layers]
+        return None if key == missing else Segment(tokens, kv=kv, key=key)
 
     def sweep(record, reader=None):
         return measure_quality(default_runner, [record], [0.3], max_new_tokens=2, archived=reader)
@@ -105,22 +106,18 @@ def test_the_sweep_reads_archived_passages_when_a_record_names_them(default_runn
     assert fallback.reuse_kl == pytest.approx(prefilled.reuse_kl, abs=1e-6)
 
 
-def _tune_archive_of(docs, path, prompts: int = 2):
-    """`ingest` DOCS (none: `path` is an archive already), `profile --quick`, then `tune` calibrating on
-    `prompts` prompts made of the archive's own passages: its JSON."""
-    if docs is not None:
-        run_cli("ingest", docs, "--archive", path, "--compute", "cpu", check=True)
+def _profile_and_tune(path):
+    """`profile --quick`, then `tune` calibrating on one prompt made of the archive's own passages: its JSON."""
     run_cli("profile", "--quick", "--archive", path, "--compute", "cpu", check=True)
-    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", str(prompts), "--top-k", "3",
+    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--top-k", "3",
                    "--ratios", "0.15,0.3,0.5",
                    "--json", check=True)
     return json.loads(proc.stdout)
 
 
-def _assert_tuned_from_the_archive(out, path=None, prompts: int = 2):
-    plural = "s" if prompts != 1 else ""
-    assert out["calibration"].startswith(f"archive: {prompts} prompt{plural} of up to 3"), out["calibration"]
-    assert out["quality"]["records"] == prompts and out["quality"]["by_ratio"]
+def _assert_tuned_from_the_archive(out, path=None):
+    assert out["calibration"].startswith("archive: 1 prompt of up to 3"), out["calibration"]
+    assert out["quality"]["records"] == 1 and out["quality"]["by_ratio"]
     assert out["r_quality_source"] in ("calibration", "fallback")
     assert 0 < out["ratio"] <= 0.5, out  # issue 20: a ratio a user can live with, never 1.0
     if path is None:
@@ -139,10 +136,10 @@ def test_tune_on_three_musique_passages_stores_a_usable_ratio(tmp_path):
     record = json.loads((FIXTURES / "musique_sample.json").read_text())[0]
     for i, ctx in enumerate(record["ctxs"][:3]):
         (docs / f"passage{i}.txt").write_text(ctx["text"])
-    out = _tune_archive_of(docs, tmp_path / "archive", prompts=1)
-    _assert_tuned_from_the_archive(out, tmp_path / "archive", prompts=1)
+    run_cli("ingest", docs, "--archive", tmp_path / "archive", "--compute", "cpu", check=True)
+    _assert_tuned_from_the_archive(_profile_and_tune(tmp_path / "archive"), tmp_path / "archive")
 
 
 def test_tune_on_the_bundled_documents_stores_a_usable_ratio(copy_of_bundled_archive):
     """The same on the documents shipped with kvblend (the demo's, ingested once for the whole run)."""
-    _assert_tuned_from_the_archive(_tune_archive_of(None, copy_of_bundled_archive, prompts=1), prompts=1)
+    _assert_tuned_from_the_archive(_profile_and_tune(copy_of_bundled_archive))
