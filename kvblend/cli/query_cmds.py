@@ -92,7 +92,7 @@ def ingest(
     sink: Sink = typer.Option(
         Sink(DEFAULT_SINK),
         "--sink",
-        help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix: best fidelity, see README). Segments get keys of their own; archives built either way answer queries.",
+        help="Prefill each segment alone (none), or after a fixed sink whose KV is dropped, so no segment grows a false attention sink of its own: the chat template's first tokens (template) or the default template's whole instruction prefix (prefix, the default: best fidelity, see README). Segments get keys of their own; archives built either way answer queries, and ingesting a document again under another sink prefills it again.",
     ),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,

@@ -55,7 +55,9 @@ def precompute_kv(
 
     With `sink_prefix`, each segment is prefilled after those tokens (a shared
     instruction prefix that takes the attention-sink role) whose KV is dropped;
-    the segment's base position is then len(sink_prefix).
+    the segment's base position is then len(sink_prefix). The prefix is prefilled
+    once and every segment attends to its KV, rather than being computed again in
+    each row (37 tokens of the default template: 7% of a 512-token segment).
     """
     return drain(precompute_kv_steps(runner, token_lists, sink_prefix, batch_tokens, on_batch))
 
@@ -72,10 +74,11 @@ def precompute_kv_steps(
     prefix = list(sink_prefix or [])
     dtype = storage_dtype(runner)
     results: list[list[LayerKV] | None] = [None] * len(token_lists)
-    lengths = [len(t) + len(prefix) for t in token_lists]
+    past = (yield from runner.prefill_steps([prefix]))[0] if prefix else None
+    lengths = [len(t) for t in token_lists]
     for batch in batches_by_tokens(lengths, batch_tokens):
-        rows = [prefix + list(token_lists[i]) for i in batch]
-        kv_rows = yield from runner.prefill_steps(rows, drop_prefix=len(prefix))
+        rows = [list(token_lists[i]) for i in batch]
+        kv_rows = yield from runner.prefill_steps(rows, start_position=len(prefix), past=past)
         for i, layers in zip(batch, kv_rows):
             results[i] = [(k.to("cpu", dtype).contiguous(), v.to("cpu", dtype).contiguous()) for k, v in layers]
         if on_batch is not None:

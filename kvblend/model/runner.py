@@ -225,20 +225,22 @@ class ModelRunner:
 
     # ── plain prefill, batched (used for segment precompute and as the `full` reference) ──
     def prefill_batch(
-        self, batch: list[list[int]], drop_prefix: int = 0, start_position: int = 0
+        self, batch: list[list[int]], start_position: int = 0, past: list[LayerKV] | None = None
     ) -> list[list[LayerKV]]:
         """Prefill several token lists alone and return each one's per-layer KV (see :meth:`prefill_steps`)."""
-        return drain(self.prefill_steps(batch, drop_prefix, start_position))
+        return drain(self.prefill_steps(batch, start_position, past))
 
     @torch.inference_mode()
     def prefill_steps(
-        self, batch: list[list[int]], drop_prefix: int = 0, start_position: int = 0
+        self, batch: list[list[int]], start_position: int = 0, past: list[LayerKV] | None = None
     ) -> Steps[list[list[LayerKV]]]:
         """Prefill several token lists alone, padded right, and return each one's per-layer KV.
 
         Right padding needs no extra mask: a real token never attends forward, so pads
-        cannot leak into it. `drop_prefix` tokens at the start of each row (a shared
-        instruction prefix used as attention sink) are computed but not returned.
+        cannot leak into it. With `past` (per layer [kv_heads, P, hd] on the compute device: the
+        KV of P tokens just before `start_position`, e.g. a sink prefix that every row continues)
+        the rows attend to those tokens too; the prefix is computed once for the whole batch
+        instead of once per row, and only the rows' own KV comes back.
         KV comes back as [kv_heads, n, head_dim] per layer, on the compute device. It yields
         after every layer, so a server can interleave it with other requests' decode steps.
         The last layer's attention and MLP are skipped: only its K/V are kept, and they come
@@ -246,12 +248,16 @@ class ModelRunner:
         """
         if not batch or any(len(ids) == 0 for ids in batch):
             raise UsageError("cannot prefill an empty segment")
+        n_past = past[0][0].shape[1] if past else 0
+        if n_past > start_position:
+            raise ValueError(f"{n_past} past tokens cannot end at position {start_position}")
         width = max(len(ids) for ids in batch)
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         ids = torch.full((len(batch), width), pad, dtype=torch.long, device=self.device)
         for row, tokens in enumerate(batch):
             ids[row, : len(tokens)] = torch.tensor(tokens, device=self.device)
         positions = torch.arange(start_position, start_position + width, device=self.device)
+        key_index = positions - (start_position - n_past)  # the queries' rows in [past; batch] keys
         cos, sin = self.rope(positions.expand(len(batch), -1))
         hidden = self.embed(ids)
         out: list[list[LayerKV]] = [[] for _ in batch]
@@ -261,7 +267,9 @@ class ModelRunner:
             if len(chunks) == 1:
                 q, k, v = self.project_qkv(layer, hidden, cos, sin)
                 if not last:
-                    hidden = self.finish_layer(layer, hidden, self.attend(layer, q, k, v))
+                    keys, values = _after_past(past, layer, k, v)
+                    attn = self.attend(layer, q, keys, values, key_index if past else None)
+                    hidden = self.finish_layer(layer, hidden, attn)
             else:  # by token ranges: every key is computed first, then each range's queries attend causally
                 parts = []
                 for rows in chunks:
@@ -269,16 +277,29 @@ class ModelRunner:
                     yield None
                 q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
                 if not last:  # of the last layer only its K/V are kept
+                    keys, values = _after_past(past, layer, k, v)
                     done = []
                     for rows in chunks:
-                        attn = self.attend(layer, q[:, :, rows], k, v, query_positions=positions[rows] - start_position)
+                        attn = self.attend(layer, q[:, :, rows], keys, values, query_positions=key_index[rows])
                         done.append(self.finish_layer(layer, hidden[:, rows], attn))
                         yield None
                     hidden = torch.cat(done, dim=1)
             for row, tokens in enumerate(batch):
-                out[row].append((k[row, :, drop_prefix : len(tokens)], v[row, :, drop_prefix : len(tokens)]))
+                out[row].append((k[row, :, : len(tokens)], v[row, :, : len(tokens)]))
             yield None
         return out
+
+
+def _after_past(past: list[LayerKV] | None, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+    """The batch's K/V [B, kv_heads, n, hd] preceded by the shared past's of this layer, for every row."""
+    if not past:
+        return k, v
+    past_k, past_v = past[layer]
+    rows = k.shape[0]
+    return (
+        torch.cat([past_k.unsqueeze(0).expand(rows, -1, -1, -1), k], dim=2),
+        torch.cat([past_v.unsqueeze(0).expand(rows, -1, -1, -1), v], dim=2),
+    )
 
 
 def _rope_type(rotary_emb: torch.nn.Module) -> tuple[str, ...]:

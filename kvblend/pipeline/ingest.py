@@ -132,7 +132,7 @@ def ingest_paths(
                 previous is not None
                 and previous.content_hash == doc.content_hash
                 and not previous.incomplete
-                and stored_as(archive, previous, codec, res.sink_setting())
+                and stored_as(archive, previous, codec, res.prefilled_under_sink)
             ):
                 report.documents_unchanged += 1
                 report.segments_reused += len(previous.segment_keys)
@@ -164,14 +164,15 @@ def restore_embeddings(archive: Archive, doc: DocumentRecord) -> int:
     return len(missing)
 
 
-def stored_as(archive: Archive, doc: DocumentRecord, codec: str, sink: str = "alone") -> bool:
+def stored_as(archive: Archive, doc: DocumentRecord, codec: str, same_sink: Callable[[dict], bool]) -> bool:
     """Whether the document's segments hold the KV `codec` gives back (one lossless one is as good as
-    another); re-ingesting with a lossy codec, or back, re-does the document under the new keys."""
+    another) and were prefilled under the sink asked for (`same_sink` of a record's extra); re-ingesting
+    with a lossy codec, or back, or under another sink, re-does the document under the new keys."""
     want = codec_settings(codec)
     for key in doc.segment_keys:
         rec = archive.get_segment(key)
         try:
-            if rec is None or codec_settings(rec.codec) != want or rec.extra.get("sink", "alone") != sink:
+            if rec is None or codec_settings(rec.codec) != want or not same_sink(rec.extra):
                 return False
         except UsageError:  # a codec of a newer kvblend
             return False
@@ -278,7 +279,8 @@ def _prefill(
     )
     report.prefill_seconds += time.perf_counter() - t0
     items = [
-        (new_record(runner, key, text, ids, settings, len(sink)), kv) for (key, text, ids), kv in zip(segments, kvs)
+        (new_record(runner, key, text, ids, settings, len(sink), res.sink.value), kv)
+        for (key, text, ids), kv in zip(segments, kvs)
     ]
     return items, list(get_embedder().embed([text for _, text, _ in segments]))
 
@@ -321,10 +323,17 @@ def _store(
 
 
 def new_record(
-    runner: ModelRunner, key: str, text: str, ids: list[int], settings: dict, base_position: int = 0
+    runner: ModelRunner,
+    key: str,
+    text: str,
+    ids: list[int],
+    settings: dict,
+    base_position: int = 0,
+    sink_policy: str | None = None,
 ) -> SegmentRecord:
     """The index record of a segment prefilled at `base_position` (after a sink of that many tokens,
-    or alone at 0) under `settings` (KeyScheme.settings)."""
+    or alone at 0) under `settings` (KeyScheme.settings). `sink_policy` names the sink (`ingest --sink`)
+    beside its tokens, so a later ingest can tell the document is stored as asked without the tokenizer."""
     return SegmentRecord(
         key=key,
         n_tokens=len(ids),
@@ -336,7 +345,7 @@ def new_record(
         kv_heads=runner.n_kv_heads,
         head_dim=runner.head_dim,
         base_position=base_position,
-        extra={"sink": settings["sink"]},
+        extra={"sink": settings["sink"]} | ({"sink_policy": sink_policy} if sink_policy else {}),
     )
 
 

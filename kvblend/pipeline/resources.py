@@ -11,7 +11,7 @@ unchanged tree never loads the model, and a bad `--archive` fails before it does
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -23,7 +23,7 @@ from kvblend.defaults import (
     DEFAULT_SINK,
     SINK_TOKENS,
 )
-from kvblend.errors import ArchiveUnavailableError
+from kvblend.errors import ArchiveUnavailableError, UsageError
 from kvblend.fusion import BlendConfig
 from kvblend.model.loading import load_model
 from kvblend.model.prefill import storage_dtype
@@ -123,11 +123,27 @@ class Resources:
         """
         if self.sink == Sink.none:
             return []
+        if self.runner.tokenizer is None:
+            raise UsageError(f"--sink {self.sink.value} takes its tokens from the model's tokenizer: this one has none")
         return template_sink(self.runner, SINK_TOKENS if self.sink == Sink.template else None)
 
     def sink_setting(self) -> str:
         """The sink's part of a segment key, without loading the model when there is no sink."""
         return "alone" if self.sink == Sink.none else self.keys.sink_setting
+
+    def prefilled_under_sink(self, extra: Mapping[str, object]) -> bool:
+        """Whether a segment whose record carries `extra` was prefilled under this sink.
+
+        By the policy's name where the record has one, so `ingest` skips an unchanged
+        document without loading the model (the sink's tokens come from its tokenizer);
+        records written before the name was stored are compared by their tokens.
+        """
+        stored = extra.get("sink", "alone")
+        if self.sink == Sink.none or stored == "alone":
+            return self.sink == Sink.none and stored == "alone"
+        if "sink_policy" in extra:
+            return extra["sink_policy"] == self.sink.value
+        return stored == self.sink_setting()
 
     def kv_settings(self, codec: str = DEFAULT_CODEC) -> dict:
         """Everything besides model and tokens that changes the KV a query reads back."""

@@ -22,7 +22,7 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     assert {"model", "machine", "command", "date", "records", "results"} <= set(report)
     assert report["records"] == 2
     assert report["model"] and report["machine"] and report["command"].startswith("kvblend bench")
-    assert (report["settings"]["template"], report["settings"]["sink"]) == ("musique", "none")  # bench's defaults
+    assert (report["settings"]["template"], report["settings"]["sink"]) == ("musique", "prefix")  # bench's defaults
     assert json.loads(out_json.read_text()) == report
     assert plot.stat().st_size > 1000
     rows = {(r["mode"], r["ratio"]): r for r in report["results"]}

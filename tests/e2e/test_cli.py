@@ -71,7 +71,8 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     arc = tmp_path / "arc"
     shutil.copytree(archive / "arc", arc)
     question = "Who manages the plant where the Tern-4 sonar is built?"
-    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json")
+    # hkvd selects the same tokens with the prefix cached or not; the probe's budget moves with it (test_query.py)
+    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--select", "hkvd", "--json")
     first = json.loads(run(*base, check=True).stdout)
     for field in ("answer", "mode", "ratio", "ttft_s", "load_wait_s", "prompt_tokens", "recomputed_tokens",
                   "segments", "tokens_per_s", "prefix_cached"):
@@ -94,7 +95,8 @@ def test_bf16_queries_reuse_fp16_segments_and_key_their_own_prefix(archive, tmp_
     arc = tmp_path / "arc"
     shutil.copytree(archive / "arc", arc)
     question = "Who manages the plant where the Tern-4 sonar is built?"
-    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json")
+    # hkvd selects the same tokens with the prefix cached or not; the probe's budget moves with it (test_query.py)
+    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--select", "hkvd", "--json")
     first = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
     assert first["answer"].strip() and all(s["cached"] for s in first["segments"])
     assert not first["prefix_cached"]

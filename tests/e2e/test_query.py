@@ -64,8 +64,9 @@ def archived_prompt(engine, result, recompute: str | None = None) -> list[Segmen
     def stored(key: str) -> list:
         return [archive.read_layer(archive.get_segment(key), i) for i in range(runner.n_layers)]
 
-    segs = [Segment(list(archive.get_segment(info.key).token_ids), kv=None if info.key == recompute else stored(info.key))
-            for info in result.segments]
+    records = [archive.get_segment(info.key) for info in result.segments]
+    segs = [Segment(list(rec.token_ids), kv=None if rec.key == recompute else stored(rec.key),
+                    base_position=rec.base_position) for rec in records]
     prompt = assemble_prompt(runner, PromptTemplate(), QUESTION, segs)
     if result.prefix_cached:
         key = engine.key_of(prompt[0].token_ids)

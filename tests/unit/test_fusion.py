@@ -139,7 +139,7 @@ def test_reposition_equals_k_computed_at_that_position(runner):
 def test_sink_prefix_base_position_reuse_equals_full(runner):
     """A segment prefilled after a shared prefix is exact when placed right after that prefix."""
     prefix, body = random_tokens(6, 20), random_tokens(35, 21)
-    kv = runner.prefill_batch([prefix + body], drop_prefix=len(prefix))[0]
+    kv = runner.prefill_batch([body], start_position=len(prefix), past=runner.prefill_batch([prefix])[0])[0]
     segs = [Segment(prefix), Segment(body, kv=kv, base_position=len(prefix)), Segment(random_tokens(5, 22))]
     full = fuse(runner, segs, "full")
     reuse = fuse(runner, segs, "reuse")

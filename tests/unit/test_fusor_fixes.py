@@ -97,6 +97,22 @@ def test_prefix_sink_is_the_whole_instruction_prefix_and_keys_differ_from_the_te
         assert len(short.sink_ids()) < len(prefix)
         assert long.key_of([5, 6, 7]) != short.key_of([5, 6, 7])
 
+def test_a_document_counts_as_stored_only_under_the_sink_asked_for(tmp_path):
+    """`ingest` skips an unchanged document only if its segments were prefilled under the sink asked for (by the
+    policy's name, so without loading the model; by the tokens for records from before names were stored), and
+    prefills it again otherwise: an archive made under `--sink none` moves to the new default on its next ingest."""
+    with engine_for(tmp_path, "p", sink="prefix") as sunk, engine_for(tmp_path, "n") as alone:
+        (rec,) = sunk.store_texts(PASSAGES[:1])
+        assert rec.extra == {"sink": sunk.sink_setting(), "sink_policy": "prefix"}
+        tokens_only = {"sink": sunk.sink_setting()}
+        assert sunk.prefilled_under_sink(rec.extra) and sunk.prefilled_under_sink(tokens_only)
+        assert not sunk.prefilled_under_sink({"sink": "tokens:5,6", "sink_policy": "template"})
+        assert not sunk.prefilled_under_sink({"sink": "tokens:5,6"})
+        assert not any(map(sunk.prefilled_under_sink, ({}, {"sink": "alone"})))
+        assert alone.prefilled_under_sink({}) and alone.prefilled_under_sink({"sink": "alone"})
+        assert not any(map(alone.prefilled_under_sink, (rec.extra, tokens_only)))
+
+
 def test_rerotation_takes_fp32_cos_sin_in_a_16_bit_model():
     runner = tiny_runner("llama")
     runner = ModelRunner(runner.model.to(torch.bfloat16), None, name="tiny-bf16")

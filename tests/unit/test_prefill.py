@@ -46,3 +46,24 @@ def test_a_segments_kv_is_the_same_alone_and_batched_with_others(arch):
             assert k.shape == k_alone.shape == (k.shape[0], len(tokens), k.shape[2])
             assert torch.allclose(k.float(), k_alone.float(), atol=1e-3)
             assert torch.allclose(v.float(), v_alone.float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("step_rows", [None, 8])
+def test_segments_prefilled_after_a_sink_prefilled_once_have_their_kv_in_the_whole_sequence(arch, step_rows):
+    """`ingest --sink prefix` prefills the sink once and has every segment attend to its KV: a segment's KV must be
+    what it has right after the sink in one sequence, batched or not, and in a server's token ranges (step_rows)."""
+    runner = tiny_runner(arch)
+    rng = random.Random(2)
+    vocab = runner.model.config.vocab_size
+    sink = [rng.randrange(vocab) for _ in range(11)]
+    segments = [[rng.randrange(vocab) for _ in range(n)] for n in (30, 27, 9)]
+    runner.step_rows = step_rows
+    after_sink = precompute_kv(runner, segments, sink_prefix=sink)
+    runner.step_rows = None
+    for tokens, layers in zip(segments, after_sink):
+        (whole,) = runner.prefill_batch([sink + tokens])
+        for (k, v), (k_whole, v_whole) in zip(layers, whole):
+            assert k.shape[1] == len(tokens)
+            assert torch.allclose(k.float(), k_whole[:, len(sink) :].float(), atol=1e-3)
+            assert torch.allclose(v.float(), v_whole[:, len(sink) :].float(), atol=1e-3)

@@ -36,7 +36,7 @@ def prompt(runner) -> list[Segment]:
 
 @pytest.fixture
 def engine(tmp_path, runner):
-    with Engine(tmp_path / "arc", runner=runner) as eng:
+    with Engine(tmp_path / "arc", runner=runner, sink="none") as eng:  # a tiny runner has no tokenizer
         yield eng
 
 
