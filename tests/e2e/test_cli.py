@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvblend.defaults import DEFAULT_RATIO
 from support import DOCS, kvblend_script, one_line_error
 from support import run_cli as run
 
@@ -77,7 +78,7 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     for field in ("answer", "mode", "ratio", "ttft_s", "load_wait_s", "prompt_tokens", "recomputed_tokens",
                   "segments", "tokens_per_s", "prefix_cached"):
         assert field in first, field
-    assert first["mode"] == "blend" and first["ratio"] == 0.15 and not first["prefix_cached"]
+    assert first["mode"] == "blend" and first["ratio"] == DEFAULT_RATIO and not first["prefix_cached"]
     assert len(first["segments"]) == 3 and all(s["cached"] for s in first["segments"])
     assert {"key", "document", "tokens", "cached"} <= set(first["segments"][0])
     second = run(*base, "-v", check=True)
