@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
@@ -98,7 +99,7 @@ def test_streamed_blend_equals_in_memory_blend(engine, overlap):
         streamed = engine.query(QUESTION, opts)
         assert streamed.prefix_cached == expect_prefix_cached
         assert streamed.fusion.stream.build == ("overlap" if overlap else "on-demand")
-        local = fuse(engine.runner, archived_prompt(engine, streamed), "blend", BlendConfig.single(0.15))
+        local = fuse(engine.runner, archived_prompt(engine, streamed), "blend", BlendConfig.single(DEFAULT_RATIO))
         assert local.token_ids == streamed.fusion.token_ids
         assert torch.equal(local.last_logits, streamed.fusion.last_logits)
 
@@ -128,7 +129,7 @@ def test_corrupt_blob_falls_back_to_recompute(engine, damage, overlap):
     assert [s.cached for s in damaged.segments] == [True, False, True]
     # Identical to a run where that segment is simply recomputed.
     assert damaged.prefix_cached
-    expected = fuse(engine.runner, archived_prompt(engine, damaged, recompute=victim), "blend", BlendConfig.single(0.15))
+    expected = fuse(engine.runner, archived_prompt(engine, damaged, recompute=victim), "blend", BlendConfig.single(DEFAULT_RATIO))
     assert torch.equal(expected.last_logits, damaged.fusion.last_logits)
     assert generate(engine.runner, expected, SHORT).token_ids == damaged.generation.token_ids
 
