@@ -18,7 +18,7 @@ from kvblend.archive.records import tuned_key
 from kvblend.types import Segment
 
 QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
-SHORT = SamplingConfig(max_new_tokens=12)
+SHORT = SamplingConfig(max_new_tokens=6)
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_full_answers_exactly_as_model_generate(engine, default_runner):
     result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=2))
     ids = torch.tensor([result.fusion.token_ids])
     with torch.inference_mode():
-        ref = default_runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        ref = default_runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SHORT.max_new_tokens, do_sample=False)
     expected = []
     for t in ref[0, ids.shape[1]:].tolist():
         if t in default_runner.stop_token_ids:
