@@ -127,10 +127,6 @@ class Resources:
             raise UsageError(f"--sink {self.sink.value} takes its tokens from the model's tokenizer: this one has none")
         return template_sink(self.runner, SINK_TOKENS if self.sink == Sink.template else None)
 
-    def sink_setting(self) -> str:
-        """The sink's part of a segment key, without loading the model when there is no sink."""
-        return "alone" if self.sink == Sink.none else self.keys.sink_setting
-
     def prefilled_under_sink(self, extra: Mapping[str, object]) -> bool:
         """Whether a segment whose record carries `extra` was prefilled under this sink.
 
@@ -139,11 +135,13 @@ class Resources:
         records written before the name was stored are compared by their tokens.
         """
         stored = extra.get("sink", "alone")
-        if self.sink == Sink.none or stored == "alone":
-            return self.sink == Sink.none and stored == "alone"
+        if self.sink == Sink.none:
+            return stored == "alone"
+        if stored == "alone":
+            return False
         if "sink_policy" in extra:
             return extra["sink_policy"] == self.sink.value
-        return stored == self.sink_setting()
+        return stored == self.keys.sink_setting
 
     def kv_settings(self, codec: str = DEFAULT_CODEC) -> dict:
         """Everything besides model and tokens that changes the KV a query reads back."""

@@ -103,8 +103,8 @@ def test_a_document_counts_as_stored_only_under_the_sink_asked_for(tmp_path):
     prefills it again otherwise: an archive made under `--sink none` moves to the new default on its next ingest."""
     with engine_for(tmp_path, "p", sink="prefix") as sunk, engine_for(tmp_path, "n") as alone:
         (rec,) = sunk.store_texts(PASSAGES[:1])
-        assert rec.extra == {"sink": sunk.sink_setting(), "sink_policy": "prefix"}
-        tokens_only = {"sink": sunk.sink_setting()}
+        assert rec.extra == {"sink": sunk.keys.sink_setting, "sink_policy": "prefix"}
+        tokens_only = {"sink": sunk.keys.sink_setting}
         assert sunk.prefilled_under_sink(rec.extra) and sunk.prefilled_under_sink(tokens_only)
         assert not sunk.prefilled_under_sink({"sink": "tokens:5,6", "sink_policy": "template"})
         assert not sunk.prefilled_under_sink({"sink": "tokens:5,6"})
