@@ -106,9 +106,12 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(*args: str) -> Iterator[RedisServer]:
-    """A fresh redis-server for the block (extra args as on its command line, e.g. "--requirepass", "s3")."""
+def redis_server(*args: str, preload: Path | None = None) -> Iterator[RedisServer]:
+    """A fresh redis-server for the block (extra args as on its command line, e.g. "--requirepass", "s3"),
+    starting from a copy of the RDB snapshot `preload` when given (what another server saved)."""
     directory = Path(tempfile.mkdtemp(prefix="kvblend-redis-"))
+    if preload is not None:
+        shutil.copy(preload, directory / "dump.rdb")  # redis-server loads its --dir's dump.rdb at start
     server = RedisServer(directory, *args).start()
     try:
         yield server

@@ -32,11 +32,12 @@ from kvblend.cli.common import (
     WaitOpt,
     err,
     human_bytes,
+    open_existing,
     out,
     parse_size,
     print_json,
 )
-from kvblend.errors import ArchiveError, NotFoundError, UsageError
+from kvblend.errors import NotFoundError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -47,14 +48,6 @@ def register(app: typer.Typer) -> None:
     app.command()(verify)
     app.command()(gc)
     app.command()(path)
-
-
-def _open(archive: Optional[str], write: bool = False) -> Archive:
-    """Open an existing archive: read-only unless the command changes it (never creates one)."""
-    location = resolve_location(archive)
-    if location.path is not None and not location.path.exists():
-        raise ArchiveError(f"no archive at {location} (run `kvblend ingest PATH` first, or pass --archive)")
-    return Archive.open(location, create=False, readonly=not write)
 
 
 def _ago(ts: float | None) -> str:
@@ -69,7 +62,7 @@ def _ago(ts: float | None) -> str:
 
 def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
     """List archived documents: name, segments (and how many are gone), tokens, size, last used."""
-    with _open(archive) as arc:
+    with open_existing(archive) as arc:
         docs = arc.document_summaries()
     if as_json:
         print_json([d.to_dict() for d in docs])
@@ -95,7 +88,7 @@ def show(
     as_json: bool = JsonOpt,
 ) -> None:
     """Show a segment's metadata and per-layer sizes, or a document's segments."""
-    with _open(archive) as arc:
+    with open_existing(archive) as arc:
         try:
             doc = arc.find_document(target)
         except NotFoundError:
@@ -134,7 +127,7 @@ def show(
 
 def stats(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
     """Totals: segments, tokens, bytes per token raw vs stored (per codec), compression, hits, the store's usage."""
-    with _open(archive) as arc:
+    with open_existing(archive) as arc:
         s = arc.stats()
     if as_json:
         print_json(s.to_dict())
@@ -160,7 +153,7 @@ def remove(
     as_json: bool = JsonOpt,
 ) -> None:
     """Remove documents and the segments no other document uses."""
-    with _open(archive, write=True) as arc:
+    with open_existing(archive, write=True) as arc:
         resolved = [arc.find_document(d).path for d in documents]
         with arc.writer(wait=wait):
             removed = arc.remove_documents(resolved)
@@ -187,7 +180,7 @@ def verify(
     if rebuild:
         _print_rebuild(rebuild_index(_local_dir(archive, "--rebuild-index"), wait=wait), as_json)
         return
-    with _open(archive, write=repair) as arc:
+    with open_existing(archive, write=repair) as arc:
         if repair:
             with arc.writer(wait=wait):
                 report = arc.verify(repair=True, deep=deep)
@@ -283,7 +276,7 @@ def gc(
 ) -> None:
     """Delete orphan blobs; with --max-size, evict least-recently-used segments."""
     budget = parse_size(max_size) if max_size is not None else None
-    with _open(archive, write=not dry_run) as arc:
+    with open_existing(archive, write=not dry_run) as arc:
         if dry_run:
             report = arc.gc(max_size_bytes=budget, dry_run=True)
         else:

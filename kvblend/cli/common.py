@@ -16,7 +16,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from kvblend.errors import UsageError
+from kvblend.archive import Archive, resolve_location
+from kvblend.errors import ArchiveError, UsageError
 
 # Results go to stdout; progress, tables for humans on stderr when stdout is data.
 out = Console(highlight=False, soft_wrap=True)
@@ -121,3 +122,11 @@ def archive_dir_or_scratch(given: Optional[str | Path], prefix: str) -> Iterator
         yield scratch, True
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def open_existing(archive: Optional[str], write: bool = False) -> Archive:
+    """Open an existing archive: read-only unless the command changes it (never creates one)."""
+    location = resolve_location(archive)
+    if location.path is not None and not location.path.exists():
+        raise ArchiveError(f"no archive at {location} (run `kvblend ingest PATH` first, or pass --archive)")
+    return Archive.open(location, create=False, readonly=not write)

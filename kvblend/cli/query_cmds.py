@@ -1,7 +1,8 @@
 """`kvblend ingest`, `kvblend query` and `kvblend demo`: parsing and rendering only.
 
-The workflows are kvblend.pipeline's; it is imported inside each command so that
-`kvblend --help` and the archive commands never import torch.
+The workflows are kvblend.pipeline's; it is imported inside each command, after the
+command's own checks, so that `kvblend --help`, the archive commands and a mistyped
+flag never wait for torch to import.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvblend.cli.common import (
     archive_dir_or_scratch,
     err,
     human_bytes,
+    open_existing,
     out,
     parse_check_layers,
     print_json,
@@ -101,8 +103,6 @@ def ingest(
     as_json: bool = JsonOpt,
 ) -> None:
     """Split documents into segments, prefill each alone, and archive its per-layer KV."""
-    from kvblend.pipeline import Engine
-
     if not (MIN_FAST_LEVEL <= level <= -1 or 1 <= level <= 22):
         raise UsageError(f"--level must be between 1 and 22, or {MIN_FAST_LEVEL} and -1 (fast mode)")
     if batch_tokens < 1:
@@ -110,6 +110,8 @@ def ingest(
     for p in paths:
         if not p.exists():
             raise UsageError(f"no such file or directory: {p}")
+    from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
+
     with Engine(archive, model, compute, dtype, sink=sink) as engine:
         if progress_enabled(as_json):
             with Progress(
@@ -227,8 +229,6 @@ def query(
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
-    from kvblend.pipeline import Engine
-
     opts = QueryOptions(
         mode=mode,
         ratio=ratio,
@@ -243,9 +243,16 @@ def query(
         template=PromptTemplate() if system is None else PromptTemplate(system=system),
         cache_prefix=prefix_cache,
         sampling=SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
-    ).validate()  # a usage error now, not a traceback after the model loaded
+    ).validate()  # a usage error now, in a fraction of a second: before torch imports and the model loads
+    with open_existing(archive) as ar:  # so is a missing or damaged archive, and a mistyped --doc or --segment
+        for name in opts.docs:
+            ar.find_document(name)
+        for key in opts.segment_keys:
+            ar.find_segment(key)
+    from kvblend.pipeline import Engine
+
     with Engine(archive, model, compute, dtype) as engine:
-        engine.archive(create=False)  # fail fast on a missing archive, before loading the model
+        engine.archive(create=False)  # never creates one; read-only where this user cannot write; the model's check
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)

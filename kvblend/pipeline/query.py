@@ -363,17 +363,19 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
     damaged), so the next query hits: after the answer, never on its time to first token. A passage is restored
     only under its own key (the same tokens, model and settings); an instruction prefix is archived by
     :func:`archive_prefix` instead."""
-    texts = [
-        rec.text
-        for rec in records
-        if rec.extra.get("role") != "prefix"
-        and rec.text
-        and res.key_of(res.runner.tokenize(segment_text_for_kv(rec.text)), rec.codec) == rec.key
-    ]
-    if not texts or res.archive().readonly:
+    texts_by_codec: dict[str, list[str]] = {}  # each under its own codec: an int4 segment comes back int4
+    for rec in records:
+        if (
+            rec.extra.get("role") != "prefix"
+            and rec.text
+            and res.key_of(res.runner.tokenize(segment_text_for_kv(rec.text)), rec.codec) == rec.key
+        ):
+            texts_by_codec.setdefault(rec.codec, []).append(rec.text)
+    if not texts_by_codec or res.archive().readonly:
         return
     try:
-        yield from store_texts_steps(res, texts, replace=True)
+        for codec, texts in texts_by_codec.items():
+            yield from store_texts_steps(res, texts, codec, replace=True)
     except (ArchiveBusyError, ArchiveError) as exc:  # bookkeeping: the answer stands
         warn(f"could not store the recomputed segments again: {exc}")
 

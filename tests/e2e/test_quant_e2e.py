@@ -1,6 +1,6 @@
-"""Lossy codecs end to end with the real model and the installed CLI: ingest with int4, re-ingest with
-lossless (segments added beside, the document moved over), verify and stats per codec, and a damaged
-int4 blob found by `verify` and recomputed by `query`."""
+"""Lossy codecs end to end with the real model and the installed CLI: ingest with int4, a lossless context
+file stored beside it, verify and stats per codec, a damaged int4 blob found by `verify` and recomputed by
+`query`, then a re-ingest with lossless (new segments, the document moved over, the int4 ones gone)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,6 @@ def test_int4_archive_mixes_with_lossless_and_survives_a_damaged_blob(tmp_path):
     again = json.loads(run(*ingest, "--codec", "int4", check=True).stdout)
     assert again["documents_unchanged"] == 1 and again["segments_new"] == 0
 
-    # Another kind of codec: new segments (own keys); the document now points at them; the int4 ones go.
-    moved = json.loads(run(*ingest, "--codec", "lossless", check=True).stdout)
-    assert moved["segments_new"] == n and moved["documents_unchanged"] == 0
-    stats = json.loads(run("stats", "--archive", arc, "--json", check=True).stdout)
-    assert set(stats["bytes_per_token_by_codec"]) == {"zstd-shuffle"}
-    back = json.loads(run(*ingest, "--codec", "int4", check=True).stdout)
-    assert back["segments_new"] == n
-
     # A mixed archive: a lossless context file stored beside the int4 document.
     ctx = tmp_path / "ctx.txt"
     ctx.write_text("The Tern-4 sonar is assembled in the Harwick plant, managed by Ada Ruiz.\n")
@@ -60,3 +52,13 @@ def test_int4_archive_mixes_with_lossless_and_survives_a_damaged_blob(tmp_path):
     damaged = json.loads(run(*question, check=True).stdout)
     assert damaged["answer"].strip()
     assert any(key[:12] in w and "recomput" in w for w in damaged["warnings"])
+    assert run("verify", "--archive", arc).returncode == 0  # stored again under its own key, as int4
+    assert not json.loads(run(*question, check=True).stdout)["warnings"]
+
+    # Another kind of codec: new segments (own keys); the document now points at them; the int4 ones go
+    # (the lossless context file stays).
+    moved = json.loads(run(*ingest, "--codec", "lossless", check=True).stdout)
+    assert moved["segments_new"] == n and moved["documents_unchanged"] == 0
+    stats = json.loads(run("stats", "--archive", arc, "--json", check=True).stdout)
+    assert set(stats["bytes_per_token_by_codec"]) == {"zstd-shuffle"}
+    assert run("verify", "--archive", arc).returncode == 0

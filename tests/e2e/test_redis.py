@@ -28,16 +28,33 @@ def docs(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def ingested(docs, tmp_path_factory):
+    """`kvblend ingest` of the three documents into Redis, done once: (the server's RDB snapshot, the ingest's
+    JSON report). Tests that need the documents archived start their own server from a copy of the snapshot."""
+    with redis_server() as server:
+        report = json.loads(run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", "--json",
+                                    check=True).stdout)
+        server.cli("save")
+        snapshot = tmp_path_factory.mktemp("redis-ingested") / "dump.rdb"
+        shutil.copy(server.directory / "dump.rdb", snapshot)
+    return snapshot, report
+
+
 def query(archive: str, *args: str, timeout: float = 600):
     return run_cli("query", QUESTION, "--archive", archive, "--compute", "cpu", "--max-tokens", "8", "--json",
                    *args, timeout=timeout)
 
 
-def test_query_from_redis_answers_exactly_as_from_a_local_archive(redis_url, docs, tmp_path):
+def test_query_from_redis_answers_exactly_as_from_a_local_archive(ingested, docs, tmp_path):
     """Same ingest, same query: the KV read from Redis is the local archive's, so the answer is the same."""
     local = tmp_path / "local"
-    for archive in (redis_url, str(local)):
-        run_cli("ingest", docs, "--archive", archive, "--compute", "cpu", check=True)
+    run_cli("ingest", docs, "--archive", local, "--compute", "cpu", check=True)
+    with redis_server(preload=ingested[0]) as server:
+        _same_answer_from_redis_and_disk(server.url, local)
+
+
+def _same_answer_from_redis_and_disk(redis_url: str, local) -> None:
     from_redis = json.loads(query(redis_url, "--no-prefix-cache").stdout)
     from_disk = json.loads(query(str(local), "--no-prefix-cache").stdout)
     assert from_redis["answer"] == from_disk["answer"] and from_redis["answer"]
@@ -93,15 +110,14 @@ def test_an_lru_cache_evicts_and_query_recomputes_then_stores_again(docs, tmp_pa
         assert run_cli("verify", "--archive", server.url).returncode == 0 and isinstance(gc["evicted"], list)
 
 
-def test_two_serving_nodes_share_one_archive(docs, tmp_path):
+def test_two_serving_nodes_share_one_archive(ingested, tmp_path):
     """Passages a client sends to node A are hits on node B, documents ingested with the CLI are retrieved by
     both, and when Redis dies a served request still answers by recomputing (retrieval alone is a 503)."""
-    with redis_server() as server:
-        _two_nodes(server.url, docs, tmp_path)
+    with redis_server(preload=ingested[0]) as server:
+        _two_nodes(server.url, tmp_path)
 
 
-def _two_nodes(redis_url: str, docs, tmp_path) -> None:
-    run_cli("ingest", docs, "--archive", redis_url, "--compute", "cpu", check=True)
+def _two_nodes(redis_url: str, tmp_path) -> None:
     a = Server(redis_url, tmp_path / "a.log")
     try:
         b = Server(redis_url, tmp_path / "b.log")
@@ -152,14 +168,13 @@ def _redis_goes_away(a: Server, redis_url: str) -> None:
     assert info.value.status_code == 503 and "cannot reach Redis" in str(info.value)
 
 
-def test_evicted_retrieval_embeddings_come_back_with_the_next_ingest(docs):
+def test_evicted_retrieval_embeddings_come_back_with_the_next_ingest(ingested, docs):
     """Redis may evict any key, the shared embeddings hash too: retrieval then finds nothing, and re-running
     the same ingest embeds the stored segments again (no prefill) so questions are answered from them again."""
     import redis
 
-    with redis_server() as server:
-        first = json.loads(run_cli("ingest", docs, "--archive", server.url, "--compute", "cpu", "--json",
-                                   check=True).stdout)
+    snapshot, first = ingested
+    with redis_server(preload=snapshot) as server:
         client = redis.Redis.from_url(server.url)
         emb = [k for k in client.scan_iter(match="*:emb") if k.endswith(b":emb")]
         assert len(emb) == 1 and client.delete(*emb) == 1  # what an LRU eviction of that one key does
