@@ -79,3 +79,28 @@ def test_help_works_for_every_command():
     for command in COMMANDS:
         assert command in top.stdout
         assert run_cli(command, "--help", check=True).stdout.strip()
+
+
+def test_usage_errors_come_before_torch_imports(tmp_path):
+    """A mistyped flag, path, document or segment is told in a fraction of a second: ingest and query check
+    them (and the archive) before importing torch, here a torch that refuses to import, let alone a model."""
+    from hardening_helpers import build_archive
+
+    poisoned = tmp_path / "poisoned"
+    (poisoned / "torch").mkdir(parents=True)
+    (poisoned / "torch" / "__init__.py").write_text('raise ImportError("torch was imported")\n')
+    arc = build_archive(tmp_path / "arc", n=2)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("text")
+    cases = [
+        (("ingest", tmp_path / "missing", "--archive", arc), "no such file"),
+        (("ingest", tmp_path / "docs", "--archive", arc, "--batch-tokens", "0"), "--batch-tokens"),
+        (("query", "q?", "--archive", arc, "--top-k", "0"), "--top-k"),
+        (("query", "q?", "--archive", arc, "--temperature", "-1"), "--temperature"),
+        (("query", "q?", "--archive", tmp_path / "nowhere"), "no archive"),
+        (("query", "q?", "--archive", arc, "--doc", "nope.md"), "no such document"),
+        (("query", "q?", "--archive", arc, "--segment", "feedface"), "no such segment"),
+    ]
+    for args, expected in cases:
+        line = one_line_error(run_cli(*args, env={"PYTHONPATH": str(poisoned)}))
+        assert expected in line and "torch" not in line, (args, line)
