@@ -167,21 +167,25 @@ def test_the_archive_stays_under_its_bound_while_serving(tmp_path):
     request may store; every request is answered."""
     from kvblend.archive import Archive
 
-    srv = Server(tmp_path / "archive", tmp_path / "server.log", 4, "--max-archive-size", "25MB",
+    srv = Server(tmp_path / "archive", tmp_path / "server.log", 4, "--max-archive-size", "12MB",
                  "--max-stored-tokens", "300")
+    keys = []
     try:
         client = srv.client()
-        for i in range(6):
-            passage = f"Record {i}: " + " ".join(f"the harbour logbook entry {i}.{j} names vessel {j}." for j in range(30))
+        for i in range(4):  # ~220 tokens each, stored: ~4-5 MB of KV apiece, so four pass the 12 MB bound
+            passage = f"Record {i}: " + " ".join(f"the harbour logbook entry {i}.{j} names vessel {j}." for j in range(18))
             r = ask(client, [passage], "Which vessel is named first?", max_tokens=2)
             assert r.choices[0].message.content is not None
-            stored = [s for s in report(r)["segments"] if s["source"] == "computed"]
-            assert stored
+            (segment,) = report(r)["segments"]
+            assert segment["source"] == "computed" and segment["tokens"] <= 300
+            keys.append(segment["key"])
         big = " ".join(f"filler sentence number {j} about nothing." for j in range(80))  # > 300 tokens
         r = ask(client, [big], "What is this?", max_tokens=2)
         assert r.choices[0].message.content is not None
     finally:
         srv.stop()
     with Archive.open(tmp_path / "archive", readonly=True) as ar:
-        assert ar.size_bytes(include_index=False) <= 25_000_000
+        assert ar.size_bytes(include_index=False) <= 12_000_000
+        kept = [key for key in keys if ar.has_segment(key)]
+        assert keys[-1] in kept and len(kept) < len(keys), kept  # stored, then the least recently used evicted
         assert not any(rec.n_tokens > 300 for rec in ar.iter_segments() if rec.extra.get("role") != "prefix")

@@ -110,7 +110,7 @@ def _profile_and_tune(path):
     """`profile --quick`, then `tune` calibrating on one prompt made of the archive's own passages: its JSON."""
     run_cli("profile", "--quick", "--archive", path, "--compute", "cpu", check=True)
     proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--top-k", "3",
-                   "--ratios", "0.15,0.3,0.5",
+                   "--ratios", "0.15,0.5",
                    "--json", check=True)
     return json.loads(proc.stdout)
 
