@@ -252,7 +252,7 @@ def query(
     from kvblend.pipeline import Engine
 
     with Engine(archive, model, compute, dtype) as engine:
-        engine.archive(create=False)  # never creates one; read-only where this user cannot write; the model's check
+        engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)

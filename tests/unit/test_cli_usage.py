@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from hardening_helpers import build_archive
 from support import one_line_error, run_cli
 
 # Every command, with its required arguments filled, so an unknown option is the only fault.
@@ -84,8 +85,6 @@ def test_help_works_for_every_command():
 def test_usage_errors_come_before_torch_imports(tmp_path):
     """A mistyped flag, path, document or segment is told in a fraction of a second: ingest and query check
     them (and the archive) before importing torch, here a torch that refuses to import, let alone a model."""
-    from hardening_helpers import build_archive
-
     poisoned = tmp_path / "poisoned"
     (poisoned / "torch").mkdir(parents=True)
     (poisoned / "torch" / "__init__.py").write_text('raise ImportError("torch was imported")\n')
