@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,13 +297,14 @@ class Archive:
         self.store.put_document(doc)
         return doc
 
-    def replace_document(self, doc: DocumentRecord) -> list[str]:
+    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
         """Store ``doc`` and delete segments only its previous version used; returns their keys.
 
         For re-ingesting a changed file: chunks that changed get new keys, and the old ones would otherwise stay
-        in the archive unreferenced.
+        in the archive unreferenced. ``keep``: segments that documents not committed yet will list (an ingest
+        found them stored and reused them), which no document lists *yet*.
         """
-        return self.store.replace_document(_absolute(doc))
+        return self.store.replace_document(_absolute(doc), keep)
 
     def get_document(self, path: str | os.PathLike[str]) -> DocumentRecord | None:
         return self.store.get_document(os.path.abspath(path))

@@ -30,7 +30,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -453,13 +453,17 @@ def _unused(txn: lmdb.Transaction, dbs: Dbs, candidates: set[str]) -> set[str]:
     return candidates
 
 
-def replace_document(txn: lmdb.Transaction, dbs: Dbs, doc: DocumentRecord) -> tuple[list[str], list[str]]:
-    """Store ``doc``; drop segments only its previous version used. Returns (dropped keys, blobs)."""
+def replace_document(
+    txn: lmdb.Transaction, dbs: Dbs, doc: DocumentRecord, keep: Collection[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Store ``doc``; drop segments only its previous version used, none in ``keep``. Returns (dropped keys,
+    blobs)."""
     key = document_db_key(doc.path)
     old = txn.get(key, db=dbs["documents"])
     txn.put(key, doc.to_json().encode(), db=dbs["documents"])
     stale = set(load_record(old).get("segment_keys", [])) if old is not None else set()
     stale.difference_update(doc.segment_keys)
+    stale.difference_update(keep)
     if stale:
         stale = _unused(txn, dbs, stale)
     _, blobs = drop_segments(txn, dbs, stale, mark_documents=False)
@@ -720,10 +724,10 @@ class LocalStore(Store):
             write_manifest(self.root, doc)
             self._write(lambda txn: txn.put(key, doc.to_json().encode(), db=self.index.dbs["documents"]))
 
-    def replace_document(self, doc: DocumentRecord) -> list[str]:
+    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
         with self.ensure_writer():
             write_manifest(self.root, doc)
-            return self._commit(lambda txn: replace_document(txn, self.index.dbs, doc))
+            return self._commit(lambda txn: replace_document(txn, self.index.dbs, doc, keep))
 
     def remove_documents(self, paths: Sequence[str]) -> list[str]:
         """Index first, blobs after: a crash in between leaves orphans, never a record without its blob."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -522,10 +522,10 @@ class RedisStore(Store):
         with self._errors():
             self.client.hset(self.keys.docs, doc.path, doc.to_json().encode())
 
-    def replace_document(self, doc: DocumentRecord) -> list[str]:
+    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
         old = self.get_document(doc.path)
         self.put_document(doc)
-        stale = set(old.segment_keys if old else ()) - set(doc.segment_keys)
+        stale = set(old.segment_keys if old else ()) - set(doc.segment_keys) - set(keep)
         if stale:
             stale -= {k for other in self.iter_documents() for k in other.segment_keys}
             self._delete_segments(sorted(stale))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -189,8 +189,9 @@ class Store(ABC):
     def put_document(self, doc: DocumentRecord) -> None: ...
 
     @abstractmethod
-    def replace_document(self, doc: DocumentRecord) -> list[str]:
-        """Store `doc`, dropping segments only its previous version used; returns their keys."""
+    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
+        """Store `doc`, dropping segments only its previous version used, but none in `keep` (segments a
+        document not yet committed relies on); returns their keys."""
 
     @abstractmethod
     def remove_documents(self, paths: Sequence[str]) -> list[str]:

@@ -9,6 +9,7 @@ document is committed only after every segment it points at.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,6 +81,22 @@ class StoreBehind:
             self._pool.shutdown(wait=True)
 
 
+class _Claims:
+    """Every segment the documents of one ingest run list: replacing a document in that run drops none of them.
+
+    The run decides to reuse a stored segment on its own thread while StoreBehind commits earlier documents on
+    another; replacing a document drops the segments no document lists, and a later document of the run that
+    was just found to reuse one of them is not committed yet. The lock orders the two: either the reuse is
+    decided first and the replacement keeps the segment, or the replacement commits first and the segment is
+    found gone and prefilled again. Without it, `b.md` (a copy of `a.md`) lost its segments when `a.md`
+    changed in the same run.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: set[str] = set()
+
+
 @dataclass
 class _Pending:
     """Segments awaiting prefill, and the documents that may commit once they are stored."""
@@ -87,6 +104,7 @@ class _Pending:
     segments: list[tuple[str, str, list[int]]] = field(default_factory=list)  # (key, text, ids)
     keys: set[str] = field(default_factory=set)
     documents: list[DocumentRecord] = field(default_factory=list)
+    claims: _Claims = field(default_factory=_Claims)  # the whole run's, not reset by take()
 
     def add(self, key: str, text: str, ids: list[int]) -> None:
         self.segments.append((key, text, ids))
@@ -191,16 +209,19 @@ def _segment_document(
 ) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
     runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
-    keys, n_tokens = [], 0
+    segments = []
     for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
         ids = runner.tokenize(segment_text_for_kv(text))
-        key = res.key_of(ids, codec)
-        keys.append(key)
-        n_tokens += len(ids)
-        if key in pending.keys or key in behind.keys or (archive.has_segment(key) and archive.has_embedding(key)):
-            report.segments_reused += 1
-        else:
-            pending.add(key, text, ids)
+        segments.append((res.key_of(ids, codec), text, ids))
+    keys = [key for key, _, _ in segments]
+    n_tokens = sum(len(ids) for _, _, ids in segments)
+    with pending.claims.lock:  # see _Claims: no replacement may drop what is found reusable here
+        pending.claims.keys.update(keys)
+        for key, text, ids in segments:
+            if key in pending.keys or key in behind.keys or (archive.has_segment(key) and archive.has_embedding(key)):
+                report.segments_reused += 1
+            else:
+                pending.add(key, text, ids)
     report.tokens_total += n_tokens
     return DocumentRecord(
         path=doc.path,
@@ -258,7 +279,7 @@ def _flush_steps(
         items, vectors = items + late, [*vectors, *late_vectors]
     else:
         items, vectors = yield from _prefill(res, ours, batch_tokens, report)
-    store = functools.partial(_store, archive, items, vectors, docs, codec, level, report)
+    store = functools.partial(_store, archive, items, vectors, docs, codec, level, report, pending.claims)
     if behind is None:
         store()
     else:
@@ -308,6 +329,7 @@ def _store(
     codec: str,
     level: int,
     report: IngestReport,
+    claims: _Claims,
 ) -> None:
     """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing."""
     if items:
@@ -318,8 +340,9 @@ def _store(
             report.tokens_new += rec.n_tokens
             report.bytes_written += sum(layer.length for layer in rec.layers)
             report.raw_bytes += raw_kv_bytes(rec)
-    for doc in docs:
-        archive.replace_document(doc)
+    with claims.lock:
+        for doc in docs:
+            archive.replace_document(doc, keep=claims.keys)
 
 
 def new_record(

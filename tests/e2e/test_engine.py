@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
+import pytest
 import torch
 
-from support import DOCS, QUESTIONS
+from support import DOCS, QUESTIONS, kvblend_script
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
@@ -86,3 +89,28 @@ def test_demo_asks_with_full_reuse_and_blend_side_by_side(copy_of_bundled_archiv
     summary = {m.mode: m for m in run.modes}
     assert summary["blend"].questions == 1 and summary["blend"].speedup_vs_full > 1
     assert run.report.documents == len(list(DOCS.glob("*.md")))
+
+
+@pytest.mark.parametrize("batch_tokens", [4096, 1], ids=["one batch", "a batch per document"])
+def test_a_copy_keeps_its_segments_when_the_original_changes_in_the_same_ingest(
+    default_runner, tmp_path, batch_tokens
+):
+    """`b.md` is a copy of `a.md` and `a.md` changes, both in one run: b's segments are found stored and reused,
+    and replacing a's record must not drop them as no longer listed (it used to: b pointed at nothing)."""
+    from kvblend.pipeline import Engine
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(DOCS / "travel-policy.md", docs / "a.md")
+    with Engine(tmp_path / "arc", runner=default_runner) as engine:
+        engine.ingest([docs], batch_tokens=batch_tokens)
+        shutil.copy(docs / "a.md", docs / "b.md")
+        shutil.copy(DOCS / "skua-recall.md", docs / "a.md")
+        report = engine.ingest([docs], batch_tokens=batch_tokens)
+        assert report.segments_reused >= 1  # b's segments were a's: nothing to prefill for b
+        archive = engine.archive()
+        for name in ("a.md", "b.md"):
+            doc = archive.get_document(docs / name)
+            assert doc is not None and not doc.incomplete
+            assert doc.segment_keys and all(archive.has_segment(k) for k in doc.segment_keys), name
+    assert subprocess.run([*kvblend_script(), "verify", "--archive", str(tmp_path / "arc")]).returncode == 0
