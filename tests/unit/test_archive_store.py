@@ -332,3 +332,41 @@ def test_documents_embeddings_profiles_tuned_meta_stats(ar, tmp_path):
     assert s["bytes_per_token_raw"] == s["raw_bytes"] / s["tokens"]
     assert s["compression_ratio"] == pytest.approx(s["raw_bytes"] / s["stored_bytes"])
     assert ar.size_bytes() > ar.size_bytes(include_index=False) >= s["stored_bytes"]
+
+
+def _blob_descriptors(archive: Archive) -> list[str]:
+    """What this process holds open under the archive's blobs/ (Linux /proc), deleted files marked so."""
+    under, found = str(archive.path / "blobs"), []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(under):
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_reads_leak_no_descriptors_and_hold_no_evicted_blob_open(ar):
+    """Every query streams on a thread of its own: its descriptors close with it (a server gained ~6 a
+    request), and a long-lived reader lets go of blobs that gc deleted, whose disk space it would hold."""
+    import threading
+
+    recs = [put(ar, f"fd{i:02d}", seed=i) for i in range(6)]
+
+    def query() -> None:
+        for layer in range(N_LAYERS):
+            assert all(isinstance(r, bytes) for r in ar.read_layers_raw(recs, layer))
+
+    for _ in range(10):
+        thread = threading.Thread(target=query)
+        thread.start()
+        thread.join()
+    assert _blob_descriptors(ar) == []
+    query()  # this thread lives on, like a server's
+    assert len(_blob_descriptors(ar)) == len(recs)
+    assert len(ar.gc(max_size_bytes=0).evicted) == len(recs)
+    fresh = put(ar, "fd99", seed=99)
+    assert isinstance(ar.read_layers_raw([fresh], 0)[0], bytes)
+    assert _blob_descriptors(ar) == [str(ar.path / fresh.blob)]
