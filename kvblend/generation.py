@@ -37,7 +37,7 @@ class Generation:
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """Greedy argmax, or temperature + nucleus sampling."""
-    if sampling.temperature <= 0:
+    if sampling.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:

@@ -189,7 +189,9 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """Below vLLM's 1e-5 sampling is greedy: the distribution is a point mass on the argmax long before
+        logits / temperature overflow fp32 (a server hung on temperature 1e-39, sampling from inf)."""
+        return self.temperature < 1e-5
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,7 @@ def ingest_paths(
                     _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
             _progress(on_progress, report, doc.path, len(docs))
         _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+    res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvblend.archive import SegmentRecord
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
@@ -216,9 +218,9 @@ def select_records(
         infos.append(SegmentInfo(rec.key, res.document_of(rec.key), rec.n_tokens, True))
     if records or (opts.context_texts and opts.top_k == 0):
         return records, infos
-    keys, matrix = archive.get_embeddings()
+    keys, matrix = _documents_only(res, *archive.get_embeddings())
     if not keys:
-        raise UsageError(f"the archive at {res.location} is empty: run `kvblend ingest PATH` first")
+        raise UsageError(f"the archive at {res.location} has no documents: run `kvblend ingest PATH` first")
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
         found = archive.get_segment(key)
@@ -228,6 +230,14 @@ def select_records(
         records.append(rec)
         infos.append(SegmentInfo(key, res.document_of(key), rec.n_tokens, True, round(score, 4)))
     return records, infos
+
+
+def _documents_only(res: Resources, keys: list[str], matrix: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Retrieval searches the ingested documents' segments only. Passages a query or a server's client brought
+    along are stored to reuse their KV when the same text comes again, not to answer other questions: a
+    passage one client sent (a memo, a key) was retrieved into another client's answer."""
+    rows = [i for i, key in enumerate(keys) if res.document_of(key) is not None]
+    return [keys[i] for i in rows], matrix[rows]
 
 
 def context_segment(

@@ -22,7 +22,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
 from kvblend.pipeline.query import ContextLengthError
@@ -44,6 +46,7 @@ log = logging.getLogger("kvblend.serve")
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
 OPEN_PATHS = {"/health"}  # answered without the API key (load balancers' health checks)
+MAX_BODY_BYTES = 4 << 20  # ~100 times the text of the default model's 8k-token context
 
 
 def error_for(exc: BaseException, hidden: Sequence[str] = ()) -> ApiError:
@@ -106,21 +109,25 @@ def create_app(
             headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return refuse(
-                    ApiError(
-                        401,
-                        "Incorrect API key provided: pass it as a Bearer token "
-                        "(the key given to `kvblend serve --api-key`)",
-                        "invalid_api_key",
-                    )
-                )
-        return await call_next(request)
+    def unauthorized(scope: dict) -> Response | None:
+        """The 401 for a request without the key (None: let it through)."""
+        if not api_key or scope["path"] in OPEN_PATHS:
+            return None
+        given = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode()):
+            return None
+        return refuse(
+            ApiError(
+                401,
+                "Incorrect API key provided: pass it as a Bearer token (the key given to `kvblend serve --api-key`)",
+                "invalid_api_key",
+            )
+        )
+
+    # A plain ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's
+    # disconnect from the route, so an abandoned non-streaming request ran to its end, holding a batch place.
+    app.add_middleware(ApiKeyGuard, unauthorized=unauthorized)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -129,10 +136,12 @@ def create_app(
 
     async def complete(request: Request, parse: Callable[[dict], ChatRequest]) -> Response:
         try:
-            req = parse(parse_body(await request.body()))
+            req = parse(parse_body(await read_body(request)))
             job = scheduler.submit(req)
         except ApiError as exc:
             return refuse(exc)
+        except ClientDisconnect:
+            return closed()
         first = await next_event(request, job)
         if first[0] == "error":
             return refuse(error_for(first[1], hidden_paths))
@@ -173,13 +182,24 @@ def create_app(
                 for i in range(req.n):
                     yield event(chunk_body(cid, model, i, False, role=True))
             kind, value = first
-            started = [False] * req.n
+            started = [req.legacy] * req.n  # a chat answer loses its leading whitespace, as unstreamed
+            offsets = [0] * req.n  # legacy logprobs' text_offset counts from the answer's start
             while kind == "token":
                 token: TokenEvent = value
-                text = token.text if started[token.choice] else token.text.lstrip()  # as the whole answer is stripped
+                text = token.text if started[token.choice] else token.text.lstrip()
                 started[token.choice] = started[token.choice] or bool(text)
                 if text or token.logprobs:
-                    yield event(chunk_body(cid, model, token.choice, req.legacy, text, logprobs=token.logprobs))
+                    body = chunk_body(
+                        cid,
+                        model,
+                        token.choice,
+                        req.legacy,
+                        text,
+                        logprobs=token.logprobs,
+                        text_offset=offsets[token.choice],
+                    )
+                    offsets[token.choice] += sum(len(e["token"]) for e in token.logprobs)
+                    yield event(body)
                 kind, value = await job.events.get()
             if kind == "done":
                 observe(value, job)
@@ -220,14 +240,15 @@ def create_app(
     async def health() -> JSONResponse:
         return JSONResponse(
             {
-                "status": "ok",
+                "status": "failed" if scheduler.failed else "ok",
                 "model": model,
                 "store": store,
                 "queue_depth": scheduler.depth,
                 "running": scheduler.running,
                 "max_batch": scheduler.max_batch,
                 "busy": scheduler.busy,
-            }
+            },
+            status_code=503 if scheduler.failed else 200,  # a load balancer takes a dead server out
         )
 
     @app.get("/metrics")
@@ -253,6 +274,39 @@ async def next_event(request: Request, job: Job) -> tuple[str, Any]:
                 return "cancelled", None
     finally:
         getter.cancel()
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, or a 413 past MAX_BODY_BYTES (a prompt that large is far over any context, and tokenizing it
+    would hold the model thread for seconds); ClientDisconnect if the client leaves while sending it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large() -> ApiError:
+    return ApiError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", "request_too_large")
+
+
+class ApiKeyGuard:
+    """Answers 401 before the app when `unauthorized(scope)` says so (kvblend.serve.app.build_app)."""
+
+    def __init__(self, app: Any, unauthorized: Callable[[dict], Response | None]):
+        self.app, self.unauthorized = app, unauthorized
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        refusal = self.unauthorized(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            await refusal(scope, receive, send)
 
 
 def event(payload: dict) -> str:

@@ -58,11 +58,12 @@ def chat_logprobs(entries: list[dict] | None) -> dict | None:
     return None if entries is None else {"content": entries}
 
 
-def legacy_logprobs(entries: list[dict] | None) -> dict | None:
-    """The legacy completions API's logprobs: parallel lists, the alternatives as {token: logprob}."""
+def legacy_logprobs(entries: list[dict] | None, start: int = 0) -> dict | None:
+    """The legacy completions API's logprobs: parallel lists, the alternatives as {token: logprob}; `start`: the
+    text offset of the first entry (a streamed chunk's, counted from the answer's start)."""
     if entries is None:
         return None
-    offsets, at = [], 0
+    offsets, at = [], start
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
@@ -112,6 +113,7 @@ def chunk_body(
     role: bool = False,
     finish: str | None = None,
     logprobs: list[dict] | None = None,
+    text_offset: int = 0,
     **extra: Any,
 ) -> dict:
     """One streamed chunk of a choice (extra: usage, kvblend, or choices=[] for the usage chunk)."""
@@ -120,7 +122,7 @@ def chunk_body(
             "index": index,
             "text": text or "",
             "finish_reason": finish,
-            "logprobs": legacy_logprobs(logprobs) if logprobs else None,
+            "logprobs": legacy_logprobs(logprobs, text_offset) if logprobs else None,
         }
     else:
         delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})

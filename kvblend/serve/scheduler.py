@@ -30,6 +30,7 @@ clients get an error event, not a torn stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -170,15 +171,15 @@ class Choice:
         token = next_token(logits.cpu(), self.sampling, self.generator)
         if not self.tokens:
             self.first_token_s = time.perf_counter() - self.started
-        entries = [self._logprob_entry(logits, token)] if req.logprobs else []
-        if token in self.stop_ids:
+        if token in self.stop_ids:  # not part of the answer: no text, no log-probability, not counted
             self.finish, self.hit_eos = "stop", True
-            return TokenEvent(self.index, self._flush(), entries)
+            return TokenEvent(self.index, self._flush())
+        entries = [self._logprob_entry(logits, token)] if req.logprobs else []
         self.tokens.append(token)
-        if self.logprobs is not None and entries:
-            self.logprobs.extend(entries)
+        self.logprobs.extend(entries)
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = _first_stop(full, req.stop, self.sent)
+        stops = req.stop if len(self.tokens) >= req.min_tokens else []  # vLLM: no stop string before min_tokens
+        cut = _first_stop(full, stops, self.sent)
         if cut is not None:
             self.text, self.finish = full[:cut], "stop"
             return TokenEvent(self.index, self._flush(), entries)
@@ -186,7 +187,9 @@ class Choice:
         if len(self.tokens) >= req.max_tokens:
             self.finish = "length"
             return TokenEvent(self.index, self._flush(), entries)
-        safe = len(full) - _held_back(full, req.stop)  # a stop string may be starting: hold it back
+        safe = len(full) - _held_back(full, stops)  # a stop string may be starting: hold it back
+        while safe > self.sent and full[safe - 1] == "\ufffd":  # a character whose bytes are still coming
+            safe -= 1
         delta = full[self.sent : safe]
         self.sent = max(self.sent, safe)
         return TokenEvent(self.index, delta, entries)
@@ -200,13 +203,14 @@ class Choice:
         logprob, top = logprobs_of(logits, token, self.job.request.top_logprobs)
 
         def piece(tid: int, lp: float) -> dict:
-            text = self.tokenizer.decode([tid])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.tokenizer.decode([tid]), "logprob": lp, "bytes": token_bytes(self.tokenizer, tid)}
 
         return {**piece(token, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
 
     def result(self, strip: bool) -> ChoiceResult:
-        text = self.text.strip() if strip else self.text
+        """`strip`: a chat answer loses its leading whitespace, streamed or not (a stream cannot take back a
+        trailing space, so neither answer loses it)."""
+        text = self.text.lstrip() if strip else self.text
         return ChoiceResult(
             self.index,
             text,
@@ -214,6 +218,37 @@ class Choice:
             self.finish or "stop",
             self.logprobs if self.job.request.logprobs else None,
         )
+
+
+def token_bytes(tokenizer: Any, token: int) -> list[int]:
+    """A token's own bytes (OpenAI's logprobs `bytes`: a client joins them to rebuild characters that span
+    tokens, which decode alone to U+FFFD). Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen) spells bytes as
+    printable characters; SentencePiece has <0xNN> byte tokens and ▁ for a space."""
+    text = tokenizer.decode([token])
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return [int(piece[3:5], 16)]
+        table = _byte_decoder()
+        if piece and all(ch in table for ch in piece):
+            spelled = bytes(table[ch] for ch in piece)
+            if spelled.decode("utf-8", "replace") == text:  # byte-level indeed (not SentencePiece's "é")
+                return list(spelled)
+    return list(text.encode("utf-8"))
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:
@@ -260,6 +295,7 @@ class Scheduler:
         self.max_stored_tokens = max_stored_tokens
         self.after_request = after_request  # bookkeeping after each request (e.g. keep the archive in its bound)
         self.stopping = False
+        self.failed = False  # the model thread died (a bug): nothing will be answered any more
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._prefilling: list[_Running] = []
@@ -296,6 +332,13 @@ class Scheduler:
         with self._cond:
             if self.stopping:
                 raise shutting_down()
+            if self.failed:
+                raise ApiError(
+                    503,
+                    "the server's model thread failed; restart it (see its log)",
+                    "model_failed",
+                    type="server_error",
+                )
             room = max(0, self.max_batch - self.running)  # places in the batch the model thread is about to fill
             if len(self._waiting) >= self.max_queue + room:
                 raise ApiError(
@@ -354,8 +397,11 @@ class Scheduler:
                     self._decode_turn()
         except BaseException:  # a bug in the loop itself: fail every request rather than hang them
             log.exception("the model thread failed")
-            for r in [*self._prefilling, *self._decoding]:
-                r.job.emit("error", RuntimeError("the model thread failed"))
+            with self._cond:
+                self.failed = True  # /health says so, and new requests get a 503 instead of waiting forever
+                waiting, self._waiting = list(self._waiting), deque()
+            for job in [*(r.job for r in [*self._prefilling, *self._decoding]), *waiting]:
+                job.emit("error", RuntimeError("the model thread failed"))
         finally:
             self._finished.set()
 
@@ -430,11 +476,21 @@ class Scheduler:
                     return WAITING
         except StopIteration as done:
             self._prefilling.remove(running)
-            self._first_tokens(running, done.value)
+            prepared: Prepared = done.value
+            self._guarded(running, lambda: self._first_tokens(running, prepared))
         except Exception as exc:  # reported to the client by app.error_for (a bug is logged there)
             self._prefilling.remove(running)
             running.job.emit("error", exc)
         return None
+
+    def _guarded(self, running: _Running, work: Callable[[], None]) -> None:
+        """Run one request's share of a turn; if it fails, that request fails and the others go on."""
+        try:
+            work()
+        except Exception as exc:  # reported to the client by app.error_for (a bug is logged there)
+            if running in self._decoding:
+                self._decoding.remove(running)
+            running.job.emit("error", exc)
 
     def _advance_background(self, steps: Steps[None], deadline: float) -> Waiting | None:
         """Run one piece of bookkeeping until the deadline, its end, or it says it is WAITING (returned)."""
@@ -464,16 +520,23 @@ class Scheduler:
 
     def _decode_turn(self) -> None:
         """One batched forward pass for every sequence that still decodes."""
-        live = [c for r in self._decoding for c in r.choices if not c.done]
+        live = [(r, c) for r in self._decoding for c in r.choices if not c.done]
         if live:
             t0 = time.perf_counter()
-            logits = decode_step(self.engine.runner, [c.state for c in live], [c.tokens[-1] for c in live])
+            try:
+                logits = decode_step(self.engine.runner, [c.state for _, c in live], [c.tokens[-1] for _, c in live])
+            except Exception as exc:  # the batch's forward pass: its requests fail, the server goes on
+                for running in list(self._decoding):
+                    self._decoding.remove(running)
+                    running.job.emit("error", exc)
+                return
             self._last_decode_s = time.perf_counter() - t0
             if len(live) == 1:
                 lone = self._lone_decode_s
                 self._lone_decode_s = self._last_decode_s if not lone else 0.8 * lone + 0.2 * self._last_decode_s
-            for choice, row in zip(live, logits):
-                self._send(choice, choice.accept(row))
+            for (running, choice), row in zip(live, logits):
+                if running in self._decoding:  # not failed by an earlier choice of its own
+                    self._guarded(running, lambda: self._send(choice, choice.accept(row)))  # noqa: B023 (run now)
         self._complete_finished()
 
     def _send(self, choice: Choice, event: TokenEvent) -> None:

@@ -112,8 +112,9 @@ def parse_body(raw: bytes) -> dict:
         raise invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        reason = "too deeply nested" if isinstance(exc, RecursionError) else str(exc)
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text to tokenize
+    except (UnicodeError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, 4,300+ digit ints
+        reason = "too deeply nested" if isinstance(exc, RecursionError) else str(exc)[:200]
         raise invalid(f"the request body is not valid JSON ({reason})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
@@ -165,9 +166,12 @@ def parse_completion_request(body: dict) -> ChatRequest:
         raise invalid(str(exc), "prompt") from None
     req.legacy = True
     _sampling(req, body)
-    if body.get("logprobs") not in (None, False):  # the legacy API: an integer, the number of alternatives
+    given = body.get("logprobs")
+    if given is not None and given is not False:  # the legacy API: an integer, the number of alternatives (0 too)
         req.logprobs = True
-        req.top_logprobs = _int(body["logprobs"], "logprobs", low=0, high=5) if body["logprobs"] is not True else 0
+        req.top_logprobs = _int(given, "logprobs", low=0, high=5) if given is not True else 0
+    if body.get("top_logprobs") is not None:
+        raise invalid("/v1/completions takes the number of alternatives as logprobs: N", "top_logprobs")
     return req
 
 
@@ -177,15 +181,16 @@ def _with_conversation(conv: Conversation) -> ChatRequest:
 
 def _sampling(req: ChatRequest, body: dict) -> None:
     req.model = _typed(body, "model", str, None)
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if tokens is not None:
-        req.max_tokens = _int(tokens, "max_tokens", low=1)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(name) is not None:
+        req.max_tokens = _int(body[name], name, low=1)
     req.temperature = _number(body, "temperature", req.temperature, 0.0, 2.0)
     req.top_p = _number(body, "top_p", req.top_p, 0.0, 1.0)
     if req.top_p <= 0:
         raise invalid("top_p must be in (0, 1]", "top_p")
     if body.get("seed") is not None:
-        req.seed = _int(body["seed"], "seed", low=0, high=2**63 - 1)
+        # vLLM takes any 64-bit integer; torch's generators take 0..2^63-1
+        req.seed = _int(body["seed"], "seed", low=-(2**63), high=2**64 - 1) % 2**63
     if body.get("n") is not None:
         req.n = _int(body["n"], "n", low=1, high=MAX_N)
     req.stop = _stop(body.get("stop"))
@@ -202,7 +207,9 @@ def _sampling(req: ChatRequest, body: dict) -> None:
             raise invalid(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({req.max_tokens})", "min_tokens")
     req.stream = bool(_typed(body, "stream", bool, False))
     options = _typed(body, "stream_options", dict, None) or {}
-    req.include_usage = bool(options.get("include_usage", False)) and req.stream
+    if options and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    req.include_usage = bool(_typed(options, "include_usage", bool, False))
     _kvblend_options(req, _typed(body, "kvblend", dict, None) or {})
 
 
@@ -334,5 +341,5 @@ def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"{name} must be an integer", name)
     if value < low or (high is not None and value > high):
-        raise invalid(f"{name} must be at least {low}" + (f" and at most {high}" if high else ""), name)
+        raise invalid(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else ""), name)
     return value

@@ -91,6 +91,7 @@ def test_the_openai_client_gets_multi_turn_stop_logprobs_n_ignore_eos_and_legacy
     {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"id": "x"}]},
                   {"role": "user", "content": "q2"}]},
     {"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]},
+    {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"include_usage": "no"}},
 ])
 def test_malformed_new_parameters_are_400_in_openai_shape(server, body):
     payload = {"model": "kvblend", "messages": [{"role": "user", "content": "Where?"}], **body}
@@ -100,7 +101,7 @@ def test_malformed_new_parameters_are_400_in_openai_shape(server, body):
 
 
 @pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"prompt": ""}, {"prompt": "x", "logprobs": 9},
-                                  {"prompt": "x", "suffix": "y"}])
+                                  {"prompt": "x", "suffix": "y"}, {"prompt": "x", "logprobs": 1, "top_logprobs": 2}])
 def test_malformed_legacy_completions_are_400(server, body):
     status, reply = post_raw(server.url + "/v1/completions", json.dumps({"model": "kvblend", **body}).encode())
     assert status == 400 and reply["error"]["code"], (body, reply)
@@ -189,3 +190,104 @@ def test_the_archive_stays_under_its_bound_while_serving(tmp_path):
         kept = [key for key in keys if ar.has_segment(key)]
         assert keys[-1] in kept and len(kept) < len(keys), kept  # stored, then the least recently used evicted
         assert not any(rec.n_tokens > 300 for rec in ar.iter_segments() if rec.extra.get("role") != "prefix")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "kvblend", "messages": [{"role": "user", "content": "Where?"}], "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"model": "kvblend", "messages": [{"role": "user", "content": "Say \\ud800 please"}]}',
+    b'{"model": "kvblend", "messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "q"}]}',
+], ids=["5000-digit integer", "lone surrogate", "lone surrogate in system"])
+def test_what_json_allows_but_no_request_means_is_a_400(server, raw):
+    status, reply = post_raw(server.url + "/v1/chat/completions", raw)
+    assert status == 400 and reply["error"]["code"] == "invalid_json", reply
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server):
+    """Refused on its Content-Length, before the server reads (or tokenizes, on the model thread) 6 MB."""
+    import http.client
+
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(6 << 20))
+    conn.endheaders(b'{"prompt": "hello')  # the rest never comes: the answer must not wait for it
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    assert get(server.url + "/health")[0] == 200
+
+
+def test_a_tiny_temperature_is_greedy_and_the_server_goes_on(server):
+    """temperature 1e-39 overflowed the logits to inf and killed the model thread: every later request hung."""
+    client = server.client()
+    greedy = ask(client, PASSAGES, QUESTION, max_tokens=6)
+    tiny = ask(client, PASSAGES, QUESTION, max_tokens=6, temperature=1e-39)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert json.loads(get(server.url + "/health")[1])["status"] == "ok"
+
+
+def test_streaming_sends_whole_characters_and_logprob_bytes_rebuild_them(server):
+    """A character spanning tokens decodes to U+FFFD until its last byte: the stream holds it back (it used to
+    send the U+FFFD), and each token's logprob bytes are its own bytes, which join to the answer."""
+    client = server.client()
+    parts = ["In Japanese, thank you is written ありがとう.", "Write the Japanese word for thank you, in Japanese script."]
+    messages = [{"role": "user", "content": [{"type": "text", "text": t} for t in parts]}]
+    kw = {"model": "kvblend", "messages": messages, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(logprobs=True, **kw)
+    text = whole.choices[0].message.content
+    assert any(ord(ch) > 0x3000 for ch in text), text  # the test needs a multi-byte answer
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+    joined = b"".join(bytes(e.bytes) for e in whole.choices[0].logprobs.content)
+    assert joined.decode("utf-8", "replace").lstrip() == text
+
+
+def test_min_tokens_holds_stop_strings_too(server):
+    """vLLM checks no stop string before min_tokens, not only no end-of-sequence."""
+    client = server.client()
+    plain = ask(client, PASSAGES, QUESTION, max_tokens=10, extra_body={"ignore_eos": True})
+    first_word = plain.choices[0].message.content.split()[0]
+    held = ask(client, PASSAGES, QUESTION, max_tokens=10, stop=[first_word], extra_body={"min_tokens": 8})
+    assert held.usage.completion_tokens >= 8 and held.choices[0].message.content.startswith(first_word)
+
+
+def test_legacy_logprobs_zero_and_streamed_text_offsets(server):
+    client = server.client()
+    prompt = "\n<<<chunk>>>\n".join([*PASSAGES, QUESTION])
+    zero = client.completions.create(model="kvblend", max_tokens=5, logprobs=0, prompt=prompt)
+    assert zero.choices[0].logprobs is not None and len(zero.choices[0].logprobs.token_logprobs) == 5
+    offsets = []
+    for chunk in client.completions.create(model="kvblend", max_tokens=5, logprobs=0, prompt=prompt, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert offsets == zero.choices[0].logprobs.text_offset and offsets[-1] > 0
+
+
+def test_a_client_that_leaves_before_its_answer_frees_its_place(tmp_path):
+    """A non-streaming request whose client closed the connection is cancelled (it ran to its end, holding its
+    place in the batch, while other clients got 429s)."""
+    import socket
+    import time
+
+    srv = Server(tmp_path / "archive", tmp_path / "server.log", 1, "--max-batch", "1")
+    try:
+        body = json.dumps({"model": "kvblend", "max_tokens": 2000, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": f"{PASSAGES[0]}\n<<<chunk>>>\nTell me a story."}]}
+                          ).encode()
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 60
+            while json.loads(get(srv.url + "/health")[1])["running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        left = time.monotonic()
+        while json.loads(get(srv.url + "/health")[1])["running"]:
+            assert time.monotonic() - left < 15, "the abandoned request still runs"  # 2000 tokens: minutes
+            time.sleep(0.2)
+    finally:
+        srv.stop()
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
