@@ -219,8 +219,11 @@ def select_records(
     if records or (opts.context_texts and opts.top_k == 0):
         return records, infos
     keys, matrix = _documents_only(res, *archive.get_embeddings())
-    if not keys:
-        raise UsageError(f"the archive at {res.location} has no documents: run `kvblend ingest PATH` first")
+    if not keys:  # no embeddings at all (a cache may have evicted them), or only stored passages'
+        raise UsageError(
+            f"the archive at {res.location} is empty (no ingested documents to retrieve from): "
+            "run `kvblend ingest PATH` first"
+        )
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
         found = archive.get_segment(key)
