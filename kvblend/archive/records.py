@@ -57,10 +57,13 @@ def load_record(raw: str | bytes | memoryview, what: str = "index record") -> An
     try:
         return json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
     except (ValueError, UnicodeDecodeError):
-        raise ArchiveDamagedError(
-            f"archive index is damaged: an {what} is not valid JSON; "
-            "run `kvblend verify --rebuild-index` with the same --archive to restore it"
-        ) from None
+        raise damaged_index(f"an {what} is not valid JSON") from None
+
+
+def damaged_index(what: str) -> ArchiveDamagedError:
+    return ArchiveDamagedError(
+        f"archive index is damaged: {what}; run `kvblend verify --rebuild-index` with the same --archive to restore it"
+    )
 
 
 def checksum(data: bytes) -> str:
@@ -75,9 +78,15 @@ def checksum(data: bytes) -> str:
 
 
 def _from_dict(cls: type[T], d: dict[str, Any]) -> T:
-    """Build a dataclass from a dict, ignoring unknown keys (forward-compatible reads)."""
+    """Build a dataclass from a dict, ignoring unknown keys (forward-compatible reads). A record that parses
+    but lacks a field (a flipped bit turned "checksum" into "bhecksum") is a damaged index, not a bug."""
+    if not isinstance(d, dict):
+        raise damaged_index(f"a {cls.__name__} record is not a JSON object")
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in d.items() if k in names})
+    try:
+        return cls(**{k: v for k, v in d.items() if k in names})
+    except TypeError:
+        raise damaged_index(f"a {cls.__name__} record lacks fields") from None
 
 
 @dataclass
@@ -124,7 +133,10 @@ class SegmentRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SegmentRecord:
         rec = _from_dict(cls, d)
-        rec.layers = [_from_dict(LayerEntry, x) for x in d.get("layers", [])]
+        layers = d.get("layers", [])
+        if not isinstance(layers, list):
+            raise damaged_index("a SegmentRecord's layers are not a list")
+        rec.layers = [_from_dict(LayerEntry, x) for x in layers]
         return rec
 
     @classmethod

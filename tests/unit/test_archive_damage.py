@@ -60,6 +60,26 @@ def test_damaged_index_is_refused_by_every_command_and_nothing_is_deleted(tmp_pa
     assert sorted(p.name for p in (arc / "blobs" / "se").iterdir()) == [f"seg{i:02d}.kvb" for i in range(N_SEGMENTS)]
 
 
+@pytest.mark.parametrize("field", [b'"checksum"', b'"offset"'])
+def test_a_record_that_lost_a_field_is_damage_not_a_traceback(tmp_path, field):
+    """A flipped bit can leave a record valid JSON without one of its fields; every command that reads it said
+    TypeError with a traceback."""
+    arc = build_archive(tmp_path / "arc")
+    env = lmdb.open(str(arc / "index"), max_dbs=8)
+    with env.begin(write=True) as txn:  # the live record, as a bit flip in its page would leave it
+        segments = env.open_db(b"segments", txn=txn)
+        key, value = next(iter(txn.cursor(db=segments)))
+        at = value.index(field)
+        txn.put(key, value[:at + 1] + b"X" + value[at + 2:], db=segments)  # '"checksum"' -> '"Xhecksum"'
+    env.close()
+    before = snapshot(arc)
+    for command in (["ls", "--json"], ["stats"], ["verify"], ["verify", "--repair"], ["gc", "--dry-run"]):
+        proc = run_cli(*command, "--archive", arc, timeout=300)
+        line = one_line_error(proc)
+        assert proc.returncode > 0 and "damaged" in line and "--rebuild-index" in line, (command, line)
+    assert snapshot(arc) == before
+
+
 def test_rebuild_restores_segments_documents_embeddings_and_model(tmp_path):
     arc = build_archive(tmp_path / "arc")
     with Archive.open(arc, readonly=True) as ar:
