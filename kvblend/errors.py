@@ -55,6 +55,11 @@ class CorruptBlobError(ArchiveError):
         self.reason = reason or message  # what is wrong, without naming the segment or where it lives
 
 
+class BlobUnreadableError(CorruptBlobError):
+    """A blob could not be read (permissions, an I/O error, too many open files): it cannot be used now, but
+    nothing says its bytes are bad, so `verify --repair` leaves it alone."""
+
+
 class ArchiveDamagedError(ArchiveError):
     """The archive's index is missing, truncated or corrupted: its message names the repair command."""
 

@@ -256,29 +256,31 @@ class BlobReader:
             got += len(data)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_checked(self, relpath: str, entry: LayerEntry) -> tuple[bytes | None, str]:
-        """One layer's payload checked against its entry: (data, "") or (None, reason).
+    def read_checked(self, relpath: str, entry: LayerEntry) -> tuple[bytes | None, str, bool]:
+        """One layer's payload checked against its entry: (data, "", False) or (None, reason, unreadable).
 
-        Retries once with a fresh descriptor: a cached one may point at a blob
-        that was replaced since, which is not corruption.
+        `unreadable`: the read failed (permissions, I/O, descriptors), which says nothing of the bytes; else
+        the blob is missing, short or fails its checksum. Retries once with a fresh descriptor: a cached one
+        may point at a blob that was replaced since, which is not corruption.
         """
-        reason = ""
+        reason, unreadable = "", False
         for _ in range(2):
             try:
                 data = self.pread(relpath, entry.offset, entry.length)
             except FileNotFoundError:
-                reason = "blob file is missing"
+                reason, unreadable = "blob file is missing", False
             except OSError as e:
-                reason = f"cannot read blob ({e.strerror or e})"
+                reason, unreadable = f"cannot read blob ({e.strerror or e})", True
             else:
+                unreadable = False
                 if len(data) < entry.length:
                     reason = f"blob is truncated (layer needs bytes {entry.offset}..{entry.offset + entry.length})"
                 elif checksum(data) != entry.checksum:
                     reason = "checksum mismatch"
                 else:
-                    return data, ""
+                    return data, "", False
             self.invalidate(relpath)
-        return None, reason
+        return None, reason, unreadable
 
     def invalidate(self, relpath: str) -> None:
         """Drop this thread's cached descriptor for ``relpath``."""

@@ -84,6 +84,7 @@ from kvblend.errors import (
     ArchiveError,
     ArchiveModelMismatchError,
     ArchiveVersionError,
+    BlobUnreadableError,
     CorruptBlobError,
 )
 from kvblend.types import LayerKV
@@ -677,9 +678,10 @@ class LocalStore(Store):
             return stored
 
     def read_layer_raw(self, rec: SegmentRecord, layer: int) -> bytes:
-        data, reason = self.blobs.read_checked(rec.blob, rec.layers[layer])
+        data, reason, unreadable = self.blobs.read_checked(rec.blob, rec.layers[layer])
         if data is None:
-            raise CorruptBlobError(f"segment {rec.key} layer {layer}: {reason} ({rec.blob})", rec.key, layer, reason)
+            error = BlobUnreadableError if unreadable else CorruptBlobError
+            raise error(f"segment {rec.key} layer {layer}: {reason} ({rec.blob})", rec.key, layer, reason)
         return data
 
     def payload_intact(self, rec: SegmentRecord) -> bool:

@@ -23,7 +23,7 @@ from kvblend.archive.codec import decode_checked
 from kvblend.archive.local import FORMAT_VERSION
 from kvblend.archive.records import SegmentRecord
 from kvblend.archive.store import JSON_TABLES, Store
-from kvblend.errors import ArchiveError, CorruptBlobError
+from kvblend.errors import ArchiveError, BlobUnreadableError, CorruptBlobError
 
 MISSING = "blob file is missing"  # the local store's reason for a payload that is not there at all
 
@@ -34,6 +34,7 @@ class VerifyProblem(NamedTuple):
     key: str
     layer: int | None
     reason: str
+    damaged: bool = True  # False: it could not be read (permissions, I/O), so --repair leaves it
 
 
 @dataclass
@@ -154,7 +155,7 @@ def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyRepo
             if problems and not repair and _replaced_meanwhile(store, rec):
                 continue  # a concurrent writer replaced or removed it: not corruption
             report.problems.extend(problems)
-            bad.update(p.key for p in problems)
+            bad.update(p.key for p in problems if p.damaged)
         for key in store.lost_segments():  # a cache evicted the record: the segment is gone
             report.problems.append(
                 VerifyProblem(
@@ -192,6 +193,9 @@ def _verify_segment(store: Store, rec: SegmentRecord, report: VerifyReport, deep
         report.layers_checked += 1
         try:
             data = store.read_layer_raw(rec, i)
+        except BlobUnreadableError as e:  # e.g. a blob another user owns: not damage, and not to be dropped
+            problems.append(VerifyProblem(rec.key, i, f"{e.reason}; not known to be damaged, --repair keeps it", False))
+            continue
         except CorruptBlobError as e:
             reason = e.reason
             if i == 0 and reason.startswith(MISSING):

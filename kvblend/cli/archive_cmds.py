@@ -187,26 +187,31 @@ def verify(
         else:
             report = arc.verify(repair=False, deep=deep)
     bad = _problems_by_segment(report)
+    unreadable = {p.key for p in report.problems if not p.damaged}  # --repair keeps these: exit 1 still
     if as_json:
-        problems = [{"segment": p.key, "layer": p.layer, "reason": p.reason} for p in report.problems]
+        problems = [
+            {"segment": p.key, "layer": p.layer, "reason": p.reason, "damaged": p.damaged} for p in report.problems
+        ]
         print_json(
             {
                 "ok": report.ok,
                 "segments_checked": report.segments_checked,
                 "problems": problems,
-                "repaired": bool(repair and problems),
+                "repaired": bool(repair and report.repaired_segments),
+                "repaired_segments": report.repaired_segments if repair else [],
                 "codecs": report.codecs,
             }
         )
     else:
         for key, line in bad.items():
-            err.print(f"[red]corrupt[/] segment {escape(key)}: {escape(line)}")
+            label = "unreadable" if key in unreadable else "corrupt"
+            err.print(f"[red]{label}[/] segment {escape(key)}: {escape(line)}")
         if report.ok:
             codecs = ", ".join(f"{n} {c}" for c, n in sorted(report.codecs.items()))
             out.print(f"ok: {report.segments_checked} segments verified" + (f" ({codecs})" if codecs else ""))
         elif repair:
-            out.print(f"repaired: dropped {len(bad)} segments from the index")
-    if bad and not repair:
+            out.print(f"repaired: dropped {len(report.repaired_segments)} segments from the index")
+    if bad and (not repair or unreadable):
         raise typer.Exit(1)
 
 

@@ -81,7 +81,8 @@ def test_reports_serialize(ar):
     rec = put(ar, "ss1")
     flip_byte(ar.path / rec.blob, 0)
     d = ar.verify().to_dict()
-    assert d["ok"] is False and d["problems"][0] == {"key": "ss1", "layer": 0, "reason": "checksum mismatch"}
+    assert d["ok"] is False and d["problems"][0] == {"key": "ss1", "layer": 0, "reason": "checksum mismatch",
+                                                             "damaged": True}
     assert json.dumps(ar.gc(dry_run=True).to_dict())
 
 

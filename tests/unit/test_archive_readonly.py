@@ -148,3 +148,29 @@ def test_writable_open_of_unwritable_dir_reads_and_refuses_writes_in_one_line():
             proc = user.run(user.python, "-c", code)
             assert proc.returncode == 0, proc.stderr
             assert "is not writable; this command needs to write" in proc.stdout
+
+
+def test_repair_keeps_a_blob_it_cannot_read():
+    """A blob the user may not read (another owner, an I/O error) is not known to be damaged: `verify --repair`
+    reports it and exits 1, but keeps it (it used to drop the segment and unlink the intact blob)."""
+    import os
+
+    from hardening_helpers import NOBODY
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give one blob to another owner than the archive's")
+    with public_dir() as base:
+        arc = build_archive(base / "arc")
+        with readonly_tree(arc) as user:
+            for p in [arc, *arc.rglob("*")]:
+                os.chown(p, NOBODY, NOBODY)  # the user owns, and may repair, the archive ...
+            blob = sorted((arc / "blobs").rglob("*.kvb"))[0]
+            os.chown(blob, 0, 0)
+            blob.chmod(0o600)  # ... but not this blob
+            proc = run_as(user, "verify", "--repair", "--archive", arc)
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert "Permission denied" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+        assert blob.exists()
+        with Archive.open(arc, readonly=True) as ar:
+            assert sum(1 for _ in ar.iter_segments()) == N_SEGMENTS
+            assert ar.verify().ok  # root reads it: it was intact all along
