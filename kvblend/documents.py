@@ -146,6 +146,10 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
 
 
 def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skipped]) -> None:
+    if not _is_text(name):  # bytes that are no UTF-8 in its name: no record, manifest or line can hold it
+        shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        skipped.append(Skipped(shown, "file name is not valid UTF-8 (rename it)"))
+        return
     try:
         if not file.is_file():  # FIFOs, devices, sockets: never block on them
             skipped.append(Skipped(name, "not a regular file"))
@@ -192,8 +196,19 @@ def _clean(text: str) -> str:
 def _add_text(name: str, text: str, docs: list[Document], skipped: list[Skipped]) -> None:
     if not text.strip():
         skipped.append(Skipped(name, "empty"))
+    elif not _is_text(text):  # a JSON string's lone "\ud800" escape
+        skipped.append(Skipped(name, "holds a lone UTF-16 surrogate, which is no text"))
     else:
         docs.append(Document.of(name, text))
+
+
+def _is_text(s: str) -> bool:
+    """Encodable as UTF-8: no lone surrogates (undecodable file-name bytes, JSON's "\ud800" escapes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text_field(record: object) -> str | None:

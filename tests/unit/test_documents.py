@@ -249,3 +249,19 @@ def test_fixture_calibration_matches_questions_and_musique_schema():
         assert set(q["docs"]) <= set(names)
         positions.add(tuple(names.index(n) for n in q["docs"]))
     assert len(positions) >= 6  # the needed documents move around
+
+
+def test_names_and_texts_that_are_no_utf8_are_skipped_with_a_reason(tmp_path):
+    """A file name with undecodable bytes and a JSON record with a lone surrogate escape: no archive record, manifest
+    or printed line can hold them, so they are skipped and named; ingest used to fail after prefilling them."""
+    (tmp_path / "good.md").write_text("A good document.")
+    with open(os.path.join(os.fsencode(tmp_path), b"bad\xff.md"), "w") as f:
+        f.write("Its name is no UTF-8.")
+    (tmp_path / "notes.jsonl").write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n')
+    docs, skipped = iter_documents([tmp_path])
+    assert sorted(d.name for d in docs) == ["good.md", "notes.jsonl#L1"]
+    reasons = {s.path.rsplit("/", 1)[-1]: s.reason for s in skipped}
+    assert reasons["bad\ufffd.md"].startswith("file name is not valid UTF-8")
+    assert "surrogate" in reasons["notes.jsonl#L2"]
+    for s in skipped:
+        s.path.encode("utf-8")  # printable
