@@ -103,7 +103,7 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
     tmp = final.parent / f".{final.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
     entries: list[LayerEntry] = []
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_durably(final.parent)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             offset = 0
@@ -127,6 +127,22 @@ def write_blob(root: Path, relpath: str, payloads: Iterable[bytes], *, sync_dir:
     if sync_dir:
         fsync_dir(final.parent)
     return entries
+
+
+def make_dirs_durably(directory: Path) -> None:
+    """``mkdir -p``, syncing the parent of each directory it creates: a new directory's entry survives a power
+    loss only once its parent is synced (ext4's journal usually saves it; XFS and btrfs need the fsync), and a
+    committed record must never point into a directory that is gone."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:  # another writer made it meanwhile (and syncs it)
+            continue
+        fsync_dir(new.parent)
 
 
 def unlink_quiet(path: Path) -> None:
@@ -354,7 +370,7 @@ def manifest_relpath(path: str) -> str:
 
 def write_manifest(root: Path, doc: DocumentRecord) -> None:
     """Durably write (or replace) a document's manifest; a full disk is one ArchiveError line."""
-    write_blob(root, manifest_relpath(doc.path), [doc.to_json().encode()], sync_dir=False)
+    write_blob(root, manifest_relpath(doc.path), [doc.to_json().encode()])  # rebuild-index's copy: durable too
 
 
 def remove_manifest(root: Path, path: str) -> None:

@@ -45,6 +45,7 @@ from kvblend.archive.blobs import (
     BlobReader,
     ensure_reserve,
     iter_manifest_files,
+    make_dirs_durably,
     manifest_relpath,
     remove_manifest,
     scan_blob_dir,
@@ -114,7 +115,7 @@ def prepare_dir(root: Path, *, create: bool, readonly: bool) -> None:
         if not create:
             raise ArchiveError(f"no archive at {root} (ingest documents first, or check --archive)")
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_dirs_durably(root)
         except OSError as e:
             raise ArchiveError(f"cannot create archive directory {root}: {e.strerror or e}") from None
     if not archive_exists(root):
@@ -127,8 +128,8 @@ def prepare_dir(root: Path, *, create: bool, readonly: bool) -> None:
     if not writable(root):
         raise ArchiveError(f"archive directory {root} is not writable; use another --archive")
     try:
-        (root / INDEX_DIR).mkdir(exist_ok=True)
-        (root / BLOB_DIR).mkdir(exist_ok=True)
+        make_dirs_durably(root / INDEX_DIR)
+        make_dirs_durably(root / BLOB_DIR)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise ArchiveError(f"disk full while creating archive {root}") from None

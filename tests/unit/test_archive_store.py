@@ -370,3 +370,19 @@ def test_reads_leak_no_descriptors_and_hold_no_evicted_blob_open(ar):
     fresh = put(ar, "fd99", seed=99)
     assert isinstance(ar.read_layers_raw([fresh], 0)[0], bytes)
     assert _blob_descriptors(ar) == [str(ar.path / fresh.blob)]
+
+
+def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
+    """A blob in a new shard directory, and a manifest: the parent of every directory made, and the manifest's
+    directory, are fsynced, or a power loss could drop the entry a committed record points through."""
+    synced: list[Path] = []
+    real = blobs_mod.fsync_dir
+    monkeypatch.setattr(blobs_mod, "fsync_dir", lambda d: (synced.append(Path(d)), real(d)))
+    with Archive.open(tmp_path / "ar") as ar, ar.writer():
+        assert {tmp_path, tmp_path / "ar"} <= set(synced)  # the archive, its index/ and blobs/ entries
+        synced.clear()
+        ar.put_segment(SegmentRecord(key="zz01", token_ids=list(range(TOKENS))), layers(1))
+        assert {tmp_path / "ar" / "blobs", tmp_path / "ar" / "blobs" / "zz"} <= set(synced)
+        synced.clear()
+        ar.replace_document(DocumentRecord(path="/a.txt", segment_keys=["zz01"]))
+        assert tmp_path / "ar" / "documents" in synced and tmp_path / "ar" in synced  # documents/ was new
