@@ -102,6 +102,7 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
         raise ArchiveError(f"archive directory {root} is not writable; rebuilding its index needs to write")
     report = RebuildReport()
     with WriterLock(root / LOCK_FILE).hold(wait), spending_reserve(root):
+        _finish_interrupted_swap(root)
         old = salvage(root)
         report.problems = old.problems
         _refuse_newer(old, root)
@@ -182,7 +183,22 @@ def _build(root: Path, old: Salvage, restored: dict[str, Restored], docs: list[D
         index.write(lambda txn: _fill(txn, index.dbs, old, restored, docs))
     finally:
         index.close()
+    (fresh / BUILT_MARK).touch()  # from here a crash before the swap loses nothing: see _finish_interrupted_swap
+    fsync_dir(fresh)
     return fresh
+
+
+BUILT_MARK = "rebuilt"  # in index.rebuild/: the new index was written whole and committed
+
+
+def _finish_interrupted_swap(root: Path) -> None:
+    """A rebuild that crashed between its two renames left no ``index/`` but a whole ``index.rebuild/`` (its
+    profiles, tuned settings and hit counts included): put it in place rather than rebuild from the blobs
+    alone, which would lose them."""
+    fresh = root / f"{INDEX_DIR}.rebuild"
+    if not (root / INDEX_DIR).exists() and (fresh / BUILT_MARK).exists():
+        os.rename(fresh, root / INDEX_DIR)
+        fsync_dir(root)
 
 
 def _fill(
@@ -227,6 +243,7 @@ def _swap(root: Path, fresh: Path) -> str | None:
         os.rename(current, kept)
     os.rename(fresh, current)
     fsync_dir(root)
+    (current / BUILT_MARK).unlink()
     return str(kept) if kept else None
 
 

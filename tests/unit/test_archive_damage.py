@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import lmdb
 import pytest
@@ -111,6 +112,39 @@ def test_rebuild_restores_segments_documents_embeddings_and_model(tmp_path):
             assert (new_doc.segment_keys, new_doc.content_hash, new_doc.n_tokens, new_doc.incomplete) == \
                 (doc.segment_keys, doc.content_hash, doc.n_tokens, False)
     assert any(p.name.startswith("index.damaged-") for p in arc.iterdir())  # the old index is kept
+
+
+def test_a_rebuild_killed_between_its_renames_is_finished_by_the_next(tmp_path, monkeypatch):
+    """Killed after moving the old index aside but before putting the new one in place: the next rebuild puts
+    the finished new index in place (tuned settings, profiles and hit counts with it) instead of deleting it and
+    rebuilding from the blobs alone."""
+    from kvblend.archive import repair
+
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as ar, ar.writer():
+        ar.put_tuned("tiny", {"ratio": 0.2})
+        ar.put_profile("nvme", {"read_gbps": 1.5})
+        ar.touch(["seg01", "seg01", "seg02"])
+        hits = {r.key: r for r in ar.iter_segments()}
+    real_rename = os.rename
+
+    def killed_after_first(src, dst):
+        real_rename(src, dst)
+        if Path(dst).name.startswith("index.damaged-"):
+            raise KeyboardInterrupt  # the process dies here (nothing after this line runs)
+
+    monkeypatch.setattr(repair.os, "rename", killed_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        rebuild_index(arc)
+    monkeypatch.setattr(repair.os, "rename", real_rename)
+    assert not (arc / "index").exists()
+    assert "damaged" in one_line_error(run_cli("ls", "--archive", arc))
+    run_cli("verify", "--rebuild-index", "--archive", arc, check=True)
+    with Archive.open(arc, readonly=True) as ar:
+        assert ar.get_tuned("tiny") == {"ratio": 0.2} and ar.get_profile("nvme") == {"read_gbps": 1.5}
+        for key, rec in hits.items():
+            assert ar.get_segment(key).to_dict() == rec.to_dict()  # hit counts and last access included
+    assert not (arc / "index.rebuild").exists() and not (arc / "index" / repair.BUILT_MARK).exists()
 
 
 def test_rebuild_reports_what_it_cannot_restore(tmp_path):
