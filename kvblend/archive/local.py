@@ -55,6 +55,7 @@ from kvblend.archive.blobs import (
     write_segment_blobs,
 )
 from kvblend.archive.index import (
+    DATA_FILE,
     DEFAULT_MAP_SIZE,
     INDEX_DIR,
     Index,
@@ -577,6 +578,7 @@ class LocalStore(Store):
         self._denied = opened.denied
         self._lock = WriterLock(opened.root / LOCK_FILE)
         self._closed = False
+        self._index_file = self._index_identity()
 
     @classmethod
     def open(
@@ -624,9 +626,24 @@ class LocalStore(Store):
         super().check_writable()
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """One index write transaction."""
+        """One index write transaction, into the index the archive has now (see :meth:`_index_identity`)."""
         self.check_writable()
+        if self._index_identity() != self._index_file:
+            raise ArchiveError(
+                f"the index of {self.root} was replaced since this command opened it (`verify --rebuild-index` "
+                "in another process); run the command again"
+            )
         return self.index.write(fn)
+
+    def _index_identity(self) -> tuple[int, int] | None:
+        """(device, inode) of ``index/data.mdb``. A rebuild in another process renames the index directory away
+        and puts a new one in its place; this store's LMDB environment still writes to the old one, where a
+        commit would be lost (and its new blobs then deleted by gc as orphans)."""
+        try:
+            st = os.stat(self.root / INDEX_DIR / DATA_FILE)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
 
     def _commit(self, edit: Callable[[lmdb.Transaction], tuple[T, list[str]]], frees: bool = False) -> T:
         """Run an index edit returning (result, blobs it unreferenced); unlink those blobs after the commit.

@@ -336,3 +336,19 @@ def test_a_write_over_a_page_damaged_since_open_fails_and_changes_nothing(tmp_pa
             ar.put_profile("nvme", {"read_GBps": 3.0})
         assert ar.touch(["seg01"]) == 0  # usage counts never fail a query, and write nothing either
     assert (arc / "index" / "data.mdb").read_bytes() == before
+
+
+def test_a_writer_does_not_commit_into_an_index_another_process_rebuilt(tmp_path):
+    """A process that opened the archive before another ran `verify --rebuild-index` still holds the old index
+    (now index.damaged-*): its commits there were reported stored and lost. It is told to run again instead."""
+    from kvblend.archive import SegmentRecord
+    from kvblend.errors import ArchiveError
+
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as ar:
+        run_cli("verify", "--rebuild-index", "--archive", arc, check=True)
+        with pytest.raises(ArchiveError, match="rebuild-index"), ar.writer():
+            ar.put_segment(SegmentRecord(key="after", token_ids=list(range(TOKENS)), text="t"), layers(7))
+    with Archive.open(arc) as ar, ar.writer():  # opened after the rebuild: it writes where everyone reads
+        ar.put_segment(SegmentRecord(key="after", token_ids=list(range(TOKENS)), text="t"), layers(7))
+    assert "after" in run_cli("show", "after", "--archive", arc, check=True).stdout
