@@ -46,7 +46,8 @@ log = logging.getLogger("kvblend.serve")
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
 OPEN_PATHS = {"/health"}  # answered without the API key (load balancers' health checks)
-MAX_BODY_BYTES = 4 << 20  # ~100 times the text of the default model's 8k-token context
+MAX_BODY_BYTES = 1 << 20  # ~25 times the text of the default model's 8k-token context; tokenizing it takes ~2 s
+BODY_BYTES_PER_CONTEXT_TOKEN = 64  # a long-context model's limit: its context in tokens, times this
 
 
 def error_for(exc: BaseException, hidden: Sequence[str] = ()) -> ApiError:
@@ -97,6 +98,8 @@ def create_app(
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    # A body is tokenized on the model thread, so one far over any context would freeze every stream for seconds.
+    body_limit = max(MAX_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * (scheduler.engine.runner.max_positions or 0))
 
     def closed() -> Response:
         metrics.request(CLIENT_CLOSED)
@@ -136,7 +139,7 @@ def create_app(
 
     async def complete(request: Request, parse: Callable[[dict], ChatRequest]) -> Response:
         try:
-            req = parse(parse_body(await read_body(request)))
+            req = parse(parse_body(await read_body(request, body_limit)))
             job = scheduler.submit(req)
         except ApiError as exc:
             return refuse(exc)
@@ -276,23 +279,24 @@ async def next_event(request: Request, job: Job) -> tuple[str, Any]:
         getter.cancel()
 
 
-async def read_body(request: Request) -> bytes:
-    """The body, or a 413 past MAX_BODY_BYTES (a prompt that large is far over any context, and tokenizing it
-    would hold the model thread for seconds); ClientDisconnect if the client leaves while sending it."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 past `limit` bytes (a prompt that large is far over the model's context, and
+    tokenizing it would hold the model thread for seconds); ClientDisconnect if the client leaves while
+    sending it."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large()
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large()
+        if size > limit:
+            raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def too_large() -> ApiError:
-    return ApiError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", "request_too_large")
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds {limit / (1 << 20):g} MiB", "request_too_large")
 
 
 class ApiKeyGuard:
