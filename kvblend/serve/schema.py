@@ -310,6 +310,10 @@ def _kvblend_options(req: ChatRequest, options: dict) -> None:
         req.ratio = _number(options, "ratio", 0.0, 0.0, 1.0)
     if options.get("top_k") is not None:
         req.top_k = _int(options["top_k"], "kvblend.top_k", low=0)
+        if req.top_k == 0 and not req.chunks and not options.get("docs"):
+            raise invalid(
+                "kvblend.top_k 0 retrieves nothing: send passages, name docs, or ask for 1 or more", "kvblend"
+            )
     docs = _typed(options, "docs", list, None) or []
     if not all(isinstance(d, str) and d for d in docs):
         raise invalid("kvblend.docs must be an array of document names", "kvblend")

@@ -73,8 +73,9 @@ def test_completion_body_is_openai_shaped_with_a_kvblend_report():
 
 def test_errors_map_to_statuses_users_can_act_on():
     assert error_for(NotFoundError("no such document")).status == 404
-    too_long = error_for(ContextLengthError("prompt is 9000 tokens"))
-    assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
+    too_long = error_for(ContextLengthError("prompt is 9000 tokens: use fewer segments (--top-k) or a shorter question"))
+    assert (too_long.status, too_long.code, too_long.param) == (400, "context_length_exceeded", "messages")
+    assert "--top-k" not in too_long.message and "kvblend.top_k" in too_long.message
     assert error_for(UsageError("bad ratio")).status == 400
     assert error_for(ArchiveBusyError("busy")).status == 503
     assert error_for(ArchiveError("broken")).status == 500

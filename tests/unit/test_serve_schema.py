@@ -149,3 +149,10 @@ def test_segments_report_names_hits_and_computed_passages():
 
     sources = [s["source"] for s in segments_report([Info(True, False), Info(True, True), Info(False, False)])]
     assert sources == ["hit", "computed", "computed"]
+
+
+def test_top_k_zero_needs_passages_or_docs_and_says_so_without_cli_flags():
+    err = refused({**user("Where?"), "kvblend": {"top_k": 0}}, param="kvblend")
+    assert "--" not in err.message  # a client sets kvblend.top_k, not the CLI's --top-k
+    assert parse_chat_request({**user(f"A passage.{CHUNK_SEPARATOR}Where?"), "kvblend": {"top_k": 0}}).top_k == 0
+    assert parse_chat_request({**user("Where?"), "kvblend": {"top_k": 0, "docs": ["a.md"]}}).top_k == 0
