@@ -235,23 +235,22 @@ class BlobReader:
         self._all: weakref.WeakSet[_Descriptors] = weakref.WeakSet()
         self._lock = threading.Lock()
 
-    def _cache(self) -> OrderedDict[str, int]:
+    def _cache(self) -> _Descriptors:
         cache = getattr(self._tls, "descriptors", None)
         if cache is None:
             cache = self._tls.descriptors = _Descriptors()
             with self._lock:
                 self._all.add(cache)
-        return cache.fds
+        return cache
 
     def _fd(self, relpath: str) -> int:
-        cache = self._cache()
+        descriptors = self._cache()
+        cache = descriptors.fds
         fd = cache.get(relpath)
         if fd is not None and not _unlinked(fd):
             cache.move_to_end(relpath)
             return fd
-        if fd is not None:
-            self.invalidate(relpath)
-        self._tls.descriptors.drop_unlinked()
+        descriptors.drop_unlinked()  # this path's own, if its blob was deleted, among them
         fd = os.open(self.root / relpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         cache[relpath] = fd
         while len(cache) > self.max_open:
@@ -300,7 +299,7 @@ class BlobReader:
 
     def invalidate(self, relpath: str) -> None:
         """Drop this thread's cached descriptor for ``relpath``."""
-        fd = self._cache().pop(relpath, None)
+        fd = self._cache().fds.pop(relpath, None)
         if fd is not None:
             os.close(fd)
 

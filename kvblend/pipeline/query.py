@@ -37,6 +37,17 @@ Warn = Callable[[str], None]
 class ContextLengthError(UsageError):
     """The prompt plus the tokens to generate exceed the model's context (a server answers 400)."""
 
+    def __init__(self, prompt_tokens: int, new_tokens: int, limit: int):
+        self.prompt_tokens, self.new_tokens, self.limit = prompt_tokens, new_tokens, limit
+        super().__init__(self.explain("--top-k"))
+
+    def explain(self, fewer_segments: str) -> str:
+        """The message, with the way to ask for fewer segments that the user has (a flag, a request field)."""
+        return (
+            f"prompt is {self.prompt_tokens} tokens (+{self.new_tokens} to generate); the model's context is "
+            f"{self.limit}: use fewer segments ({fewer_segments}) or a shorter question"
+        )
+
 
 def run_query(
     res: Resources,
@@ -307,10 +318,7 @@ def check_length(res: Resources, prompt_tokens: int, opts: QueryOptions) -> None
     """Refuse a prompt that, with the tokens to generate, would not fit the model's context."""
     limit = res.runner.max_positions
     if limit and prompt_tokens + opts.sampling.max_new_tokens > limit:
-        raise ContextLengthError(
-            f"prompt is {prompt_tokens} tokens (+{opts.sampling.max_new_tokens} to generate); "
-            f"the model's context is {limit}: use fewer segments (--top-k) or a shorter question"
-        )
+        raise ContextLengthError(prompt_tokens, opts.sampling.max_new_tokens, limit)
 
 
 # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──

@@ -66,9 +66,10 @@ def _classify(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, NotFoundError):
         return ApiError(404, str(exc), "not_found")
-    if isinstance(exc, ContextLengthError):  # the CLI's advice names its flag; a client sets kvblend.top_k
-        message = str(exc).replace("(--top-k)", "(kvblend.top_k, or fewer passages)")
-        return ApiError(400, message, "context_length_exceeded", param="messages")
+    if isinstance(exc, ContextLengthError):  # a client asks for fewer segments with kvblend.top_k, not --top-k
+        return ApiError(
+            400, exc.explain("kvblend.top_k, or fewer passages"), "context_length_exceeded", param="messages"
+        )
     if isinstance(exc, UsageError):
         return ApiError(400, str(exc), "invalid_value")
     if isinstance(exc, ArchiveBusyError):

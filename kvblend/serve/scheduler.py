@@ -240,15 +240,9 @@ def token_bytes(tokenizer: Any, token: int) -> list[int]:
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:
@@ -478,19 +472,23 @@ class Scheduler:
             self._prefilling.remove(running)
             prepared: Prepared = done.value
             self._guarded(running, lambda: self._first_tokens(running, prepared))
-        except Exception as exc:  # reported to the client by app.error_for (a bug is logged there)
-            self._prefilling.remove(running)
-            running.job.emit("error", exc)
+        except Exception as exc:
+            self._fail(running, exc)
         return None
 
     def _guarded(self, running: _Running, work: Callable[[], None]) -> None:
         """Run one request's share of a turn; if it fails, that request fails and the others go on."""
         try:
             work()
-        except Exception as exc:  # reported to the client by app.error_for (a bug is logged there)
-            if running in self._decoding:
-                self._decoding.remove(running)
-            running.job.emit("error", exc)
+        except Exception as exc:
+            self._fail(running, exc)
+
+    def _fail(self, running: _Running, exc: Exception) -> None:
+        """End one request with an error (reported to its client by app.error_for, which logs a bug)."""
+        for group in (self._prefilling, self._decoding):
+            if running in group:
+                group.remove(running)
+        running.job.emit("error", exc)
 
     def _advance_background(self, steps: Steps[None], deadline: float) -> Waiting | None:
         """Run one piece of bookkeeping until the deadline, its end, or it says it is WAITING (returned)."""
@@ -527,8 +525,7 @@ class Scheduler:
                 logits = decode_step(self.engine.runner, [c.state for _, c in live], [c.tokens[-1] for _, c in live])
             except Exception as exc:  # the batch's forward pass: its requests fail, the server goes on
                 for running in list(self._decoding):
-                    self._decoding.remove(running)
-                    running.job.emit("error", exc)
+                    self._fail(running, exc)
                 return
             self._last_decode_s = time.perf_counter() - t0
             if len(live) == 1:
