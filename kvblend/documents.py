@@ -6,10 +6,20 @@ found plus the files (or records) it had to skip, each with a short reason.
 * Directories are walked recursively in sorted order; hidden entries (names
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
   directories (no loops).  A hidden file named explicitly is read.
-* Any file that is UTF-8 text is a document (``.txt``, ``.md``, ``.rst`` and
-  every other extension alike).  Skipped: files with NUL bytes (``"binary"``),
-  not valid UTF-8 (``"not UTF-8"``), empty or whitespace-only (``"empty"``),
-  unreadable (``"permission denied"``), larger than :data:`MAX_FILE_BYTES`.
+* PDF, HTML and DOCX files are converted to Markdown-flavoured text by
+  :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
+  web page without its navigation, banners and footer; a PDF's pages apart by
+  a blank line, where each begins in :attr:`Document.page_starts`).  What a
+  file is comes from its first bytes and its extension together; a file that
+  is not what its extension claims, an encrypted, scanned (no text layer),
+  truncated or corrupt file, a ZIP bomb or an oversized web page is skipped
+  with a one-line reason, and so is anything a converter raises.
+* Any other file that is UTF-8 text is a document (``.txt``, ``.md``, ``.rst``
+  and every other extension alike; ``.md``/``.markdown`` are recorded as
+  format ``"markdown"``, their text unchanged).  Skipped: files with NUL bytes
+  (``"binary"``), not valid UTF-8 (``"not UTF-8"``), empty or whitespace-only
+  (``"empty"``), unreadable (``"permission denied"``), larger than
+  :data:`MAX_FILE_BYTES`.
 * ``.jsonl``: one document per line, from the line's ``text`` field (else
   ``content``, else ``body``; the first of these holding a string).  Shown as
   ``file.jsonl#L12`` (1-based line).  Blank lines are ignored; bad lines are
@@ -37,6 +47,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvblend import conversion
 from kvblend.errors import UsageError
 
 __all__ = [
@@ -63,10 +74,15 @@ class Document:
     text: str
     content_hash: str
     name: str = ""  # relative to the directory it was found under (a file given alone: its file name)
+    # What the file was read as: "text", "markdown", "json", "pdf", "html", "docx", ... Converted formats come out
+    # as Markdown-flavoured text: headings are ATX lines ("## Safety"), so segments can name their section.
+    format: str = "text"
+    # Offsets into `text` where pages 1, 2, ... begin (page_starts[0] == 0); empty for formats without pages.
+    page_starts: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, path: str, text: str) -> Document:
-        return cls(path=path, text=text, content_hash=content_hash(text))
+    def of(cls, path: str, text: str, format: str = "text", page_starts: tuple[int, ...] = ()) -> Document:
+        return cls(path=path, text=text, content_hash=content_hash(text), format=format, page_starts=page_starts)
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,15 @@ def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skippe
     except OSError as e:
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
         return
+    suffix = file.suffix.lower()
+    try:
+        fmt = conversion.classify(suffix, data)
+    except conversion.ConversionError as e:
+        skipped.append(Skipped(name, str(e)))
+        return
+    if fmt in conversion.CONVERTED_FORMATS:
+        _add_converted(name, fmt, data, docs, skipped)
+        return
     if b"\x00" in data:
         skipped.append(Skipped(name, "binary"))
         return
@@ -178,13 +203,38 @@ def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skippe
         return
     text = _clean(text)
 
-    suffix = file.suffix.lower()
     if suffix == ".jsonl":
         _read_jsonl(text, name, docs, skipped)
         return
     if suffix == ".json" and _read_json(text, name, docs, skipped):
         return
-    _add_text(name, text, docs, skipped)
+    _add_text(name, text, docs, skipped, fmt)
+
+
+def _add_converted(name: str, fmt: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
+    """Convert a PDF, HTML or DOCX file; any failure, whatever a converter raised, is one skip line.
+
+    Converters are third-party code fed untrusted bytes: they raise anything from
+    their own error types to ``KeyError`` or ``RecursionError``. None of that may
+    stop the run or print a traceback, so everything but an interrupt is caught
+    here, per file.
+    """
+    label = fmt.upper()
+    try:
+        converted = conversion.convert(fmt, data)
+    except conversion.ConversionError as e:
+        skipped.append(Skipped(name, str(e)))
+        return
+    except MemoryError:
+        skipped.append(Skipped(name, f"too large to convert as {label} (out of memory)"))
+        return
+    except RecursionError:
+        skipped.append(Skipped(name, f"cannot be read as {label} (nested too deeply)"))
+        return
+    except Exception as e:  # see the docstring
+        skipped.append(Skipped(name, f"cannot be read as {label} ({conversion.describe_error(e)})"))
+        return
+    _add_text(name, converted.text, docs, skipped, converted.format, converted.page_starts)
 
 
 def _clean(text: str) -> str:
@@ -193,13 +243,20 @@ def _clean(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def _add_text(name: str, text: str, docs: list[Document], skipped: list[Skipped]) -> None:
+def _add_text(
+    name: str,
+    text: str,
+    docs: list[Document],
+    skipped: list[Skipped],
+    format: str = "text",
+    page_starts: tuple[int, ...] = (),
+) -> None:
     if not text.strip():
         skipped.append(Skipped(name, "empty"))
     elif not _is_text(text):  # a JSON string's lone "\ud800" escape
         skipped.append(Skipped(name, "holds a lone UTF-16 surrogate, which is no text"))
     else:
-        docs.append(Document.of(name, text))
+        docs.append(Document.of(name, text, format, page_starts))
 
 
 def _is_text(s: str) -> bool:
@@ -232,7 +289,7 @@ def _add_record(name: str, record: object, docs, skipped) -> None:
     if text is None:
         skipped.append(Skipped(name, _NO_FIELD))
         return
-    _add_text(name, _clean(text), docs, skipped)
+    _add_text(name, _clean(text), docs, skipped, "json")
 
 
 def _read_jsonl(text: str, name: str, docs, skipped) -> None:

@@ -49,10 +49,25 @@ def split_template(runner: ModelRunner, template: PromptTemplate, question: str)
     tok = runner.tokenizer
     if getattr(tok, "chat_template", None):
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:  # base models: plain text
-        rendered = (template.system + "\n\n" if template.system else "") + user + "\n"
+    else:  # base models: plain text, after the BOS their tokenizer would add (Gemma is lost without it)
+        rendered = _bos_text(tok) + (template.system + "\n\n" if template.system else "") + user
+        # a completion to continue: the answer comes after "Answer:" (and ends at its line, see stop_token_ids)
+        rendered += "" if rendered.rstrip().endswith("Answer:") else "\nAnswer:"
     before, _, after = rendered.partition(CONTEXT_MARKER)
     return before, after
+
+
+def _bos_text(tokenizer) -> str:
+    """The BOS token's text if the tokenizer starts every encoded text with it, else "".
+
+    Prompts are tokenized without special tokens (they are concatenations of fragments), so a
+    base model without a chat template would otherwise never see the BOS it was trained behind.
+    """
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos_id else ""
 
 
 def assemble_prompt(

@@ -3,53 +3,80 @@
 Segments are the unit of KV reuse: each one is prefilled on its own and stored
 under a key derived from its text, so the split must be
 
-* **deterministic** — the same text (and tokenizer) always gives the same
-  segments;
+* **deterministic** — the same text (and tokenizer, and page starts) always
+  gives the same segments;
 * **local** — editing one paragraph changes only the segments near it, so the
-  rest of the document's cached KV stays valid.
+  rest of the document's cached KV stays valid;
+* **structural** — a segment should be a passage a reader would cite: it
+  starts at a heading where it can, and never ends mid-sentence where a
+  paragraph, page or sentence end is available.
 
 How it cuts
 -----------
 0. A text that fits in ``chunk_tokens`` (checked with one ``count_tokens``
    call on the whole stripped text) is one segment.
-1. The text is split into *paragraphs* at blank lines.  A paragraph that fits
-   in ``chunk_tokens`` is one unit.  A longer one is split at sentence ends,
-   a sentence still too long at line breaks, then at spaces between words,
-   and a single giant word between characters (those last pieces are cut to
-   fit exactly).
+1. The text is split into *blocks*: paragraphs (at blank lines), cut again
+   before every Markdown ATX heading line (``#`` .. ``######``, a space, a
+   title; not inside a ``` or ~~~ fence) and at every page start in
+   ``breaks`` that follows a sentence end.  Two refinements keep blocks whole:
+
+   * a page start never cuts a sentence: where the text before a page start
+     does not end a sentence (``.``, ``!``, ``?``, ``…``, maybe closing
+     quotes) and no heading follows it, the two sides stay one block even if
+     the converter put a blank line there (a sentence running over a page);
+   * a *bare* heading block (the heading line and nothing else) is glued to
+     the block after it, so a heading never ends a segment apart from its
+     text, and ``# Title`` / ``## Section`` / text stay together.
+
+   A block that fits in ``chunk_tokens`` is one unit.  A longer one is split
+   at sentence ends, a sentence still too long at line breaks, then at spaces
+   between words, and a single giant word between characters (those last
+   pieces are cut to fit exactly).
 2. Units are packed greedily, in order, into segments of at most
    ``chunk_tokens`` tokens (a segment's size is estimated as the sum of its
    units' counts plus the count of any newline gap between them, then checked
    with one ``count_tokens`` call on the finished segment; if the estimate was
    too optimistic, units are moved to the next segment until it fits).
-3. **Anchors.** Some paragraphs are *anchors*: a paragraph is one when a hash
-   of its own text, read as a number in [0, 1), is below
-   ``n_tokens / (ANCHOR_SPAN * chunk_tokens)``.  An anchor paragraph always
-   starts a new segment.  Anchors depend only on the paragraph itself, so they
+3. **Anchors.** Some blocks are *anchors*: a block is one when a hash of its
+   own text, read as a number in [0, 1), is below
+   ``n_tokens / (ANCHOR_SPAN * chunk_tokens)``.  An anchor block always
+   starts a new segment.  Anchors depend only on the block itself, so they
    fall at the same places before and after an edit elsewhere; on average one
    falls every ``ANCHOR_SPAN * chunk_tokens`` tokens.
+4. **Headings.** A block that starts with a heading starts a new segment too,
+   unless the segment being filled holds fewer than
+   ``chunk_tokens / HEADING_MIN_FILL`` tokens: then the heading joins it, so
+   a run of tiny sections (an FAQ, or ``#`` comments in code read as text)
+   packs into one segment instead of one segment each.  A bare heading at the
+   very end of the text starts nothing (it has no text to introduce).
 
 Edit locality (the property achieved)
 -------------------------------------
-Call the stretch from one anchor paragraph up to (not including) the next a
-*region*; packing restarts at every region.  If an edit changes only paragraph
-P (its text, or by splitting/merging it with blank lines), then
+Call the stretch from one anchor block up to (not including) the next a
+*region*; packing restarts at every region.  If an edit changes only
+paragraph P (its text, or by splitting/merging it with blank lines), then
 
-* every segment before the one that holds P's predecessor (the paragraph just
-  before P) is unchanged: packing reads left to right, and only the segment
-  being filled when P is reached can see it (it may absorb P if P shrank, or
-  close earlier if P grew), and
-* every segment from the first anchor paragraph after P onwards is unchanged
-  (packing restarts there from the same state).
+* every segment before the one that holds the block before P's block is
+  unchanged: packing reads left to right, and only the segment being filled
+  when P is reached can see it (it may absorb P if P shrank, or close earlier
+  if P grew), and
+* every segment from the first anchor block after P's block onwards is
+  unchanged (packing restarts there from the same state).  P's block is P
+  itself unless P is, or follows, a bare heading or a page start that a
+  sentence runs over; then it is the block glued or joined around P.
 
 Only the segments between P and the next anchor can change — on average
 about ``ANCHOR_SPAN / 2`` segments, whatever the document's length.  (This is
 for texts longer than one chunk before and after the edit: a text that fits
-in ``chunk_tokens`` is always a single segment, anchors or not.)  Plain
+in ``chunk_tokens`` is always a single segment, anchors or not.)  Heading
+cuts do not weaken this: they depend only on the text since the last anchor,
+and in practice packing re-synchronises at the next heading too.  Plain
 greedy packing has no such bound: in a document of equal-sized paragraphs,
 inserting one paragraph near the start shifts every later boundary.  The
 price is that a region's last segment is usually not full (roughly one
-segment in ``ANCHOR_SPAN`` is partial).
+segment in ``ANCHOR_SPAN`` is partial).  A document without headings and
+page starts is split exactly as before headings and pages were known, so
+archived segments of such documents keep their keys.
 
 Text is never rewritten: each segment is an exact slice of the source with
 only its leading and trailing whitespace removed.  Between two consecutive
@@ -57,29 +84,56 @@ segments the source has only whitespace, except where a giant word was cut
 between characters (nothing between).  So, with ``re.sub(r"\\s+", "", s)``
 as the normalisation, ``normalise("".join(segments)) == normalise(text)``;
 :func:`split_into_spans` gives the exact source offsets for callers that need
-to rebuild the text byte for byte.
+to rebuild the text byte for byte, and :func:`find_headings` the headings
+that name a segment's section (kvblend.provenance).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvblend.errors import UsageError
 
-__all__ = ["ANCHOR_SPAN", "split_into_segments", "split_into_spans"]
+__all__ = [
+    "ANCHOR_SPAN",
+    "HEADING_MIN_FILL",
+    "Heading",
+    "find_headings",
+    "split_into_segments",
+    "split_into_spans",
+]
 
-# One anchor paragraph every ANCHOR_SPAN * chunk_tokens tokens, on average.
+# One anchor block every ANCHOR_SPAN * chunk_tokens tokens, on average.
 ANCHOR_SPAN = 4
+# A heading starts a new segment once the segment being filled holds chunk_tokens / HEADING_MIN_FILL tokens.
+HEADING_MIN_FILL = 8
 
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
 # A sentence ends at . ! ? … (optionally followed by closing quotes/brackets)
 # and whitespace; the cut falls just after the punctuation.
 _SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]]*(?=\s)")
+# Text (stripped) that ends a sentence: what a page start must follow to cut there.
+_ENDS_SENTENCE = re.compile(r"[.!?…][\"'”’)\]]*$")
 _LINE_BREAK = re.compile(r"\n")
 _WORD = re.compile(r"\S+")
+# CommonMark's ATX heading: up to 3 spaces, 1-6 #, a space or tab, a title (its closing #s are not part of it).
+_HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+([^\n]*?)[ \t]*$", re.MULTILINE)
+_CLOSING_HASHES = re.compile(r"(?:^|[ \t]+)#+$")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Heading:
+    """One Markdown ATX heading line: where its first ``#`` is, where its line ends, its level and title."""
+
+    start: int
+    end: int
+    level: int
+    title: str
 
 
 @dataclass
@@ -87,21 +141,55 @@ class _Unit:
     start: int
     end: int
     tokens: int
-    anchor: bool = False
+    anchor: bool = False  # always starts a segment
+    heading: bool = False  # starts a segment once the one being filled holds enough
 
 
-def split_into_segments(text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512) -> list[str]:
+def find_headings(text: str) -> list[Heading]:
+    """Every ATX heading line of ``text`` outside fenced code, in order (empty titles are no headings).
+
+    Deterministic and linear: a ``#`` line inside a ``` or ~~~ fence is code, not a heading, so a fence
+    opened and never closed hides every later ``#`` line (as Markdown renders it).
+    """
+    if "#" not in text:
+        return []
+    events: list[tuple[int, str, re.Match[str]]] = [(m.start(), "fence", m) for m in _FENCE.finditer(text)]
+    events += [(m.start(), "heading", m) for m in _HEADING.finditer(text)]
+    events.sort(key=lambda e: e[0])
+    headings: list[Heading] = []
+    fence: str | None = None  # the opening fence's marker while inside one
+    for _, kind, m in events:
+        if kind == "fence":
+            marker = m.group(1)
+            if fence is None:
+                fence = marker
+            elif marker[0] == fence[0] and len(marker) >= len(fence):
+                fence = None
+        elif fence is None:
+            title = _CLOSING_HASHES.sub("", m.group(2)).strip()
+            if title:
+                headings.append(Heading(m.start(1), m.end(), len(m.group(1)), title))
+    return headings
+
+
+def split_into_segments(
+    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512, breaks: Iterable[int] = ()
+) -> list[str]:
     """Split ``text`` into segments of at most ``chunk_tokens`` tokens.
 
     ``count_tokens(s)`` must return the number of tokens in ``s`` (e.g.
-    ``len(tokenizer.encode(s, add_special_tokens=False))``).  Empty or
-    whitespace-only text gives ``[]``.  See the module docstring for where
-    cuts fall and what an edit can change.
+    ``len(tokenizer.encode(s, add_special_tokens=False))``).  ``breaks``:
+    offsets into ``text`` where a page begins (``Document.page_starts``),
+    cut candidates like paragraph breaks.  Empty or whitespace-only text
+    gives ``[]``.  See the module docstring for where cuts fall and what an
+    edit can change.
     """
-    return [text[a:b] for a, b in split_into_spans(text, count_tokens, chunk_tokens)]
+    return [text[a:b] for a, b in split_into_spans(text, count_tokens, chunk_tokens, breaks)]
 
 
-def split_into_spans(text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512) -> list[tuple[int, int]]:
+def split_into_spans(
+    text: str, count_tokens: Callable[[str], int], chunk_tokens: int = 512, breaks: Iterable[int] = ()
+) -> list[tuple[int, int]]:
     """Same split as :func:`split_into_segments`, as ``(start, end)`` offsets into ``text``."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise UsageError(f"chunk size must be a positive number of tokens, got {chunk_tokens!r}")
@@ -116,7 +204,7 @@ def split_into_spans(text: str, count_tokens: Callable[[str], int], chunk_tokens
         return n
 
     units: list[_Unit] = []
-    for start, end in _paragraph_spans(text):
+    for start, end, heading in _blocks(text, breaks):
         n = count(start, end)
         first = len(units)
         if n <= chunk_tokens:
@@ -124,6 +212,7 @@ def split_into_spans(text: str, count_tokens: Callable[[str], int], chunk_tokens
         else:
             units.extend(_split_long(text, start, end, count, chunk_tokens, level=0))
         units[first].anchor = _is_anchor(text[start:end], n, chunk_tokens)
+        units[first].heading = heading
     if not units:
         return []
     # A text that fits in one chunk is one segment, anchors or not.
@@ -146,6 +235,64 @@ def _paragraph_spans(text: str) -> list[tuple[int, int]]:
     return [s for s in (_strip(text, a, b) for a, b in spans) if s is not None]
 
 
+def _blocks(text: str, breaks: Iterable[int]) -> list[tuple[int, int, bool]]:
+    """(start, end, starts with a heading) of each block: paragraphs cut before headings and at page starts
+    after a sentence end, joined over page starts a sentence runs across, bare headings glued to what follows."""
+    headings = {h.start: h for h in find_headings(text)}
+    starts = sorted(headings)
+    pages = sorted({b for b in breaks if 0 < b < len(text)})
+    blocks: list[tuple[int, int]] = []
+    for start, end in _paragraph_spans(text):
+        cuts = _between(starts, start, end)
+        cuts += [b for b in _between(pages, start, end) if _ends_sentence(text, start, b)]
+        pos = start
+        for c in sorted(set(cuts)) + [end]:
+            piece = _strip(text, pos, c)
+            if piece is not None:
+                blocks.append(piece)
+            pos = c
+    if pages:  # a page start that a sentence runs across (no sentence end before, no heading after) cuts nothing
+        joined: list[tuple[int, int]] = []
+        for start, end in blocks:
+            if joined and start not in headings and _page_between(pages, joined[-1][1], start):
+                prev_start, prev_end = joined[-1]
+                if not _ends_sentence(text, prev_start, prev_end):
+                    joined[-1] = (prev_start, end)
+                    continue
+            joined.append((start, end))
+        blocks = joined
+    out: list[tuple[int, int, bool]] = []
+    glue: int | None = None  # start of the bare headings waiting for the block they introduce
+    for i, (start, end) in enumerate(blocks):
+        heading = headings.get(start)
+        if heading is not None and end <= heading.end and i + 1 < len(blocks):  # bare: glued to the next block
+            glue = start if glue is None else glue
+            continue
+        first = start if glue is None else glue
+        bare = heading is not None and end <= heading.end  # only the last block can be: headings introducing nothing
+        out.append((first, end, first in headings and not bare))
+        glue = None
+    return out
+
+
+def _between(offsets: list[int], start: int, end: int) -> list[int]:
+    """The sorted offsets strictly between start and end (bisect: a long document has many of both)."""
+    return offsets[bisect.bisect_right(offsets, start) : bisect.bisect_left(offsets, end)]
+
+
+def _ends_sentence(text: str, start: int, end: int) -> bool:
+    """Whether text[start:end], stripped, ends a sentence (only its tail is read: blocks can be long)."""
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return _ENDS_SENTENCE.search(text[max(start, end - 32) : end]) is not None
+
+
+def _page_between(pages: list[int], left: int, right: int) -> bool:
+    """Whether a page starts in [left, right] (pages sorted)."""
+    i = bisect.bisect_left(pages, left)
+    return i < len(pages) and pages[i] <= right
+
+
 def _strip(text: str, start: int, end: int) -> tuple[int, int] | None:
     while start < end and text[start].isspace():
         start += 1
@@ -154,9 +301,9 @@ def _strip(text: str, start: int, end: int) -> tuple[int, int] | None:
     return (start, end) if start < end else None
 
 
-def _is_anchor(paragraph: str, n_tokens: int, chunk_tokens: int) -> bool:
-    """Whether this paragraph always starts a segment (depends on nothing else)."""
-    digest = hashlib.blake2b(paragraph.encode("utf-8"), digest_size=8).digest()
+def _is_anchor(block: str, n_tokens: int, chunk_tokens: int) -> bool:
+    """Whether this block always starts a segment (depends on nothing else)."""
+    digest = hashlib.blake2b(block.encode("utf-8"), digest_size=8).digest()
     u = int.from_bytes(digest, "big") / 2.0**64
     return u < n_tokens / (ANCHOR_SPAN * chunk_tokens)
 
@@ -254,11 +401,12 @@ def _gap_cost(text: str, prev: _Unit, unit: _Unit, count) -> int:
 
 def _pack(text: str, units: list[_Unit], count, chunk_tokens: int) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
+    min_fill = chunk_tokens / HEADING_MIN_FILL
     i = 0
     while i < len(units):
         j = i + 1  # units[i:j] go into this segment
         estimate = units[i].tokens
-        while j < len(units) and not units[j].anchor:
+        while j < len(units) and not units[j].anchor and not (units[j].heading and estimate >= min_fill):
             add = units[j].tokens + _gap_cost(text, units[j - 1], units[j], count)
             if estimate + add > chunk_tokens:
                 break

@@ -14,7 +14,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"  # test-only data (MuSiQue passages)
-QUESTIONS = REPO / "kvblend" / "data" / "questions.json"  # the bundled documents' two-hop questions (the demo asks some)
+QUESTIONS = (
+    REPO / "kvblend" / "data" / "questions.json"
+)  # the bundled documents' two-hop questions (the demo asks some)
 PACKAGE_DATA = REPO / "kvblend" / "data"  # shipped with the package: demo docs, calibration set
 DOCS = PACKAGE_DATA / "docs"
 CALIBRATION = PACKAGE_DATA / "calibration.json"
@@ -30,7 +32,7 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 def tiny_config(arch: str):
@@ -39,8 +41,14 @@ def tiny_config(arch: str):
 
     if arch == "llama":
         # Llama-3 rope scaling, so re-positioning is checked against a non-trivial RoPE.
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return tf.LlamaConfig(**TINY, rope_parameters=rope, architectures=["LlamaForCausalLM"])
     if arch == "mistral":
         # A sliding window shorter than the test prompts, so the window mask is exercised.
@@ -49,6 +57,23 @@ def tiny_config(arch: str):
         return tf.Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"])  # q/k/v bias on
     if arch == "qwen3":
         return tf.Qwen3Config(**TINY, head_dim=16, architectures=["Qwen3ForCausalLM"])  # q_norm/k_norm
+    if arch == "gemma3":
+        # Local layers (window 24, shorter than the test prompts, RoPE base 10k) around one global layer
+        # (base 1M), as Gemma 3 interleaves them; q/k norms, sandwich norms, scaled embeddings, GELU MLP.
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        }
+        layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+        return tf.Gemma3TextConfig(
+            **TINY,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=24,
+            layer_types=layer_types,
+            rope_parameters=rope,
+            architectures=["Gemma3ForCausalLM"],
+        )
     raise ValueError(arch)
 
 
@@ -61,6 +86,11 @@ def tiny_runner(arch: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+    if arch == "gemma3":  # its norms start as the identity (weight 0 means scale 1): give each its own scale,
+        with torch.no_grad():  # so a norm applied in the wrong place changes the logits
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     return ModelRunner(model, None, name=f"tiny-{arch}")
 
 
@@ -75,12 +105,14 @@ def kvblend_script() -> list[str]:
     return [found]
 
 
-def run_cli(*args, timeout: float = 900, check: bool = False, env: dict | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, timeout: float = 900, check: bool = False, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
     """Run `kvblend ARGS...` in a subprocess; `check` raises with stderr on a non-zero exit."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
-    proc = subprocess.run([*kvblend_script(), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, input=input)
+    proc = subprocess.run(
+        [*kvblend_script(), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=full_env, input=input
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"kvblend {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}")
     return proc

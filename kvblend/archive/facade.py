@@ -53,6 +53,8 @@ class DocumentSummary:
     bytes: int  # payload bytes of its segments still present
     last_used: float | None
     ingested: float
+    format: str = "text"  # what the file was read as ("text", "markdown", "pdf", ...)
+    pages: int = 0  # page count; 0 for formats without pages
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -348,6 +350,8 @@ class Archive:
                     bytes=sum(s.stored_bytes for s in present),
                     last_used=max((s.last_access or 0 for s in present), default=0) or None,
                     ingested=doc.ingested,
+                    format=doc.format,
+                    pages=doc.pages,
                 )
             )
         return out

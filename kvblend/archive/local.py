@@ -70,6 +70,7 @@ from kvblend.archive.records import (
     Model,
     SegmentRecord,
     document_db_key,
+    drop_listed,
     load_record,
     name_db_key,
 )
@@ -443,7 +444,7 @@ def strip_dangling(txn: lmdb.Transaction, dbs: Dbs, dangling: dict[str, list[str
 
 
 def _mark_incomplete(txn: lmdb.Transaction, dbs: Dbs, kb: bytes, d: dict[str, Any], gone: set[str]) -> str:
-    d["segment_keys"] = [k for k in d.get("segment_keys", []) if k not in gone]
+    drop_listed(d, gone)  # their sources go with them
     d["incomplete"] = True
     txn.put(kb, dump_json(d), db=dbs["documents"])
     return d.get("path", kb.decode("utf-8", "replace"))

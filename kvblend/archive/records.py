@@ -23,7 +23,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -159,9 +159,27 @@ class SegmentRecord:
         return 2 * 2 * self.kv_heads * self.head_dim * self.n_tokens
 
 
+def drop_listed(d: dict[str, Any], gone: Collection[str]) -> None:
+    """Remove the keys in ``gone`` from a document record's dict (``segment_keys``), and their ``sources`` with
+    them: the two lists are parallel, and a source left behind would name another segment's pages."""
+    keys = d.get("segment_keys", [])
+    sources = d.get("sources")
+    if isinstance(sources, list) and len(sources) == len(keys):
+        d["sources"] = [src for key, src in zip(keys, sources) if key not in gone]
+    elif sources is not None:
+        d["sources"] = []  # not parallel (damaged): no provenance rather than the wrong one
+    d["segment_keys"] = [k for k in keys if k not in gone]
+
+
 @dataclass
 class DocumentRecord:
-    """Index record of one ingested document: its segments in order.
+    """Index record of one ingested document: its segments in order, and where in the document each came from.
+
+    Provenance lives here, not in the segment's record: the same text (so the same segment, the same KV) can
+    occur in two documents, on different pages under different headings. ``sources[i]`` describes
+    ``segment_keys[i]`` as ``{"pages": [first, last] or None, "section": str or None}``. Records written before
+    provenance existed have no ``sources`` (nor ``format``, ``pages``): they read as "text", 0 pages, and
+    segments of unknown origin (:meth:`source`).
 
     Records written by older kvblends may carry an ``mtime`` (always 0.0); it
     is dropped on read like any unknown field.
@@ -176,11 +194,32 @@ class DocumentRecord:
     incomplete: bool = False  # some segments were dropped (evicted or corrupt): re-ingest to restore
     extra: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # as ingested, relative to its root (what users and servers are shown; never a full path)
+    format: str = "text"  # what the file was read as: "text", "markdown", "json", "pdf", "html", "docx", ...
+    pages: int = 0  # page count; 0 for formats without pages
+    sources: list[dict[str, Any]] = field(default_factory=list)  # parallel to segment_keys (see the class doc)
 
     @property
     def display_name(self) -> str:
         """The name to show: as ingested relative to its root, else (records of older kvblends) the file name."""
         return self.name or os.path.basename(self.path) or self.path
+
+    def source(self, index: int) -> dict[str, Any]:
+        """Where segment ``index`` came from: ``{"pages": [first, last] or None, "section": str or None}``; both
+        None when the record does not say (written before provenance, or its sources are not parallel)."""
+        if len(self.sources) == len(self.segment_keys) and 0 <= index < len(self.sources):
+            src = self.sources[index]
+            if isinstance(src, dict):
+                pages, section = src.get("pages"), src.get("section")
+                if not (isinstance(pages, list) and len(pages) == 2 and all(isinstance(p, int) for p in pages)):
+                    pages = None
+                return {"pages": pages and list(pages), "section": section if isinstance(section, str) else None}
+        return {"pages": None, "section": None}
+
+    def drop_segments(self, gone: Collection[str]) -> None:
+        """Forget the segments in ``gone`` (evicted, damaged), keeping ``sources`` parallel to ``segment_keys``."""
+        d: dict[str, Any] = {"segment_keys": self.segment_keys, "sources": self.sources}
+        drop_listed(d, gone)
+        self.segment_keys, self.sources = d["segment_keys"], d["sources"]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,7 +229,10 @@ class DocumentRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DocumentRecord:
-        return _from_dict(cls, d)
+        rec = _from_dict(cls, d)
+        if not isinstance(rec.sources, list):  # a damaged or foreign value: provenance unknown, the record usable
+            rec.sources = []
+        return rec
 
     @classmethod
     def from_json(cls, data: str | bytes) -> DocumentRecord:

@@ -495,7 +495,7 @@ class RedisStore(Store):
         marked = []
         for doc in list(self.iter_documents()):
             if gone.intersection(doc.segment_keys):
-                doc.segment_keys = [k for k in doc.segment_keys if k not in gone]
+                doc.drop_segments(gone)
                 doc.incomplete = True
                 self.put_document(doc)
                 marked.append(doc.path)
@@ -552,7 +552,7 @@ class RedisStore(Store):
         for path, missing in dangling.items():
             doc = self.get_document(path)
             if doc is not None:
-                doc.segment_keys = [k for k in doc.segment_keys if k not in set(missing)]
+                doc.drop_segments(set(missing))
                 doc.incomplete = True
                 self.put_document(doc)
                 marked.append(path)

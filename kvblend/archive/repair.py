@@ -158,12 +158,13 @@ def _restore_documents(
         docs.setdefault(doc.path, doc)
     listed: set[str] = set()
     for doc in docs.values():
-        kept = [k for k in doc.segment_keys if k in restored]
-        if len(kept) < len(doc.segment_keys):
-            doc.segment_keys, doc.incomplete = kept, True
+        gone = {k for k in doc.segment_keys if k not in restored}
+        if gone:
+            doc.drop_segments(gone)  # their sources go with them
+            doc.incomplete = True
         if doc.incomplete:
             report.incomplete_documents.append(doc.path)
-        listed.update(kept)
+        listed.update(doc.segment_keys)
     report.documents_restored = len(docs)
     report.incomplete_documents.sort()
     report.unlinked_segments = sum(

@@ -38,6 +38,7 @@ from kvblend.cli.common import (
     print_json,
 )
 from kvblend.errors import NotFoundError, UsageError
+from kvblend.provenance import describe
 
 
 def register(app: typer.Typer) -> None:
@@ -61,7 +62,7 @@ def _ago(ts: float | None) -> str:
 
 
 def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
-    """List archived documents: name, segments (and how many are gone), tokens, size, last used."""
+    """List archived documents: name, format (and pages), segments (and how many are gone), tokens, size, last used."""
     with open_existing(archive) as arc:
         docs = arc.document_summaries()
     if as_json:
@@ -72,11 +73,13 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
         return
     table = Table()
     table.add_column("document", overflow="fold")
+    table.add_column("format", no_wrap=True)
     for col in ("segments", "tokens", "size", "last used"):
         table.add_column(col, justify="right", no_wrap=True)
     for d in docs:
         segs = f"{d.segments}" + (f" ({d.missing_segments} missing)" if d.missing_segments else "")
-        table.add_row(escape(d.name), segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
+        fmt = escape(d.format) + (f", {d.pages} p." if d.pages else "")
+        table.add_row(escape(d.name), fmt, segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
     out.print(table)
 
 
@@ -98,16 +101,24 @@ def show(
                 "document": doc.display_name,
                 "path": doc.path,
                 "content_hash": doc.content_hash,
+                "format": doc.format,
+                "pages": doc.pages,
                 "tokens": doc.n_tokens,
                 "ingested": doc.ingested,
                 "incomplete": doc.incomplete,
                 "segments": doc.segment_keys,
             }
             if as_json:
-                print_json(info)
+                # where each segment came from, parallel to "segments" ({"pages", "section"}: null when unknown)
+                print_json({**info, "sources": [doc.source(i) for i in range(len(doc.segment_keys))]})
             else:
                 for k, v in info.items():
                     out.print(f"[bold]{k}[/]: {escape(str(v))}")
+                wheres = [describe(**doc.source(i)) for i in range(len(doc.segment_keys))]
+                if any(wheres):  # where each segment came from (records of older kvblends do not say)
+                    out.print("[bold]sources[/]:")
+                    for key, where in zip(doc.segment_keys, wheres):
+                        out.print(f"  {key[:12]}  {escape(where or '-')}")
             return
         try:
             rec = arc.find_segment(target)

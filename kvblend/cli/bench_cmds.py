@@ -54,6 +54,7 @@ from kvblend.evaluation.records import (
     parse_ratios,
 )
 from kvblend.options import NAMED_TEMPLATES, ComputeDtype, PromptTemplate, Select, Sink, check_ratio
+from kvblend.provenance import cite
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
 PARETO_RATIOS_TEXT = ",".join(f"{r:g}" for r in PARETO_RATIOS)
@@ -302,6 +303,9 @@ def _print_human(data: dict) -> None:
         )
         for run in rec["runs"]:
             con.print(f"   {run['run']:<40} {run['answer']!r}", markup=False)
+        sources = cite(rec.get("sources", []))
+        if sources:
+            con.print(f"   Sources: {sources}", markup=False)
     if data.get("pareto"):
         _print_pareto(con, data["pareto"])
     if data.get("variants"):

@@ -34,7 +34,7 @@ ModelOpt = typer.Option(
     None,
     "--model",
     "-m",
-    help="HF checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct).",
+    help="HF checkpoint directory, .gguf file, or a bundled model: gemma3-270m (default: bundled SmolLM2-135M-Instruct).",
     show_default=False,
 )
 ComputeOpt = typer.Option(

@@ -64,6 +64,7 @@ from kvblend.options import (
     Select,
     Sink,
 )
+from kvblend.provenance import cite
 
 
 def register(app: typer.Typer) -> None:
@@ -268,6 +269,10 @@ def query(
         print_json(result.to_dict())
     else:
         sys.stdout.write("\n")
+        sources = cite(result.segments)
+        if sources:  # what the answer was drawn from: document, pages, section (none for --context-file passages)
+            sys.stdout.write(f"Sources: {sources}\n")
+        sys.stdout.flush()
     if verbose:
         err.print(timing_table(result))
 

@@ -56,6 +56,12 @@ def _warm_up(engine, record: QARecord, template: PromptTemplate, codecs: Sequenc
             )
 
 
+def record_sources(record: QARecord, chunks: int) -> list[dict]:
+    """The passages a record's prompts hold (its first `chunks`), as a query reports where its segments came
+    from: the QA file names each passage's document by its title; a passage has no pages or section."""
+    return [{"document": title or None, "pages": None, "section": None} for title, _ in record.passages[:chunks]]
+
+
 def _check_settings(chunks: int, max_new_tokens: int, answer_kl_tokens: int, variant_ratio: float) -> None:
     if chunks < 1:
         raise UsageError(f"--chunks must be at least 1, not {chunks}")
@@ -204,6 +210,7 @@ def run_bench(
         runs=runs,
         full_answers=full_answers,
         questions=[r.question for r in records],
+        sources=[record_sources(r, chunks) for r in records],
         warnings=list(rr.warnings),
     )
 

@@ -31,6 +31,9 @@ class BenchReport:
     questions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     pareto: list[dict] | None = None  # `--pareto`: per (policy, ratio) first-token KL and recompute share
+    # per record, the passages its prompts were built from, in prompt order, as a query reports its segments'
+    # provenance: {"document": the passage's title in the QA file, "pages", "section"} (a QA passage has neither)
+    sources: list[list[dict]] = field(default_factory=list)
 
     def per_record(self) -> list[dict]:
         """Every run's answer and numbers, record by record (for `--answers`, and eyeballing)."""
@@ -42,6 +45,7 @@ class BenchReport:
         mine = [r for r in self.runs if r.record == i]
         return {
             "gold": mine[0].golds if mine else [],
+            "sources": self.sources[i] if i < len(self.sources) else [],
             "runs": [
                 {
                     "run": r.spec.label,

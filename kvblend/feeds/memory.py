@@ -85,12 +85,14 @@ def assemble_layer(
         # Cross the bus as stored (16-bit, or a lossy codec's codes); widen while writing into place.
         k = k.to(device=device, non_blocking=True)
         v = v.to(device=device, non_blocking=True)
-        place_segment(runner, k, v, offsets[i] - seg.base_position, k_out[0, :, rows], v_out[0, :, rows])
+        place_segment(runner, k, v, offsets[i] - seg.base_position, k_out[0, :, rows], v_out[0, :, rows], index)
     return k_out, v_out
 
 
-def place_segment(runner: ModelRunner, k, v, delta: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
-    """Write one segment's stored K (moved `delta` positions) and V into their rows of the layer.
+def place_segment(
+    runner: ModelRunner, k, v, delta: int, k_dst: torch.Tensor, v_dst: torch.Tensor, layer: int = 0
+) -> None:
+    """Write one segment's stored K of `layer` (moved `delta` positions) and V into their rows of the layer.
 
     Quantized KV (kvblend.archive.quant) is dequantized by the same pass that
     writes it: V straight into place, K into place when it needs no rotation,
@@ -100,9 +102,9 @@ def place_segment(runner: ModelRunner, k, v, delta: int, k_dst: torch.Tensor, v_
         if delta == 0:
             k.dequantize(out=k_dst)
         else:
-            runner.reposition(k.dequantize(), delta, out=k_dst)
+            runner.reposition(k.dequantize(), delta, out=k_dst, layer=layer)
     else:
-        runner.reposition(k, delta, out=k_dst)
+        runner.reposition(k, delta, out=k_dst, layer=layer)
     if isinstance(v, Quantized):
         v.dequantize(out=v_dst)
     else:

@@ -22,6 +22,7 @@ from kvblend.model.source import (
     SUPPORTED_ARCHITECTURES,
     ModelSource,
     check_architecture,
+    check_gguf_architecture,
     model_cache_dir,
     resolve_model_source,
     source_fingerprint,
@@ -66,6 +67,8 @@ def load_model(model: str | None = None, compute: str | None = None, dtype: str 
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
     hf_logging.set_verbosity_error()
     source = resolve_model_source(model)
+    if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
+        check_gguf_architecture(source.directory / source.gguf_file)
     fingerprint = source_fingerprint(source)
     with _unreadable_checkpoint(source):
         directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory

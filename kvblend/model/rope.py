@@ -30,23 +30,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Rotations:
     """fp32 cos/sin [head_dim] that move post-RoPE K by `delta` positions; memoised.
 
-    The rotary embedding's attention_scaling (YaRN/longrope mscale) is divided
-    out: K already carries it once and must not get it twice.
+    `rope` may return several RoPE kinds side by side ([.., kinds·head_dim], see
+    ModelRunner.rope); `kind` picks one. Each kind's attention_scaling (YaRN/longrope
+    mscale) is divided out: K already carries it once and must not get it twice.
     """
 
     MAX_ENTRIES = 4096  # offsets repeat across queries; keep the memo bounded
 
-    def __init__(self, rope: RopeFn, attention_scaling: float):
+    def __init__(self, rope: RopeFn, attention_scaling: float | list[float], head_dim: int | None = None):
         self.rope = rope
-        self.scaling = attention_scaling
-        self._memo: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scaling = [attention_scaling] if isinstance(attention_scaling, float | int) else list(attention_scaling)
+        self.head_dim = head_dim
+        self._memo: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, delta: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (delta, str(device))
+    def __call__(self, delta: int, device: torch.device, kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (delta, str(device), kind)
         cached = self._memo.get(key)
         if cached is None:
             cos, sin = self.rope(torch.tensor([[delta]], device=device))
-            cached = ((cos.float() / self.scaling).reshape(-1), (sin.float() / self.scaling).reshape(-1))
+            cos, sin = cos.float().reshape(-1), sin.float().reshape(-1)
+            if len(self.scaling) > 1:
+                assert self.head_dim is not None, "several RoPE kinds need the head dim to split their tables"
+                part = slice(kind * self.head_dim, (kind + 1) * self.head_dim)
+                cos, sin = cos[part], sin[part]
+            cached = (cos / self.scaling[kind], sin / self.scaling[kind])
             if len(self._memo) > self.MAX_ENTRIES:
                 self._memo.clear()
             self._memo[key] = cached

@@ -2,9 +2,9 @@
 
 CacheBlend needs to stop between layers (to pick HKVD tokens, to patch cached
 KV, to wait for the next layer's KV from disk), which `model.forward` cannot do.
-So the runner re-expresses a Llama-family decoder layer as three steps, all
-built from the model's *own* modules so that weights, norms, biases and the
-rotary embedding (rope scaling included) are exactly the checkpoint's:
+So the runner re-expresses a decoder layer as three steps, all built from the
+model's *own* modules so that weights, norms, biases and the rotary embedding
+(rope scaling included) are exactly the checkpoint's:
 
     h ─► input_layernorm ─► q/k/v proj (+q_norm/k_norm) ─► RoPE     = project_qkv
       ─► attention of the chosen queries over the layer's full KV   = attend
@@ -13,8 +13,21 @@ rotary embedding (rope scaling included) are exactly the checkpoint's:
 and a whole forward pass is embed → (project_qkv → attend → finish_layer) per
 layer → logits, as `prefill_batch` at the bottom of this file spells out.
 
-Supported: Llama, Mistral, Qwen2 (q/k/v bias comes with the Linear modules)
-and Qwen3 (q_norm/k_norm before RoPE). Anything else is refused by name.
+Supported: Llama, Mistral, Qwen2 (q/k/v bias comes with the Linear modules),
+Qwen3 (q_norm/k_norm before RoPE) and Gemma 3. Gemma 3 differs in four ways,
+each handled where it acts rather than in a second runner:
+
+* its embedding module scales by sqrt(hidden) itself (embed is unchanged);
+* "sandwich" norms: attention and MLP outputs are normed before the residual
+  add, and the MLP input has its own pre-norm (finish_layer);
+* five of six layers attend within a sliding window, and those layers use
+  their own RoPE base. `rope()` therefore returns one cos/sin table per *RoPE
+  kind*, concatenated along the last axis ([B, T, kinds·head_dim]); every
+  caller slices positions as before, and project_qkv / reposition take the
+  layer's own kind. A one-kind model gets exactly the tensors it always did.
+* a GELU MLP and q/k norms, which come with the model's own modules.
+
+Anything else is refused by name (kvblend.model.source.check_architecture).
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ class ModelRunner:
     # server's running streams wait for at most that much of one layer (vLLM's chunked prefill); None: whole
     # layers, which a one-off query computes bit for bit as before.
     step_rows: int | None = None
+    local_layers_skip_sink: bool = True
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -68,14 +82,31 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        # Short local windows between global layers (Gemma 2/3): a passage past the first window never sees
+        # the prompt's start in a local layer. A uniform window (Mistral's 4,096) covers whole prompts.
+        self._mixes_windows = len(set(self._windows)) > 1 and None in self._windows
         # The fusor reuses one query set for many layers: its sparse-attention masks are memoised.
         self._blocks = QueryBlockPlanner(self.dtype)
         self._bias_memo: dict = {}
-        scaling = float(getattr(self.decoder.rotary_emb, "attention_scaling", 1.0) or 1.0)
+        rotary = self.decoder.rotary_emb
+        # RoPE kinds: one per distinct layer type in models whose rotary embedding takes one (Gemma 3's local
+        # layers rotate with base 10k, its global ones with 1M), else a single kind for every layer.
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        if getattr(rotary, "layer_types", None) and layer_types:
+            self._rope_kinds: list[str | None] = list(rotary.layer_types)
+            self._layer_kind = [self._rope_kinds.index(t) for t in layer_types]
+            scales = [float(getattr(rotary, f"{t}_attention_scaling", 1.0) or 1.0) for t in self._rope_kinds]
+        else:
+            self._rope_kinds = [None]
+            self._layer_kind = [0] * self.n_layers
+            scales = [float(getattr(rotary, "attention_scaling", 1.0) or 1.0)]
         # Re-rotation tables come from fp32 cos/sin: taken in a 16-bit compute dtype they would be
         # rounded before the fp32 rotation (bf16 keeps 8 bits: errors of 1e-2 on K).
-        self._rotations = Rotations(lambda positions: self.rope(positions, torch.float32), scaling)
-        self.rope_type = _rope_type(self.decoder.rotary_emb)
+        self._rotations = Rotations(lambda positions: self.rope(positions, torch.float32), scales, self.head_dim)
+        self.rope_type = _rope_type(rotary)
+        # Gemma's sandwich norms around attention and MLP (finish_layer); Gemma 2-style logit soft-capping.
+        self._sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def _sliding_window(self, layer: int) -> int | None:
         attn = self.layers[layer].self_attn
@@ -100,10 +131,18 @@ class ModelRunner:
                 ids.add(source)
             elif source:
                 ids.update(int(i) for i in source)
-        for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"):
+        for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<end_of_turn>"):
             tid = self.tokenizer.convert_tokens_to_ids(marker)
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
                 ids.add(tid)
+        if not getattr(self.tokenizer, "chat_template", None):
+            # A base model answers a completion prompt ("...Answer:") on one line, then goes on to write
+            # the next question itself: its answer ends at the line break, as in few-shot QA evaluation.
+            encode: Any = getattr(self.tokenizer, "encode", None)  # absent on test stubs: no newline stops
+            for newline in ("\n", "\n\n") if encode is not None else ():
+                tokens = encode(newline, add_special_tokens=False)
+                if len(tokens) == 1:
+                    ids.add(int(tokens[0]))
         return ids
 
     def tokenize(self, text: str) -> list[int]:
@@ -120,9 +159,23 @@ class ModelRunner:
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for [B, T] absolute positions from the model's own rotary embedding (in `dtype`,
-        default the compute dtype: the embedding computes in fp32 and casts to its input's dtype)."""
+        default the compute dtype: the embedding computes in fp32 and casts to its input's dtype).
+
+        A model with several RoPE kinds (Gemma 3) gets each kind's table side by side on the last axis,
+        [B, T, kinds·head_dim]: callers index and slice positions as for one kind, and the layer's own
+        kind is picked where it is applied (project_qkv)."""
         probe = torch.empty(0, device=self.device, dtype=dtype or self.dtype)
-        return self.decoder.rotary_emb(probe, positions)
+        if self._rope_kinds == [None]:
+            return self.decoder.rotary_emb(probe, positions)
+        tables = [self.decoder.rotary_emb(probe, positions, kind) for kind in self._rope_kinds]
+        return torch.cat([c for c, _ in tables], dim=-1), torch.cat([s for _, s in tables], dim=-1)
+
+    def _layer_rope(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's part of a `rope()` table (the whole table for a one-kind model)."""
+        if len(self._rope_kinds) == 1:
+            return cos, sin
+        part = slice(self._layer_kind[layer] * self.head_dim, (self._layer_kind[layer] + 1) * self.head_dim)
+        return cos[..., part], sin[..., part]
 
     def check_reusable_rope(self) -> None:
         """Refuse RoPE whose frequencies depend on the sequence length (dynamic NTK, longrope).
@@ -140,8 +193,9 @@ class ModelRunner:
     def project_qkv(
         self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-norm, q/k/v projections (+ Qwen3's q_norm/k_norm), RoPE. → [B, heads, T, hd]."""
+        """Pre-norm, q/k/v projections (+ Qwen3's and Gemma 3's q_norm/k_norm), RoPE. → [B, heads, T, hd]."""
         block = self.layers[layer]
+        cos, sin = self._layer_rope(layer, cos, sin)
         attn = block.self_attn
         x = block.input_layernorm(hidden)
         shape = (*x.shape[:-1], -1, self.head_dim)
@@ -172,10 +226,12 @@ class ModelRunner:
         window = self._windows[layer]
         n_keys = k.shape[2]
         dense = window is None or window >= n_keys
+        decoding = query_positions is not None and q.shape[2] == 1 and int(query_positions[-1]) == n_keys - 1
         if query_positions is None and dense:
             out = dense_causal(q, k, v, scale)
-        elif dense and query_positions is not None and q.shape[2] == 1 and int(query_positions[-1]) == n_keys - 1:
-            out = last_query(q, k, v, scale)  # decoding: the newest position sees every key, no mask to build
+        elif decoding:  # the newest position sees every key (of its window), no mask to build
+            keys = slice(max(0, n_keys - window), n_keys) if window is not None else slice(0, n_keys)
+            out = last_query(q, k[:, :, keys], v[:, :, keys], scale)
         elif dense and query_positions is not None and is_short_suffix(query_positions, n_keys):
             out = dense_suffix(q, k, v, scale)
         else:
@@ -203,24 +259,35 @@ class ModelRunner:
         return float(getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5))
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then post-attention norm, MLP and residual."""
+        """o_proj + residual, then post-attention norm, MLP and residual.
+
+        Gemma's sandwich: the attention output is normed before the residual add
+        (its `post_attention_layernorm`), and the MLP has a pre- and a post-norm."""
         block = self.layers[layer]
+        if self._sandwich:
+            h = residual + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
+            return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
         h = residual + block.self_attn.o_proj(attn_out)
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the given hidden states (usually only the last token)."""
-        return self.model.lm_head(self.decoder.norm(hidden)).float()
+        """Final norm + LM head on the given hidden states (usually only the last token), soft-capped where
+        the model caps its logits."""
+        logits = self.model.lm_head(self.decoder.norm(hidden)).float()
+        if self._final_softcap:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits
 
     # ── RoPE re-positioning of cached K ──
-    def reposition(self, k: torch.Tensor, delta: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate post-RoPE K by `delta` positions: R(p+Δ) = R(Δ)·R(p). Computed in fp32.
+    def reposition(self, k: torch.Tensor, delta: int, out: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
+        """Rotate post-RoPE K of `layer` by `delta` positions: R(p+Δ) = R(Δ)·R(p). Computed in fp32.
 
-        With `out` the result is written there (see kvblend.model.rope.rotate_k).
+        The layer picks the RoPE kind (Gemma 3's local and global bases); with `out` the
+        result is written there (see kvblend.model.rope.rotate_k).
         """
         if delta == 0:
             return k if out is None else out.copy_(k)
-        cos, sin = self._rotations(delta, k.device)
+        cos, sin = self._rotations(delta, k.device, self._layer_kind[layer])
         return rotate_k(k, cos, sin, out)
 
     # ── plain prefill, batched (used for segment precompute and as the `full` reference) ──
@@ -267,8 +334,9 @@ class ModelRunner:
             if len(chunks) == 1:
                 q, k, v = self.project_qkv(layer, hidden, cos, sin)
                 if not last:
-                    keys, values = _after_past(past, layer, k, v)
-                    attn = self.attend(layer, q, keys, values, key_index if past else None)
+                    seen = self._past_seen(past, layer)
+                    keys, values = _after_past(seen, layer, k, v)
+                    attn = self.attend(layer, q, keys, values, key_index if seen else None)
                     hidden = self.finish_layer(layer, hidden, attn)
             else:  # by token ranges: every key is computed first, then each range's queries attend causally
                 parts = []
@@ -277,10 +345,12 @@ class ModelRunner:
                     yield None
                 q, k, v = (torch.cat(t, dim=2) for t in zip(*parts))
                 if not last:  # of the last layer only its K/V are kept
-                    keys, values = _after_past(past, layer, k, v)
+                    seen = self._past_seen(past, layer)
+                    keys, values = _after_past(seen, layer, k, v)
+                    rows_index = key_index if seen else key_index - n_past
                     done = []
                     for rows in chunks:
-                        attn = self.attend(layer, q[:, :, rows], keys, values, query_positions=key_index[rows])
+                        attn = self.attend(layer, q[:, :, rows], keys, values, query_positions=rows_index[rows])
                         done.append(self.finish_layer(layer, hidden[:, rows], attn))
                         yield None
                     hidden = torch.cat(done, dim=1)
@@ -288,6 +358,20 @@ class ModelRunner:
                 out[row].append((k[row, :, : len(tokens)], v[row, :, : len(tokens)]))
             yield None
         return out
+
+    def _past_seen(self, past: list[LayerKV] | None, layer: int) -> list[LayerKV] | None:
+        """The shared past a segment's tokens attend to in `layer`: none in a local layer of a model
+        that mixes local and global layers (`local_layers_skip_sink` False: every layer sees it).
+
+        In a prompt, a passage sits behind other passages: in a local layer its tokens see only the
+        tail of the passage before, never the sink at the prompt's start (the first 512 tokens aside).
+        Prefilled after the sink with the sink in view, every token of a Gemma 3 passage leaned on that
+        BOS in five of six layers, and its KV deviated from the prompt's everywhere: blend at 0.3 was no
+        closer to full than reuse. The sink is therefore seen in global layers only.
+        """
+        if past is None or self._windows[layer] is None or not self._mixes_windows or not self.local_layers_skip_sink:
+            return past
+        return None
 
 
 def _after_past(past: list[LayerKV] | None, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvblend.defaults import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL_NAME
+from kvblend.defaults import BUNDLED_MODELS, DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL_NAME
 from kvblend.errors import ModelNotFoundError, UnsupportedModelError
 
 # The decoder layouts the runner re-expresses step by step (kvblend.model.runner).
@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 
@@ -38,6 +39,8 @@ def resolve_model_source(model: str | None) -> ModelSource:
     """Turn `--model` (None, a directory or a .gguf file) into a ModelSource."""
     if model is None or model in ("default", DEFAULT_MODEL_NAME):
         return _default_source()
+    if model in BUNDLED_MODELS:
+        return _bundled_source(model)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.stem, path.parent.resolve(), path.name)
@@ -59,6 +62,18 @@ def _default_source() -> ModelSource:
     if not (directory / DEFAULT_GGUF_FILE).is_file():
         raise ModelNotFoundError(f"default model file missing: {directory / DEFAULT_GGUF_FILE}")
     return ModelSource(DEFAULT_MODEL_NAME, directory, DEFAULT_GGUF_FILE)
+
+
+def _bundled_source(name: str) -> ModelSource:
+    """A model `make install` bundles beside the default one (kvblend.defaults.BUNDLED_MODELS)."""
+    package, relative = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(f"model {name} is not installed: run `make install`")
+    path = Path(spec.origin).parent / relative
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {name}: file missing at {path} (run `make install` again)")
+    return ModelSource(name, path.parent, path.name)
 
 
 def model_cache_dir() -> Path:
@@ -96,6 +111,81 @@ def source_fingerprint(source: ModelSource) -> str:
         for weights in sorted(source.directory.glob("*.safetensors")) + sorted(source.directory.glob("*.bin")):
             h.update(weights.name.encode() + _file_identity(weights).encode())
     return h.hexdigest()
+
+
+# GGUF `general.architecture` names of the layouts above (Mistral GGUFs say "llama").
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+# GGUF metadata value types (the spec's numbering) → byte size of a fixed-size value; 8 is a string, 9 an array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(path: Path, max_entries: int = 64) -> str | None:
+    """`general.architecture` of a GGUF file, read from its header alone (None if not found early).
+
+    A full parse (gguf.GGUFReader) walks every metadata array, a 262k-entry vocabulary
+    included: 16 s for Gemma 3 270M on a 2-core VM. The architecture is written among the
+    first keys by every converter, so reading key/value pairs from the front until it appears
+    refuses an unsupported model in milliseconds, before transformers de-quantises anything.
+    """
+    import struct
+
+    with path.open("rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ModelNotFoundError(f"not a GGUF file (bad magic): {path}")
+        (n_kv,) = struct.unpack_from("<Q", head, 16)
+
+        def read(n: int) -> bytes:
+            data = f.read(n)
+            if len(data) != n:
+                raise ModelNotFoundError(f"truncated GGUF header: {path}")
+            return data
+
+        def read_string() -> bytes:
+            (length,) = struct.unpack("<Q", read(8))
+            if length > 1 << 20:
+                raise ModelNotFoundError(f"damaged GGUF header (a {length}-byte key or string): {path}")
+            return read(length)
+
+        def skip(value_type: int) -> None:
+            if value_type == _GGUF_STRING:
+                read_string()
+            elif value_type == _GGUF_ARRAY:
+                item_type, count = struct.unpack("<IQ", read(12))
+                if item_type in _GGUF_SCALAR_SIZES:
+                    f.seek(_GGUF_SCALAR_SIZES[item_type] * count, 1)
+                else:
+                    for _ in range(min(count, 1 << 16)):
+                        skip(item_type)
+            elif value_type in _GGUF_SCALAR_SIZES:
+                read(_GGUF_SCALAR_SIZES[value_type])
+            else:
+                raise ModelNotFoundError(f"damaged GGUF header (value type {value_type}): {path}")
+
+        for _ in range(min(n_kv, max_entries)):
+            key = read_string()
+            (value_type,) = struct.unpack("<I", read(4))
+            if key == b"general.architecture" and value_type == _GGUF_STRING:
+                return read_string().decode("utf-8", "replace")
+            skip(value_type)
+    return None
+
+
+def check_gguf_architecture(path: Path) -> None:
+    """Refuse a GGUF whose architecture has no layer runner, from its header (see gguf_architecture)."""
+    arch = gguf_architecture(path)
+    if arch is not None and arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch} (GGUF); kvblend supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
 def check_architecture(config, class_name: str | None = None) -> str:

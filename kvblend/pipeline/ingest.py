@@ -26,15 +26,16 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import iter_documents
+from kvblend.documents import Document, Skipped, iter_documents
 from kvblend.errors import UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import IngestReport
 from kvblend.prompt import segment_text_for_kv
+from kvblend.provenance import segment_sources
 from kvblend.retrieval import get_embedder
-from kvblend.segmenter import split_into_segments
+from kvblend.segmenter import split_into_spans
 from kvblend.types import WAITING, LayerKV, Steps, drain
 
 MIN_CHUNK_TOKENS = 16
@@ -134,11 +135,34 @@ def ingest_paths(
     if chunk_tokens < MIN_CHUNK_TOKENS:
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
-    started, load_before = time.perf_counter(), res.model_load_s
+    started = time.perf_counter()
     docs, skipped = iter_documents([Path(p) for p in paths])
     if not docs:
         shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
         raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
+    return ingest_documents(
+        res, docs, chunk_tokens, codec, level, batch_tokens, wait_for_writer, on_progress, skipped, started
+    )
+
+
+def ingest_documents(
+    res: Resources,
+    docs: Sequence[Document],
+    chunk_tokens: int,
+    codec: str,
+    level: int,
+    batch_tokens: int,
+    wait_for_writer: bool | float,
+    on_progress: Callable[[dict], None] | None = None,
+    skipped: Sequence[Skipped] = (),
+    started: float | None = None,
+) -> IngestReport:
+    """:func:`ingest_paths` for documents already read (a caller that converts or builds its own)."""
+    if chunk_tokens < MIN_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
+    codec = check_codec(codec)
+    started = time.perf_counter() if started is None else started
+    load_before = res.model_load_s
     report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
     archive = res.archive(create=True)
     pending = _Pending()
@@ -201,7 +225,7 @@ def stored_as(archive: Archive, doc: DocumentRecord, codec: str, same_sink: Call
 def _segment_document(
     res: Resources,
     archive: Archive,
-    doc,
+    doc: Document,
     chunk_tokens: int,
     codec: str,
     pending: _Pending,
@@ -210,8 +234,10 @@ def _segment_document(
 ) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
     runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
+    spans = split_into_spans(doc.text, runner.count_tokens, chunk_tokens, breaks=doc.page_starts)
     segments = []
-    for text in split_into_segments(doc.text, runner.count_tokens, chunk_tokens):
+    for a, b in spans:
+        text = doc.text[a:b]
         ids = runner.tokenize(segment_text_for_kv(text))
         segments.append((res.key_of(ids, codec), text, ids))
     keys = [key for key, _, _ in segments]
@@ -232,6 +258,9 @@ def _segment_document(
         n_tokens=n_tokens,
         ingested=time.time(),
         size=len(doc.text.encode()),
+        format=doc.format,
+        pages=len(doc.page_starts),
+        sources=segment_sources(doc.text, spans, doc.page_starts),  # per (document, segment): not in the KV's record
     )
 
 

@@ -210,7 +210,10 @@ def select_records(
     infos: list[SegmentInfo] = []
     for name in opts.docs:
         doc = archive.find_document(name)
-        present = [rec for rec in (archive.get_segment(k) for k in doc.segment_keys) if rec is not None]
+        present: list[tuple[int, SegmentRecord]] = []  # (index in the document, record) of what is still there
+        for i, k in enumerate(doc.segment_keys):
+            if (stored := archive.get_segment(k)) is not None:
+                present.append((i, stored))
         if not present:
             raise NotFoundError(
                 f"document {doc.display_name} has no segments left in the archive (evicted or damaged): ingest it again"
@@ -220,13 +223,13 @@ def select_records(
                 f"document {doc.display_name} lost segments (evicted or damaged): answering from the "
                 f"{len(present)} left; ingest it again to restore it"
             )
-        for rec in present:
+        for i, rec in present:
             records.append(rec)
-            infos.append(SegmentInfo(rec.key, doc.display_name, rec.n_tokens, True))
+            infos.append(SegmentInfo(rec.key, doc.display_name, rec.n_tokens, True, **doc.source(i)))
     for key in opts.segment_keys:
         rec = archive.find_segment(key)
         records.append(rec)
-        infos.append(SegmentInfo(rec.key, res.document_of(rec.key), rec.n_tokens, True))
+        infos.append(_archived_info(res, rec))
     if records or (opts.context_texts and opts.top_k == 0):
         return records, infos
     keys, matrix = _documents_only(res, *archive.get_embeddings())
@@ -242,8 +245,17 @@ def select_records(
             continue
         rec = found
         records.append(rec)
-        infos.append(SegmentInfo(key, res.document_of(key), rec.n_tokens, True, round(score, 4)))
+        infos.append(_archived_info(res, rec, round(score, 4)))
     return records, infos
+
+
+def _archived_info(res: Resources, rec: SegmentRecord, score: float | None = None) -> SegmentInfo:
+    """A retrieved or pinned segment's report: the document holding it, and where in it (pages, section)."""
+    origin = res.origin_of(rec.key)
+    if origin is None:  # a stored passage of no document (a --context-file --store, a client's chunk)
+        return SegmentInfo(rec.key, None, rec.n_tokens, True, score)
+    document, source = origin
+    return SegmentInfo(rec.key, document, rec.n_tokens, True, score, **source)
 
 
 def _documents_only(res: Resources, keys: list[str], matrix: np.ndarray) -> tuple[list[str], np.ndarray]:

@@ -54,7 +54,7 @@ class Resources:
         self._runner = runner
         self._archive: Archive | None = None
         self._keys: KeyScheme | None = None
-        self._doc_index: dict[str, str] | None = None
+        self._doc_index: dict[str, tuple[str, dict]] | None = None  # segment key -> (document name, its source)
         self.model_load_s = 0.0
         if runner is not None:
             self.model_name, self.fingerprint = runner.name, runner.fingerprint
@@ -160,9 +160,18 @@ class Resources:
 
     def document_of(self, key: str) -> str | None:
         """The name of a document holding segment `key` (indexed once per engine)."""
+        found = self.origin_of(key)
+        return None if found is None else found[0]
+
+    def origin_of(self, key: str) -> tuple[str, dict] | None:
+        """The document holding segment `key` and where in it the segment came from (its source:
+        ``{"pages", "section"}``, see DocumentRecord), indexed once per engine. A segment several documents
+        share is reported in one of them, the same one every time."""
         if self._doc_index is None:
             self._doc_index = {
-                k: d.display_name for d in self.archive(create=False).iter_documents() for k in d.segment_keys
+                k: (d.display_name, d.source(i))
+                for d in self.archive(create=False).iter_documents()
+                for i, k in enumerate(d.segment_keys)
             }
         return self._doc_index.get(key)
 

@@ -60,6 +60,10 @@ class SegmentInfo:
     cached: bool
     score: float | None = None
     stored: bool = False  # a context text missing from the archive: prefilled alone in this query and stored
+    # Where in `document` the passage came from (None: not known, or no such structure): the pages it spans,
+    # [first, last] (1-based), and the section, the title of the nearest Markdown heading at or before it.
+    pages: list[int] | None = None
+    section: str | None = None
 
 
 @dataclass

@@ -67,8 +67,16 @@ def segment_source(info: SegmentInfo) -> str:
 
 
 def segments_report(infos: list[SegmentInfo]) -> list[dict]:
-    """The response's `kvblend.segments`: one entry per passage, in prompt order."""
+    """The response's `kvblend.segments`: one entry per passage, in prompt order, with the document it came from
+    and where in it (`pages` [first, last], `section`: null when not known), so a client can cite its sources."""
     return [
-        {"key": info.key, "tokens": info.tokens, "source": segment_source(info), "document": info.document}
+        {
+            "key": info.key,
+            "tokens": info.tokens,
+            "source": segment_source(info),
+            "document": info.document,
+            "pages": info.pages,
+            "section": info.section,
+        }
         for info in infos
     ]

@@ -386,3 +386,42 @@ def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
         synced.clear()
         ar.replace_document(DocumentRecord(path="/a.txt", segment_keys=["zz01"]))
         assert tmp_path / "ar" / "documents" in synced and tmp_path / "ar" in synced  # documents/ was new
+
+
+# ---------------------------------------------------------------- provenance in document records
+
+SOURCES = [{"pages": [1, 2], "section": "Intro"}, {"pages": [3, 3], "section": None}, {"pages": None, "section": "B"}]
+
+
+def test_document_provenance_round_trips_and_old_records_still_read(ar):
+    """format, pages and per-segment sources come back as stored; a record written before provenance reads as
+    text, 0 pages, sources unknown."""
+    for key in ("pv1", "pv2", "pv3"):
+        put(ar, key)
+    doc = DocumentRecord(path="/docs/manual.pdf", name="manual.pdf", segment_keys=["pv1", "pv2", "pv3"],
+                         format="pdf", pages=3, sources=SOURCES)
+    ar.put_document(doc)
+    back = ar.get_document("/docs/manual.pdf")
+    assert (back.format, back.pages, back.sources) == ("pdf", 3, SOURCES)
+    assert [back.source(i) for i in range(3)] == SOURCES
+    assert DocumentRecord.from_json(doc.to_json()) == doc
+
+    old = {k: v for k, v in doc.to_dict().items() if k not in ("format", "pages", "sources")}
+    legacy = DocumentRecord.from_json(json.dumps(old))
+    assert (legacy.format, legacy.pages, legacy.sources) == ("text", 0, [])
+    assert legacy.source(0) == {"pages": None, "section": None}
+    # sources that are not parallel to the keys (or not sources at all) say nothing rather than the wrong thing
+    assert DocumentRecord(path="/x", segment_keys=["a", "b"], sources=SOURCES).source(0)["pages"] is None
+    assert DocumentRecord.from_dict({**old, "sources": "junk"}).source(1) == {"pages": None, "section": None}
+
+
+def test_dropping_a_segment_drops_its_source_with_it(ar):
+    """verify --repair strips a key that names no segment: the document's sources stay parallel to its keys."""
+    put(ar, "pw1")
+    put(ar, "pw3")
+    ar.put_document(DocumentRecord(path="/docs/m.pdf", segment_keys=["pw1", "pw2", "pw3"], format="pdf", pages=3,
+                                   sources=SOURCES))
+    with ar.writer():
+        ar.verify(repair=True)
+    doc = ar.get_document("/docs/m.pdf")
+    assert doc.incomplete and doc.segment_keys == ["pw1", "pw3"] and doc.sources == [SOURCES[0], SOURCES[2]]

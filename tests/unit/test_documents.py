@@ -50,7 +50,7 @@ def test_directory_walk_is_recursive_sorted_and_skips_hidden(tmp_path):
 def test_document_hash_is_blake2b_of_text(tmp_path):
     f = write(tmp_path / "x.md", "héllo\n")
     (doc,), _ = iter_documents([f])
-    assert doc == Document(f.as_posix(), "héllo\n", content_hash("héllo\n"), name="x.md")
+    assert doc == Document(f.as_posix(), "héllo\n", content_hash("héllo\n"), name="x.md", format="markdown")
     assert content_hash("a") != content_hash("b")
     assert len(doc.content_hash) == 64
     import hashlib

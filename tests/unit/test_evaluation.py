@@ -163,3 +163,21 @@ def test_bench_names_its_template():
     assert template_name(PromptTemplate(system="Be terse.")) == "default + --system"
     assert template_name(dataclasses.replace(MUSIQUE_TEMPLATE, system="Be terse.")) == "musique + --system"
     assert template_name(PromptTemplate(before_passages="Docs:\n")) == "custom"
+
+
+def test_answers_carry_each_records_sources_as_a_query_reports_them():
+    """`bench --answers`: per record, the passages its prompts held, cited like a query's segments."""
+    from kvblend.evaluation.bench import record_sources
+    from kvblend.evaluation.records import QARecord
+    from kvblend.evaluation.summary import BenchReport
+    from kvblend.provenance import cite
+
+    record = QARecord("Who?", [("Harbour", "A."), ("", "B."), ("Plants", "C.")], ["x"])
+    sources = record_sources(record, chunks=2)
+    assert sources == [{"document": "Harbour", "pages": None, "section": None},
+                       {"document": None, "pages": None, "section": None}]
+    report = BenchReport("m", "cpu", "", "", 1, [], runs=[_run(0, FULL, "x", ["x"], 1.0, 1.0, 0.0, 0.0)],
+                         questions=["Who?"], sources=[sources])
+    (rec,) = report.to_dict(answers=True)["per_record"]
+    assert rec["sources"] == sources and rec["runs"][0]["answer"] == "x" and cite(rec["sources"]) == "Harbour"
+    assert "per_record" not in report.to_dict()

@@ -129,15 +129,17 @@ def test_reposition_equals_k_computed_at_that_position(runner):
     tokens = random_tokens(30, 8)
     at_zero = runner.prefill_batch([tokens])[0]
     at_offset = runner.prefill_batch([tokens], start_position=77)[0]
-    for layer in (0, runner.n_layers - 1):
-        moved = runner.reposition(at_zero[layer][0], 77)
+    for layer in range(runner.n_layers):  # every layer: Gemma 3's local and global layers rotate by other bases
+        moved = runner.reposition(at_zero[layer][0], 77, layer=layer)
         assert torch.allclose(moved, at_offset[layer][0], atol=ATOL)
-        back = runner.reposition(at_offset[layer][0], -77)
+        back = runner.reposition(at_offset[layer][0], -77, layer=layer)
         assert torch.allclose(back, at_zero[layer][0], atol=ATOL)
 
 
 def test_sink_prefix_base_position_reuse_equals_full(runner):
-    """A segment prefilled after a shared prefix is exact when placed right after that prefix."""
+    """A segment prefilled after a shared prefix is exact when placed right after that prefix (with the prefix in
+    view in every layer: a model mixing local and global layers hides it from the local ones by default)."""
+    runner.local_layers_skip_sink = False
     prefix, body = random_tokens(6, 20), random_tokens(35, 21)
     kv = runner.prefill_batch([body], start_position=len(prefix), past=runner.prefill_batch([prefix])[0])[0]
     segs = [Segment(prefix), Segment(body, kv=kv, base_position=len(prefix)), Segment(random_tokens(5, 22))]

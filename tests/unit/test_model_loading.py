@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 
 from kvblend.model.loading import _gguf_parsed_once
@@ -19,3 +21,35 @@ def test_the_conversion_parses_once_and_leaves_gguf_as_it_was():
         assert first.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"  # the map itself unchanged
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
     assert gguf.get_tensor_name_map(arch, 30) is not gguf.get_tensor_name_map(arch, 30)
+
+
+def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
+    """An unsupported family is refused from the header in milliseconds (a full parse of Gemma 3's took 16 s)."""
+    import pytest
+
+    from kvblend.errors import ModelNotFoundError, UnsupportedModelError
+    from kvblend.model.source import check_gguf_architecture, gguf_architecture
+
+    def write(name: str, arch: str) -> Path:
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_string("general.name", "x" * 100)
+        writer.add_array("general.tags", ["a", "b"])
+        writer.add_block_count(3)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        return path
+
+    assert gguf_architecture(write("g.gguf", "gemma3")) == "gemma3"
+    check_gguf_architecture(write("l.gguf", "llama"))  # supported: no error
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture gemma2 .*Gemma3ForCausalLM"):
+        check_gguf_architecture(write("g2.gguf", "gemma2"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(40))
+    with pytest.raises(ModelNotFoundError, match="not a GGUF file"):
+        gguf_architecture(bad)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(write("t.gguf", "qwen3").read_bytes()[:30])
+    with pytest.raises(ModelNotFoundError, match="truncated GGUF header"):
+        gguf_architecture(truncated)

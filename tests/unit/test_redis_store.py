@@ -205,3 +205,26 @@ def test_the_cluster_spreads_segments_over_its_masters(redis_cluster_nodes):
         assert ar.verify().ok and ar.stats().usage["redis_nodes"] == 3
     per_node = [int(n.cli("dbsize").strip()) for n in redis_cluster_nodes]
     assert all(n > 0 for n in per_node), per_node  # KV spread over every master
+
+
+def test_document_provenance_round_trips_and_follows_dropped_segments(redis_url):
+    """format, pages and per-segment sources round-trip through Redis; a segment Redis lost takes its source
+    with it when verify --repair drops it, and a record without them (an older kvblend's) still reads."""
+    sources = [{"pages": [1, 1], "section": "Intro"}, {"pages": [2, 3], "section": "Specs"}, {"pages": [3, 3],
+                                                                                            "section": None}]
+    with open_redis(redis_url) as ar:
+        for i in range(3):
+            put(ar, f"seg{i}", seed=i)
+        ar.replace_document(DocumentRecord(path="/d.pdf", name="d.pdf", segment_keys=["seg0", "seg1", "seg2"],
+                                           format="pdf", pages=3, sources=sources))
+        doc = ar.get_document("/d.pdf")
+        assert (doc.format, doc.pages, doc.sources) == ("pdf", 3, sources)
+        assert [s.format for s in ar.document_summaries()] == ["pdf"]
+        ar.store.client.delete(Keys().rec("seg1"))  # what allkeys-lru may do
+        ar.verify(repair=True)
+        doc = ar.get_document("/d.pdf")
+        assert doc.segment_keys == ["seg0", "seg2"] and doc.sources == [sources[0], sources[2]]
+        old = {k: v for k, v in doc.to_dict().items() if k not in ("format", "pages", "sources")}
+        ar.store.client.hset(Keys().docs, "/old.md", json.dumps(old))
+        legacy = ar.get_document("/old.md")
+        assert (legacy.format, legacy.pages, legacy.source(0)) == ("text", 0, {"pages": None, "section": None})

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvblend.errors import UsageError
-from kvblend.segmenter import _is_anchor, _paragraph_spans, split_into_segments, split_into_spans
+from kvblend.segmenter import _is_anchor, _paragraph_spans, find_headings, split_into_segments, split_into_spans
 
 
 def words(s: str) -> int:
@@ -268,3 +268,118 @@ def test_text_that_fits_is_one_segment_even_with_an_anchor_paragraph():
     # once the text no longer fits, the anchor starts a segment again
     long_text = "\n\n".join(paragraphs[1:12]) + "\n\n" + anchor
     assert split_into_segments(long_text, words, limit)[-1].startswith(anchor)
+
+
+# ─────────────────────────── structure: headings and pages ───────────────────────────
+
+
+def section(title: str, n_paragraphs: int, seed: int, level: int = 2) -> str:
+    return "#" * level + f" {title}\n\n" + "\n\n".join(make_doc(seed, n_paragraphs))
+
+
+def test_find_headings_reads_atx_lines_outside_code_fences():
+    text = (
+        "# Title #\n\n  ## Indented up to three ##\n\n    # four spaces is code\n\n#hashtag\n\n"
+        "```sh\n# a shell comment\n```\n\n~~~\n# still code\n~~~\n\n###### Six\n\n####### seven is text\n\n#\n"
+    )
+    found = find_headings(text)
+    assert [(h.level, h.title) for h in found] == [(1, "Title"), (2, "Indented up to three"), (6, "Six")]
+    assert all(text[h.start] == "#" and text[h.start : h.end].endswith(("#", "Six")) for h in found)
+    assert find_headings("no hashes at all") == []
+
+
+def test_a_heading_starts_a_new_segment():
+    text = section("Install", 4, 1) + "\n\n" + section("Usage", 4, 2) + "\n\n" + section("Limits", 4, 3)
+    segments = split_into_segments(text, words, 150)
+    assert [s.split("\n", 1)[0] for s in segments] == ["## Install", "## Usage", "## Limits"]
+    assert "\n\n".join(segments) == text
+
+
+def test_a_long_section_still_splits_at_paragraphs_within_the_budget():
+    preamble = "\n\n".join(make_doc(40, 2))
+    text = preamble + "\n\n" + section("Long", 30, 4) + "\n\n" + section("Next", 2, 5)
+    segments = split_into_segments(text, words, 80)
+    assert all(words(s) <= 80 for s in segments)
+    assert segments[0] == preamble
+    assert segments[1].startswith("## Long") and sum(s.startswith("## Long") for s in segments) == 1
+    assert segments[-1].startswith("## Next")
+    assert "\n\n".join(segments) == text  # every cut at a paragraph break
+
+
+def test_a_heading_joins_a_segment_that_holds_too_little_yet():
+    text = "Short preamble.\n\n" + section("Long", 30, 4)
+    segments = split_into_segments(text, words, 80)
+    assert segments[0].startswith("Short preamble.\n\n## Long\n\n")  # 2 words alone would be a tiny segment
+
+
+def test_headings_run_together_and_never_end_a_segment_apart_from_their_text():
+    body = "\n\n".join(make_doc(6, 12))
+    text = "# Manual\n\n## Overview\n\n### Scope\n\n" + body + "\n\n## Next\n\n" + body.replace("p", "q")
+    segments = split_into_segments(text, words, 60)
+    assert segments[0].startswith("# Manual\n\n## Overview\n\n### Scope\n\n")  # one block: a heading run + text
+    for seg in segments:  # no segment ends with a heading line
+        assert not seg.rsplit("\n", 1)[-1].startswith("#")
+    assert sum(s.startswith("## Next") for s in segments) == 1
+
+
+def test_tiny_sections_pack_together_instead_of_a_segment_each():
+    faq = "\n\n".join(f"### Question {i}?\nAnswer {i} is short." for i in range(40))  # 7 words a section
+    segments = split_into_segments(faq, words, 128)  # a heading cuts once a segment holds 128 / 8 = 16 words
+    assert all(words(s) <= 128 for s in segments)
+    assert all(words(s) >= 16 for s in segments[:-1]) and len(segments) == 14  # 3 sections each, not 1
+    assert all(s.startswith("### Question") for s in segments)  # cut only at headings
+
+
+def test_a_trailing_bare_heading_joins_the_last_segment():
+    text = section("Only", 12, 7) + "\n\n## Appendix"
+    segments = split_into_segments(text, words, 80)
+    assert segments[-1].endswith("## Appendix") and segments[-1] != "## Appendix"
+
+
+def test_a_text_without_headings_or_pages_splits_as_before():
+    text = "\n\n".join(make_doc(8, 60, 3, 45))
+    assert split_into_spans(text, words, 50) == split_into_spans(text, words, 50, breaks=())
+    # page starts at paragraph starts after a sentence end change nothing either
+    starts = [m.end() for m in re.finditer(r"\n\n", text)][::5]
+    assert split_into_spans(text, words, 50, breaks=[0, *starts]) == split_into_spans(text, words, 50)
+
+
+def test_page_starts_are_cut_candidates_after_a_sentence_end():
+    pages = [" ".join(make_doc(20 + i, 3)) for i in range(6)]  # each page one long paragraph of sentences
+    text = " ".join(pages)  # no blank lines at all: only the page starts (and sentences) can cut
+    starts, pos = [], 0
+    for page in pages:
+        starts.append(pos)
+        pos += len(page) + 1
+    with_pages = split_into_spans(text, words, 200, breaks=starts)
+    assert all(a in starts for a, _ in with_pages)  # each segment begins a page
+    assert len(with_pages) < len(pages)  # short pages are not one segment each
+    assert all(words(text[a:b]) <= 200 for a, b in with_pages)
+
+
+def test_a_sentence_running_over_a_page_start_is_never_cut_there():
+    first = " ".join(make_doc(30, 6)) + " The pump's maximum pressure is"
+    second = "412 kPa at the rated flow. " + " ".join(make_doc(31, 6))
+    text = first + "\n\n" + second  # the converter's blank line between pages, mid-sentence
+    spans = split_into_spans(text, words, 80, breaks=[0, len(first) + 2])
+    sentence = "The pump's maximum pressure is\n\n412 kPa"
+    assert any(sentence in text[a:b] for a, b in spans)
+    # without the page start it is a paragraph break like any other
+    assert not any(sentence in text[a:b] for a, b in split_into_spans(text, words, 80))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_structured_documents_still_fit_cover_and_repeat(seed):
+    rng = random.Random(seed)
+    parts = []
+    for i in range(rng.randint(5, 15)):
+        parts.append("#" * rng.randint(1, 3) + f" Section {i}")
+        parts.extend(make_doc(seed * 100 + i, rng.randint(0, 6), 3, 70))
+    text = "\n\n".join(parts)
+    breaks = sorted(rng.sample(range(1, len(text)), 6))
+    for count in (words, chars4):
+        spans = split_into_spans(text, count, 48, breaks=breaks)
+        assert spans == split_into_spans(text, count, 48, breaks=list(reversed(breaks)))
+        assert all(count(text[a:b]) <= 48 for a, b in spans)
+        assert all(b <= c and text[b:c].strip() == "" for (_, b), (c, _) in zip(spans, spans[1:]))
+        assert no_ws("".join(text[a:b] for a, b in spans)) == no_ws(text)

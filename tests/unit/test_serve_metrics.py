@@ -40,7 +40,8 @@ def test_metrics_text_is_prometheus_exposition():
 
 
 def fake_result(stored_tokens=0, eos=False, n_tokens=4):
-    segments = [SimpleNamespace(key="a", document=None, tokens=20, cached=True, stored=stored_tokens > 0)]
+    segments = [SimpleNamespace(key="a", document=None, tokens=20, cached=True, stored=stored_tokens > 0, pages=None,
+                                section=None)]
     gen = SimpleNamespace(token_ids=list(range(n_tokens)), stopped_on_eos=eos)
     return SimpleNamespace(answer="Halifax", mode="blend", ratio=0.15, ttft_s=0.5, load_wait_s=0.01,
                            recompute_share=0.25, prompt_tokens=80, prefix_cached=True, segments=segments,

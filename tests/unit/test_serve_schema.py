@@ -146,6 +146,7 @@ def test_segments_report_names_hits_and_computed_passages():
     class Info:
         def __init__(self, cached, stored):
             self.key, self.document, self.tokens, self.cached, self.stored = "k", None, 5, cached, stored
+            self.pages, self.section = None, None
 
     sources = [s["source"] for s in segments_report([Info(True, False), Info(True, True), Info(False, False)])]
     assert sources == ["hit", "computed", "computed"]
@@ -156,3 +157,14 @@ def test_top_k_zero_needs_passages_or_docs_and_says_so_without_cli_flags():
     assert "--" not in err.message  # a client sets kvblend.top_k, not the CLI's --top-k
     assert parse_chat_request({**user(f"A passage.{CHUNK_SEPARATOR}Where?"), "kvblend": {"top_k": 0}}).top_k == 0
     assert parse_chat_request({**user("Where?"), "kvblend": {"top_k": 0, "docs": ["a.md"]}}).top_k == 0
+
+
+def test_segments_report_says_where_each_passage_came_from():
+    from kvblend.pipeline.results import SegmentInfo
+
+    infos = [SegmentInfo("k1", "manual.pdf", 5, True, pages=[3, 3], section="Operating limits"),
+             SegmentInfo("k2", None, 4, True, stored=True)]
+    first, second = segments_report(infos)
+    assert first == {"key": "k1", "tokens": 5, "source": "hit", "document": "manual.pdf", "pages": [3, 3],
+                     "section": "Operating limits"}
+    assert (second["document"], second["pages"], second["section"]) == (None, None, None)

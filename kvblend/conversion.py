@@ -1,0 +1,475 @@
+"""Turn PDF, HTML and DOCX files into Markdown-flavoured text, or say in one line why not (issue 32).
+
+Segments are retrieved and prefilled as text, so every format must become
+text first, and text a segmenter can cut well: headings as ATX lines
+(``## Safety``, which also names a segment's section), tables as pipe rows,
+list items as ``- `` lines, paragraphs and pages apart by blank lines. Each
+format goes to the converter that measured best for it (BENCHMARKS.md,
+"Document extraction (issue 32)"); none of them is a parser of ours:
+
+* **PDF** — pypdfium2 (Chrome's PDFium): text in reading order, 4x faster than
+  pypdf and 35x faster than pdfminer.six on the same pages, and it repairs
+  what damage it can. Headings come from the PDF's outline (bookmarks) where
+  the producer wrote one. Pages are joined by a blank line and
+  :attr:`Converted.page_starts` says where each begins.
+* **HTML** — trafilatura: keeps the article and drops navigation, cookie
+  banners, footers and scripts, with headings, lists and tables as Markdown.
+  A page too short for it to find an article is read whole (its text only).
+* **DOCX** — python-docx: Word's own heading, list and table structure, in
+  body order; 1.5x faster than mammoth's HTML, with no second conversion.
+
+Every converter is imported inside the function that needs it, so
+``kvblend --help`` and plain-text ingest never pay for them (trafilatura
+alone takes 0.2 s to import).
+
+Untrusted files: what a file *is* comes from its bytes as well as its name
+(:func:`classify`), so ``report.pdf`` holding an HTML error page is named, not
+fed to PDFium. A DOCX is a ZIP: its declared sizes are checked before
+anything is inflated (a ZIP bomb). HTML has a size cap of its own, since
+trafilatura's tree building grows with it. Every conversion has a time
+budget checked between pages. Whatever a converter raises becomes a
+:class:`ConversionError` in :mod:`kvblend.documents`, one line, and the run
+goes on; converters' own logging and warnings are silenced.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+__all__ = [
+    "CONVERTED_FORMATS",
+    "MAX_CONVERT_SECONDS",
+    "MAX_HTML_BYTES",
+    "MAX_ZIP_RATIO",
+    "MAX_ZIP_UNCOMPRESSED_BYTES",
+    "ConversionError",
+    "Converted",
+    "classify",
+    "convert",
+    "describe_error",
+]
+
+MAX_HTML_BYTES = 20 * 1024 * 1024  # a real article page is < 2 MB; trafilatura's time and memory grow with the tree
+MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all together
+MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
+MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
+
+CONVERTED_FORMATS = ("pdf", "html", "docx")
+
+_MIB = 1024 * 1024
+_HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
+_TEXT_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".json": "text", ".jsonl": "text"}
+# Office formats that are ZIPs too, so a .pptx is named as one rather than called "binary"
+_OTHER_ZIPS = {
+    "ppt/presentation.xml": "PowerPoint (.pptx)",
+    "xl/workbook.xml": "Excel (.xlsx)",
+    "content.xml": "OpenDocument",
+    "META-INF/container.xml": "EPUB",
+}
+
+
+class ConversionError(Exception):
+    """Why a file cannot become a document: one line, shown as the skip reason."""
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A converted file's text and what kvblend.documents.Document records about it."""
+
+    text: str
+    format: str
+    page_starts: tuple[int, ...] = ()  # offsets into text where pages 1, 2, ... begin; empty without pages
+
+
+# ─────────────────────────────── what is it ───────────────────────────────
+
+
+def classify(suffix: str, data: bytes) -> str:
+    """The format to read ``data`` as: one of :data:`CONVERTED_FORMATS`, ``"markdown"`` or ``"text"``.
+
+    The extension says what the user expects and the first bytes what the file
+    is; both must agree for PDF, DOCX and HTML, or the file is skipped naming
+    what it looks like (a ``.pdf`` that is an HTML error page is the classic).
+    Any other extension is read by content: a PDF or DOCX without its
+    extension is still converted. ``.md``/``.json``/``.jsonl`` are text as
+    they are. Only the first bytes are looked at, so plain text pays nothing.
+
+    Raises :class:`ConversionError` for a mismatch or a format kvblend does not read.
+    """
+    suffix = suffix.lower()
+    if suffix in _TEXT_EXTENSIONS:
+        return _TEXT_EXTENSIONS[suffix]
+    if suffix == ".pdf":
+        if b"%PDF-" not in data[:1024]:  # where Acrobat looks for the header
+            raise ConversionError(f"not a PDF (content looks like {_describe(data)})")
+        return "pdf"
+    if suffix == ".docx":
+        # a ZIP cut short (no central directory) is a damaged DOCX, which conversion names as such
+        if not _is_zip(data) or (_zip_names(data) is not None and not _is_docx(data)):
+            raise ConversionError(f"not a DOCX (content looks like {_describe(data)})")
+        return "docx"
+    if suffix in _HTML_EXTENSIONS:
+        if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
+            raise ConversionError(f"not HTML (content looks like {_describe(data)})")
+        return "html"
+    if _is_pdf(data):
+        return "pdf"
+    if _is_zip(data):
+        if _is_docx(data):
+            return "docx"
+        raise ConversionError(f"unsupported format ({_describe(data)})")
+    if data.startswith(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"):
+        raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
+    if _looks_like_html(data):
+        return "html"
+    return "text"
+
+
+def _is_pdf(data: bytes) -> bool:
+    return data.startswith(b"%PDF-")
+
+
+def _is_zip(data: bytes) -> bool:
+    return data.startswith((b"PK\x03\x04", b"PK\x05\x06"))
+
+
+def _zip_names(data: bytes) -> set[str] | None:
+    """The member names of a ZIP (from its central directory: nothing is inflated), or None if it is no ZIP."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return set(z.namelist())
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        return None
+
+
+def _is_docx(data: bytes) -> bool:
+    names = _zip_names(data) if _is_zip(data) else None
+    return names is not None and "word/document.xml" in names
+
+
+_LEADING_MARKUP = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->)", re.S)
+
+
+def _looks_like_html(data: bytes) -> bool:
+    """A whole HTML document: ``<!DOCTYPE html`` or ``<html`` first, after a BOM, whitespace, an XML
+    declaration or comments (browsers' "saved from url" one). A text that only mentions a tag is text."""
+    if not data[:256].lstrip(b"\xef\xbb\xbf \t\r\n\f").startswith(b"<"):  # plain text's fast way out
+        return False
+    head = data[:4096]
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:]
+    pos = 0
+    while (m := _LEADING_MARKUP.match(head, pos)) is not None and m.end() > pos:
+        pos = m.end()
+    rest = head[pos:].lstrip().lower()
+    return rest.startswith((b"<!doctype html", b"<html"))
+
+
+def _describe(data: bytes) -> str:
+    """What some bytes look like, for a skip reason: 'HTML', 'a PDF', 'a ZIP archive', 'text', 'binary data'."""
+    if not data.strip():
+        return "an empty file"
+    if _is_pdf(data):
+        return "a PDF"
+    if _is_zip(data):
+        if _is_docx(data):
+            return "a DOCX"
+        names = _zip_names(data)
+        if names is None:
+            return "a damaged ZIP archive"
+        kind = next((what for marker, what in _OTHER_ZIPS.items() if marker in names), None)
+        return f"{kind} file" if kind else "a ZIP archive"
+    if _looks_like_html(data) or re.search(rb"<(?:html|body|head|div|p)[\s>]", data[:4096], re.I):
+        return "HTML"
+    head = data[:4096]
+    if b"\x00" in head:
+        return "binary data"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a character cut at the end of the sample
+            return "binary data"
+    return "text"
+
+
+# ─────────────────────────────── conversion ───────────────────────────────
+
+
+def convert(fmt: str, data: bytes) -> Converted:
+    """The Markdown-flavoured text of a file of format ``fmt`` (one of :data:`CONVERTED_FORMATS`).
+
+    Raises :class:`ConversionError` with the reason to skip it; other exceptions
+    from a converter are the caller's to catch (kvblend.documents turns them into
+    one line too).
+    """
+    started = time.monotonic()
+    with _quiet():
+        if fmt == "pdf":
+            return _convert_pdf(data, started)
+        if fmt == "html":
+            return _convert_html(data)
+        if fmt == "docx":
+            return _convert_docx(data)
+    raise ValueError(f"no converter for {fmt!r}")
+
+
+_NOISY_LOGGERS = ("trafilatura", "htmldate", "courlan", "justext", "readability", "charset_normalizer", "docx")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No converter may print: their warnings and log records about odd input would garble the progress bar
+    and the one line per skipped file (their failures reach the user as that line)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as a few words for a skip reason: its type and the first 100 characters of its message."""
+    detail = " ".join(str(e).split())[:100]
+    return f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+
+
+def _check_time(started: float) -> None:
+    if time.monotonic() - started > MAX_CONVERT_SECONDS:
+        raise ConversionError(f"took longer than {MAX_CONVERT_SECONDS:.0f} s to convert")
+
+
+def _tidy(text: str) -> str:
+    """Trailing spaces off every line, at most one blank line in a row, no lone surrogates, ends stripped."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    text = re.sub(r"\n{3,}", "\n\n", text).strip()
+    return text.encode("utf-8", "replace").decode("utf-8")  # PDFs can hold lone UTF-16 surrogates
+
+
+# PDF ────────────────────────────────────────────────────────────────────────
+
+
+def _convert_pdf(data: bytes, started: float) -> Converted:
+    import pypdfium2 as pdfium  # lazy: a 0.06 s import that plain text never needs
+
+    if b"%%EOF" not in data[-1024:]:  # where Acrobat looks for the end marker
+        raise ConversionError("truncated PDF (no %%EOF end marker: the file was cut short)")
+    try:
+        pdf = pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as e:
+        code = getattr(e, "err_code", None)
+        if code == pdfium.raw.FPDF_ERR_PASSWORD:
+            raise ConversionError("encrypted PDF (password protected)") from None
+        if code == pdfium.raw.FPDF_ERR_SECURITY:
+            raise ConversionError("encrypted PDF (unsupported security handler)") from None
+        raise ConversionError("corrupt PDF (PDFium cannot read it)") from None
+    try:
+        headings = _pdf_headings(pdf)
+        pages: list[str] = []
+        for index in range(len(pdf)):
+            _check_time(started)
+            page = pdf[index]
+            try:
+                textpage = page.get_textpage()
+                try:
+                    raw = textpage.get_text_bounded()
+                finally:
+                    textpage.close()
+            finally:
+                page.close()
+            pages.append(_mark_headings(_tidy(raw), headings.get(index, [])))
+    finally:
+        pdf.close()
+    if not pages:
+        raise ConversionError("PDF has no pages")
+    if not any(p.strip() for p in pages):
+        raise ConversionError("no text layer (a scanned or image-only PDF; run OCR on it first)")
+    starts: list[int] = []
+    offset = 0
+    for page_text in pages:
+        starts.append(offset)
+        offset += len(page_text) + 2  # the blank line between pages: no paragraph spans a page join
+    return Converted("\n\n".join(pages), "pdf", tuple(starts))
+
+
+def _pdf_headings(pdf) -> dict[int, list[tuple[str, int]]]:
+    """The outline's entries per page index: (title, level from 1). A PDF without an outline has none."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    try:
+        for item in pdf.get_toc(max_depth=6):
+            dest = item.get_dest()
+            index = dest.get_index() if dest is not None else None
+            title = " ".join((item.get_title() or "").split())
+            if index is not None and title:
+                out.setdefault(index, []).append((title, min(item.level + 1, 6)))
+    except Exception:  # a damaged outline costs the headings, not the document
+        return {}
+    return out
+
+
+def _mark_headings(text: str, headings: list[tuple[str, int]]) -> str:
+    """Turn the lines of a page that are its outline entries' titles into ATX headings, in order, each its own
+    paragraph. A title wrapped over two lines is matched too; a title not found on its page is left out."""
+    if not headings:
+        return text
+    lines = text.split("\n")
+    out: list[str] = []
+    pending = list(headings)
+    i = 0
+    while i < len(lines):
+        line = " ".join(lines[i].split())
+        matched = 0
+        if pending:
+            title, level = pending[0]
+            if line.casefold() == title.casefold():
+                matched = 1
+            elif i + 1 < len(lines) and f"{line} {' '.join(lines[i + 1].split())}".casefold() == title.casefold():
+                matched = 2
+        if matched:
+            pending.pop(0)
+            text_of = " ".join(" ".join(lines[i + k].split()) for k in range(matched))
+            if out and out[-1] != "":
+                out.append("")
+            out.extend(("#" * level + " " + text_of, ""))
+            i += matched
+        else:
+            out.append(lines[i])
+            i += 1
+    return "\n".join(out).strip()
+
+
+# HTML ───────────────────────────────────────────────────────────────────────
+
+
+def _convert_html(data: bytes) -> Converted:
+    if len(data) > MAX_HTML_BYTES:
+        raise ConversionError(
+            f"too large for HTML ({len(data) // _MIB} MiB; at most {MAX_HTML_BYTES // _MIB} MiB of a web page is read)"
+        )
+    import trafilatura  # lazy: 0.2 s to import
+
+    if b"<html" not in data[:4096].lower():  # a fragment ("<p>...</p>"): trafilatura reads only whole pages
+        data = b"<html><body>" + data + b"</body></html>"
+    text = trafilatura.extract(
+        data,  # bytes: trafilatura reads the page's declared or detected charset
+        output_format="markdown",
+        include_tables=True,
+        include_formatting=True,  # headings as '#' lines (and bold/italic), lists as '- '
+        include_links=False,
+        include_images=False,
+        include_comments=False,
+        deduplicate=False,
+        with_metadata=False,
+    )
+    if not text or not text.strip():
+        # too little text for an article (a short page, a fragment): all of its text, with no boilerplate filter
+        text = trafilatura.html2txt(data)
+    text = _tidy(text or "")
+    if not text:
+        raise ConversionError("no text in the HTML page")
+    return Converted(text, "html")
+
+
+# DOCX ───────────────────────────────────────────────────────────────────────
+
+
+def _check_zip(data: bytes, what: str) -> None:
+    """Refuse a ZIP whose parts would inflate past the caps, from the sizes its central directory declares,
+    before anything is inflated (Python's zipfile stops a part at its declared size, so they bound it)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise ConversionError(f"corrupt {what} (not a complete ZIP archive)") from None
+    total = 0
+    for info in infos:
+        total += info.file_size
+        if total > MAX_ZIP_UNCOMPRESSED_BYTES:
+            raise ConversionError(
+                f"{what} would inflate to over {MAX_ZIP_UNCOMPRESSED_BYTES // _MIB} MiB (a ZIP bomb?); not opened"
+            )
+        if info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
+            ratio = info.file_size // max(info.compress_size, 1)
+            raise ConversionError(
+                f"{what} part {info.filename} is compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
+            )
+
+
+def _convert_docx(data: bytes) -> Converted:
+    _check_zip(data, "DOCX")
+    import docx  # lazy: python-docx and lxml, 0.09 s
+    from docx.table import Table
+
+    try:
+        document = docx.Document(io.BytesIO(data))  # reads and parses every part: damage shows here
+    except Exception as e:  # BadZipFile (a bad CRC), zlib.error, lxml's XMLSyntaxError, KeyError (a missing part)
+        raise ConversionError(f"corrupt DOCX ({describe_error(e)})") from None
+    blocks: list[str] = []
+    list_run: list[str] = []  # consecutive list items stay one paragraph
+    style_names: dict[object, str] = {}
+
+    def flush_list() -> None:
+        if list_run:
+            blocks.append("\n".join(list_run))
+            list_run.clear()
+
+    for block in document.iter_inner_content():
+        if isinstance(block, Table):
+            flush_list()
+            blocks.append(_docx_table(block))
+            continue
+        text = " ".join(block.text.split())
+        if not text:
+            continue
+        style_id = block._p.style  # the style's id; its name is looked up once (a lookup walks styles.xml)
+        if style_id not in style_names:
+            style = block.style
+            style_names[style_id] = (style.name or "") if style is not None else ""
+        name = style_names[style_id]
+        level = _heading_level(name)
+        is_list = name.startswith("List") or block._p.pPr is not None and block._p.pPr.numPr is not None
+        if level:
+            flush_list()
+            blocks.append("#" * level + " " + text)
+        elif is_list:
+            list_run.append(("1. " if "Number" in name else "- ") + text)
+        else:
+            flush_list()
+            blocks.append(text)
+    flush_list()
+    text = _tidy("\n\n".join(blocks))
+    if not text:
+        raise ConversionError("empty (the DOCX holds no text)")
+    return Converted(text, "docx")
+
+
+def _heading_level(style_name: str) -> int:
+    """1-6 for Word's 'Title' and 'Heading N' styles, else 0."""
+    if style_name == "Title":
+        return 1
+    m = re.fullmatch(r"Heading (\d)", style_name)
+    return min(int(m.group(1)), 6) if m else 0
+
+
+def _docx_table(table) -> str:
+    """A Word table as Markdown pipe rows, the first row as the header (Word has no other header notion);
+    a merged cell's text appears once per grid column it spans, as python-docx reports it."""
+    rows = [[" ".join(cell.text.split()).replace("|", "\\|") for cell in row.cells] for row in table.rows]
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])

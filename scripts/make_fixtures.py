@@ -1,0 +1,280 @@
+"""Write the document fixtures under fixtures/documents/ with real producers (issue 32).
+
+Conversion is tested on files that real software wrote, not on hand-made
+bytes: fpdf2 writes the PDFs (a 4-page manual with an outline, headings, a
+table and a list; an image-only "scan"; one that needs a password),
+python-docx the DOCX. The web
+page and the Markdown file are text a site or a person writes, so they are
+written as they are. The outputs are committed (a few KB each), so the tests
+need none of these producers at run time; run this again only to change them:
+
+    .venv/bin/python scripts/make_fixtures.py [OUT_DIR]
+
+fpdf2 is in the ``dev`` extra; python-docx is a runtime dependency.
+Every output is deterministic (fixed creation dates and ZIP dates), so
+running it twice changes nothing in git.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import sys
+import zipfile
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "fixtures" / "documents"
+FIXED_DATE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+# The fact on page 3 that tests look for (and its page), and the specification table on page 2.
+PAGE3_FACT = "The Orca-7 pump's maximum pressure is 412 kPa."
+SPEC_ROWS = [
+    ("Model", "Flow (L/min)", "Pressure (kPa)", "Mass (kg)"),
+    ("Orca-5", "120", "300", "41"),
+    ("Orca-7", "180", "412", "58"),
+    ("Orca-9", "240", "520", "77"),
+]
+
+
+def make_manual_pdf(path: Path) -> None:
+    """A 4-page pump manual: an outline (bookmarks) of its sections, headings in a larger bold font, a table
+    on page 2, PAGE3_FACT on page 3, a bullet list on page 4 — what a word processor's PDF export holds."""
+    from fpdf import FPDF
+
+    pdf = FPDF(format="A4")
+    pdf.set_creation_date(FIXED_DATE)
+    pdf.set_title("Orca pump series: service manual")
+    pdf.set_author("Kestrel Pumps Ltd")
+
+    def heading(text: str, level: int) -> None:
+        pdf.start_section(text, level=level)
+        pdf.set_font("Helvetica", "B", 18 if level == 0 else 14)
+        pdf.multi_cell(0, 10, text, new_x="LMARGIN", new_y="NEXT")
+        pdf.set_font("Helvetica", "", 11)
+
+    def para(text: str) -> None:
+        pdf.multi_cell(0, 6, text, new_x="LMARGIN", new_y="NEXT")
+        pdf.ln(3)
+
+    pdf.add_page()
+    heading("Orca pump series: service manual", 0)
+    heading("Introduction", 1)
+    para(
+        "This manual covers the Orca series of centrifugal pumps built by Kestrel Pumps Ltd at the Tern Valley "
+        "works. It is meant for service engineers who install, inspect and repair the pumps on site."
+    )
+    para(
+        "Read every section before the first start-up. The pumps move water and light slurries; they must "
+        "not be used for fuel, solvents or any flammable liquid."
+    )
+
+    pdf.add_page()
+    heading("Specifications", 1)
+    para("The table below lists the rated values of each model at 20 degrees Celsius.")
+    pdf.set_font("Helvetica", "", 10)
+    with pdf.table(col_widths=(30, 30, 30, 30), text_align="LEFT") as table:
+        for row in SPEC_ROWS:
+            cells = table.row()
+            for value in row:
+                cells.cell(value)
+    pdf.set_font("Helvetica", "", 11)
+    pdf.ln(4)
+    para("Rated values are measured with clean water; a slurry lowers the flow by up to a fifth.")
+
+    pdf.add_page()
+    heading("Operating limits", 1)
+    para(
+        "Each pump has a pressure relief valve that opens above its rated pressure. "
+        + PAGE3_FACT
+        + " Above that value the relief valve opens and the controller raises an alarm."
+    )
+    para("Never run a pump dry for more than thirty seconds: the shaft seal overheats and leaks.")
+
+    pdf.add_page()
+    heading("Safety checklist", 1)
+    para("Before any service work:")
+    for item in (
+        "Isolate the motor and lock the breaker open.",
+        "Close the suction and discharge valves.",
+        "Drain the casing into a tray and check that the gauge reads zero.",
+    ):
+        pdf.multi_cell(0, 6, "- " + item, new_x="LMARGIN", new_y="NEXT")
+    pdf.ln(3)
+    para("Report every leak to the site supervisor on the same day.")
+    pdf.output(str(path))
+
+
+def make_scanned_pdf(path: Path) -> None:
+    """A one-page PDF holding only a picture of text, as a scanner without OCR makes it: no text layer."""
+    from fpdf import FPDF
+    from PIL import Image, ImageDraw
+
+    img = Image.new("1", (600, 200), 1)
+    draw = ImageDraw.Draw(img)
+    draw.text((20, 20), "SCANNED PAGE - Orca-7 inspection report", fill=0)
+    draw.text((20, 60), "Seal replaced, pressure test passed.", fill=0)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=True)
+    pdf = FPDF(format="A4")
+    pdf.set_creation_date(FIXED_DATE)
+    pdf.add_page()
+    pdf.image(buf, x=10, y=10, w=190)
+    pdf.output(str(path))
+
+
+def make_encrypted_pdf(path: Path) -> None:
+    """A PDF that opens only with a password (a user password, RC4 as fpdf2 writes it by default)."""
+    from fpdf import FPDF
+
+    pdf = FPDF(format="A4")
+    pdf.set_creation_date(FIXED_DATE)
+    pdf.set_encryption(owner_password="owner-secret", user_password="user-secret")
+    pdf.add_page()
+    pdf.set_font("Helvetica", "", 11)
+    pdf.multi_cell(0, 6, "Confidential: the Orca-9 tender price.")
+    pdf.output(str(path))
+
+
+def make_docx(path: Path) -> None:
+    """A DOCX with a title, headings, a bullet list and a table, written by python-docx (Word's own styles)."""
+    import docx
+
+    doc = docx.Document()
+    doc.core_properties.created = FIXED_DATE.replace(tzinfo=None)
+    doc.core_properties.modified = FIXED_DATE.replace(tzinfo=None)
+    doc.core_properties.author = "Kestrel Pumps Ltd"
+    doc.add_heading("Field service report: Skua-3 station", level=1)
+    doc.add_paragraph("Engineer A. Morven visited the Skua-3 pumping station on 12 March to inspect two pumps.")
+    doc.add_heading("Findings", level=2)
+    for item in (
+        "Pump 1 bearing noise within limits.",
+        "Pump 2 shaft seal weeping; replaced.",
+        "Control panel firmware updated to 4.2.",
+    ):
+        doc.add_paragraph(item, style="List Bullet")
+    doc.add_heading("Measurements", level=2)
+    table = doc.add_table(rows=3, cols=3)
+    table.style = "Table Grid"
+    for r, row in enumerate((("Pump", "Vibration (mm/s)", "Pressure (kPa)"), ("1", "2.1", "305"), ("2", "3.4", "298"))):
+        for c, value in enumerate(row):
+            table.cell(r, c).text = value
+    doc.add_heading("Next visit", level=2)
+    doc.add_paragraph("The next inspection of the Skua-3 station is due in September.")
+    buf = io.BytesIO()
+    doc.save(buf)
+    path.write_bytes(_fixed_zip_dates(buf.getvalue()))
+
+
+def _fixed_zip_dates(data: bytes) -> bytes:
+    """The same zip with every member dated FIXED_DATE, so the DOCX's bytes do not change from run to run."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            fixed = zipfile.ZipInfo(info.filename, date_time=(2026, 1, 1, 0, 0, 0))
+            fixed.compress_type = zipfile.ZIP_DEFLATED
+            dst.writestr(fixed, src.read(info.filename))
+    return out.getvalue()
+
+
+WEB_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>How the Skua-7 sonar finds its heading | Kestrel Marine News</title>
+  <meta name="description" content="Engineering notes on the Skua-7 sonar heading fault.">
+  <link rel="stylesheet" href="/static/site.css">
+  <script>window.dataLayer = window.dataLayer || []; function gtag(){dataLayer.push(arguments);}
+  gtag('js', new Date()); gtag('config', 'G-TRACKER42');</script>
+  <style>.cookie-banner { position: fixed; bottom: 0; } nav ul { display: flex; }</style>
+</head>
+<body>
+  <div id="cookie-banner" class="cookie-banner" role="dialog">
+    <p>We use cookies to improve your experience and for marketing. Accept all cookies?</p>
+    <button>Accept all</button> <button>Manage preferences</button>
+  </div>
+  <header class="site-header">
+    <a class="logo" href="/">Kestrel Marine News</a>
+    <nav aria-label="Main">
+      <ul>
+        <li><a href="/">Home</a></li>
+        <li><a href="/products">Products</a></li>
+        <li><a href="/careers">Careers at Kestrel</a></li>
+        <li><a href="/contact">Contact us</a></li>
+      </ul>
+    </nav>
+  </header>
+  <main>
+    <article>
+      <h1>How the Skua-7 sonar finds its heading</h1>
+      <p class="byline">By R. Tallis, 3 February 2026</p>
+      <p>The Skua-7 is a towed sonar that reports the heading of every contact it hears. Its heading comes from
+      a fluxgate compass in the tow body, corrected for the magnetic field of the towing ship.</p>
+      <h2>The heading fault</h2>
+      <p>In 2025 a customer in Halifax reported headings that drifted by up to eight degrees during long turns.
+      The cause was a compass calibration table that was written once at the factory and never updated at sea.</p>
+      <h2>What the fix changes</h2>
+      <p>Firmware 3.1 recalibrates the compass at sea. After an update the sonar does three things:</p>
+      <ul>
+        <li>It logs the compass deviation every ten minutes.</li>
+        <li>It recomputes the calibration table after each full turn.</li>
+        <li>It warns the operator when the deviation exceeds two degrees.</li>
+      </ul>
+      <h2>Measured drift</h2>
+      <table>
+        <thead><tr><th>Firmware</th><th>Mean drift (deg)</th><th>Worst drift (deg)</th></tr></thead>
+        <tbody>
+          <tr><td>3.0</td><td>4.6</td><td>8.1</td></tr>
+          <tr><td>3.1</td><td>0.4</td><td>1.2</td></tr>
+        </tbody>
+      </table>
+      <p>Owners can download firmware 3.1 from the service portal; the update takes about twenty minutes.</p>
+    </article>
+    <aside class="related">
+      <h3>Related stories</h3>
+      <ul><li><a href="/news/tern-4">Tern-4 enters service</a></li><li><a href="/news/awards">Awards night</a></li></ul>
+    </aside>
+  </main>
+  <footer class="site-footer">
+    <p>Copyright 2026 Kestrel Marine Ltd. All rights reserved.</p>
+    <p><a href="/privacy">Privacy policy</a> | <a href="/terms">Terms of use</a> | Follow us on social media</p>
+  </footer>
+  <script src="/static/analytics.js"></script>
+  <script>document.querySelector('#cookie-banner button').onclick = function () { this.parentNode.remove(); };</script>
+</body>
+</html>
+"""
+
+MARKDOWN = """# Tern-4 sonar: quick start
+
+The Tern-4 is a hull-mounted sonar built at the Tern Valley works.
+
+## Before the first dive
+
+1. Check that the transducer window is clean.
+2. Run the self-test from the operator console.
+
+## Power
+
+| Supply | Voltage | Current |
+|---|---|---|
+| Main | 24 V | 3 A |
+| Backup | 12 V | 1 A |
+
+The backup supply keeps the sonar listening for six hours.
+"""
+
+
+def main(out: Path = OUT) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    make_manual_pdf(out / "manual.pdf")
+    make_scanned_pdf(out / "scanned.pdf")
+    make_encrypted_pdf(out / "encrypted.pdf")
+    make_docx(out / "report.docx")
+    (out / "article.html").write_text(WEB_PAGE, encoding="utf-8")
+    (out / "quickstart.md").write_text(MARKDOWN, encoding="utf-8")
+    for p in sorted(out.iterdir()):
+        print(f"{p.stat().st_size:>8,d}  {p}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT)

@@ -1,0 +1,43 @@
+"""Answers cite their sources (issue 32): a fact on page 3 of a PDF is answered from page 3, and says so.
+
+One real ingest (the default model, in this process) of the service manual PDF and a Markdown guide; one
+query in process (its `to_dict()` is what `query --json` prints) and one through the CLI for the human
+`Sources:` line; `ls` and `show` load no model.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvblend.generation import SamplingConfig
+from kvblend.pipeline import Engine, QueryOptions
+from support import FIXTURES, run_cli
+
+DOCUMENTS = FIXTURES / "documents"
+QUESTION = "What is the Orca-7 pump's maximum pressure?"  # page 3, "Operating limits": 412 kPa
+PAGE_3 = {"pages": [3, 3], "section": "Operating limits"}
+
+
+def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, default_runner):
+    arc = tmp_path / "arc"
+    with Engine(arc, runner=default_runner) as engine:
+        # 128 tokens: the 4-page manual (~330 tokens) is one segment per page, each starting at its heading
+        engine.ingest([DOCUMENTS / "manual.pdf", DOCUMENTS / "quickstart.md"], chunk_tokens=128)
+        result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
+    (segment,) = result.to_dict()["segments"]
+    assert segment["document"] == "manual.pdf"
+    assert {"pages": segment["pages"], "section": segment["section"]} == PAGE_3
+    assert "412" in result.answer
+
+    listed = {d["name"]: d for d in json.loads(run_cli("ls", "--archive", arc, "--json", check=True).stdout)}
+    assert (listed["manual.pdf"]["format"], listed["manual.pdf"]["pages"]) == ("pdf", 4)
+    assert (listed["quickstart.md"]["format"], listed["quickstart.md"]["pages"]) == ("markdown", 0)
+    shown = json.loads(run_cli("show", "manual.pdf", "--archive", arc, "--json", check=True).stdout)
+    assert shown["format"] == "pdf" and shown["pages"] == 4
+    assert len(shown["sources"]) == len(shown["segments"]) == 4 and shown["sources"][2] == PAGE_3
+    assert [s["pages"] for s in shown["sources"]] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+
+    proc = run_cli("query", QUESTION, "--archive", arc, "--top-k", "1", "--max-tokens", "16", check=True)
+    answer, sources = proc.stdout.rstrip("\n").rsplit("\n", 1)
+    assert answer.strip() == result.answer.strip()  # the answer as before, then its sources
+    assert sources == "Sources: manual.pdf p. 3 § Operating limits"

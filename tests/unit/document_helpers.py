@@ -1,0 +1,65 @@
+"""What the document-format tests share (issue 32): the fixtures folder and every kind of bad document.
+
+The bad documents are made from the good fixtures (fixtures/documents/, written by real producers), so no
+producer is needed at test time: cut short, bytes flipped, a ZIP bomb, a 50 MB page, a wrong extension.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+from support import FIXTURES
+
+DOCS = FIXTURES / "documents"
+
+
+def zip_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def make_bad_documents(root: Path) -> dict[str, str]:
+    """Every kind of bad document in ``root``; returns file name -> a regex its skip reason must match."""
+    root.mkdir(parents=True, exist_ok=True)
+    pdf = (DOCS / "manual.pdf").read_bytes()
+    docx = (DOCS / "report.docx").read_bytes()
+    (root / "encrypted.pdf").write_bytes((DOCS / "encrypted.pdf").read_bytes())
+    (root / "scanned.pdf").write_bytes((DOCS / "scanned.pdf").read_bytes())
+    (root / "truncated.pdf").write_bytes(pdf[: len(pdf) // 2])
+    (root / "corrupt.pdf").write_bytes(b"%PDF-1.7\n" + bytes(range(256)) * 8 + b"\n%%EOF\n")
+    (root / "truncated.docx").write_bytes(docx[: len(docx) // 2])
+    with zipfile.ZipFile(io.BytesIO(docx)) as z:
+        info = z.getinfo("word/document.xml")
+    flipped = bytearray(docx)
+    at = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
+    flipped[at : at + 8] = bytes(b ^ 0xFF for b in flipped[at : at + 8])
+    (root / "flipped.docx").write_bytes(bytes(flipped))
+    (root / "bomb.docx").write_bytes(
+        zip_bytes({"[Content_Types].xml": b"<Types/>", "word/document.xml": bytes(20 << 20)})
+    )
+    (root / "huge.html").write_bytes(
+        b"<!DOCTYPE html><html><body>" + b"<p>filler text</p>\n" * (50 * 1024 * 1024 // 19)
+    )
+    (root / "error-page.pdf").write_text("<!DOCTYPE html><html><body><h1>404 Not Found</h1></body></html>")
+    (root / "noise.pdf").write_bytes(bytes((i * 7919 + 13) % 256 for i in range(4096)))
+    (root / "notes.docx").write_text("Only text, saved under the wrong name.")
+    (root / "slides.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))
+    return {
+        "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
+        "scanned.pdf": r"^no text layer \(",
+        "truncated.pdf": r"^truncated PDF \(",
+        "corrupt.pdf": r"^corrupt PDF \(",
+        "truncated.docx": r"^corrupt DOCX \(not a complete ZIP archive\)$",
+        "flipped.docx": r"^corrupt DOCX \(",
+        "bomb.docx": r"^DOCX part word/document.xml is compressed \d+:1 \(over 100:1, a ZIP bomb\?\); not opened$",
+        "huge.html": r"^too large for HTML \(50 MiB; at most 20 MiB",
+        "error-page.pdf": r"^not a PDF \(content looks like HTML\)$",
+        "noise.pdf": r"^not a PDF \(content looks like binary data\)$",
+        "notes.docx": r"^not a DOCX \(content looks like text\)$",
+        "slides.pptx": r"^unsupported format \(PowerPoint \(.pptx\) file\)$",
+    }

@@ -1,0 +1,213 @@
+"""PDF, HTML, DOCX and Markdown documents (issue 32): the text each becomes, and each bad file skipped in one line.
+
+The good files are fixtures/documents/, written by real producers (fpdf2, python-docx; scripts/make_fixtures.py).
+The bad ones are made here from them: cut short, bytes flipped, a ZIP bomb, a 50 MB page, a wrong extension.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from document_helpers import DOCS, make_bad_documents
+
+from kvblend import conversion
+from kvblend.documents import Document, Skipped, iter_documents
+from support import REPO
+
+
+def read_one(path: Path) -> Document:
+    docs, skipped = iter_documents([path])
+    assert skipped == [] and len(docs) == 1, skipped
+    return docs[0]
+
+
+def flat(text: str) -> str:
+    """Whitespace runs as one space: a PDF wraps its lines where the page ends them."""
+    return " ".join(text.split())
+
+
+def in_order(text: str, *parts: str) -> None:
+    at = 0
+    for part in parts:
+        found = text.find(part, at)
+        assert found >= 0, f"{part!r} missing after offset {at} in:\n{text}"
+        at = found + len(part)
+
+
+# ─────────────────────────────── good documents ───────────────────────────────
+
+
+def test_pdf_has_headings_table_rows_list_and_its_pages():
+    doc = read_one(DOCS / "manual.pdf")
+    assert doc.format == "pdf"
+    text = doc.text
+    in_order(
+        text,
+        "# Orca pump series: service manual\n\n## Introduction\n\nThis manual covers",
+        "\n\n## Specifications\n\nThe table below",
+        "\nModel Flow (L/min) Pressure (kPa) Mass (kg)\nOrca-5 120 300 41\nOrca-7 180 412 58\nOrca-9 240 520 77\n",
+        "\n\n## Operating limits\n\nEach pump",
+        "\n\n## Safety checklist\n\nBefore any",
+        "\n- Isolate the motor and lock the breaker open.\n- Close the suction and discharge valves.\n",
+    )
+    starts = doc.page_starts
+    assert len(starts) == 4 and starts[0] == 0 and list(starts) == sorted(set(starts))
+    for start in starts[1:]:
+        assert text[start - 2 : start] == "\n\n" and not text[start].isspace()  # pages are paragraphs apart
+    fact = "The Orca-7 pump's maximum pressure is 412 kPa."
+    page3 = text[starts[2] : starts[3]]
+    assert fact in flat(page3) and fact not in flat(text[: starts[2]] + text[starts[3] :])
+    assert text[starts[1] :].startswith("## Specifications") and text[starts[3] :].startswith("## Safety checklist")
+
+
+def test_web_page_keeps_the_article_and_drops_the_boilerplate():
+    doc = read_one(DOCS / "article.html")
+    assert doc.format == "html" and doc.page_starts == ()
+    text = doc.text
+    in_order(
+        text,
+        "# How the Skua-7 sonar finds its heading\n\n",
+        "The Skua-7 is a towed sonar",
+        "\n\n## The heading fault\n\n",
+        "\n\n## What the fix changes\n\n",
+        "\n- It logs the compass deviation every ten minutes.\n- It recomputes",
+        "\n\n## Measured drift\n\n",
+        "| Firmware | Mean drift (deg) | Worst drift (deg) |\n|---|---|---|\n| 3.0 | 4.6 | 8.1 |\n| 3.1 | 0.4 | 1.2 |",
+        "takes about twenty minutes.",
+    )
+    for boilerplate in (
+        "cookies",
+        "Accept all",
+        "Careers",
+        "Contact us",
+        "Copyright",
+        "Privacy policy",
+        "Related stories",
+        "Awards night",
+        "gtag",
+        "dataLayer",
+        "querySelector",
+        "cookie-banner",
+    ):
+        assert boilerplate not in text, boilerplate
+
+
+def test_docx_has_headings_list_and_table_in_body_order():
+    doc = read_one(DOCS / "report.docx")
+    assert doc.format == "docx" and doc.page_starts == ()
+    in_order(
+        doc.text,
+        "# Field service report: Skua-3 station\n\n",
+        "Engineer A. Morven visited",
+        "\n\n## Findings\n\n",
+        "- Pump 1 bearing noise within limits.\n- Pump 2 shaft seal weeping; replaced.\n- Control panel",
+        "\n\n## Measurements\n\n",
+        "| Pump | Vibration (mm/s) | Pressure (kPa) |\n|---|---|---|\n| 1 | 2.1 | 305 |\n| 2 | 3.4 | 298 |",
+        "\n\n## Next visit\n\n",
+        "due in September.",
+    )
+
+
+def test_markdown_and_text_are_read_unchanged(tmp_path):
+    md = read_one(DOCS / "quickstart.md")
+    assert md.format == "markdown" and md.text == (DOCS / "quickstart.md").read_text(encoding="utf-8")
+    assert md.page_starts == ()
+    (tmp_path / "notes.txt").write_text("A <p> tag in a note is only text.\n")
+    (tmp_path / "notes.markdown").write_text("<!DOCTYPE html> in Markdown stays Markdown\n")
+    (tmp_path / "rec.jsonl").write_text(json.dumps({"text": "a record"}) + "\n")
+    docs, _ = iter_documents([tmp_path])
+    assert [(d.name, d.format, d.text) for d in docs] == [
+        ("notes.markdown", "markdown", "<!DOCTYPE html> in Markdown stays Markdown\n"),
+        ("notes.txt", "text", "A <p> tag in a note is only text.\n"),
+        ("rec.jsonl#L1", "json", "a record"),
+    ]
+
+
+def test_format_comes_from_content_when_the_extension_says_nothing(tmp_path):
+    (tmp_path / "manual").write_bytes((DOCS / "manual.pdf").read_bytes())
+    (tmp_path / "report.dat").write_bytes((DOCS / "report.docx").read_bytes())
+    saved = "<!-- saved from url=(0022)https://example.com/ -->\n" + (DOCS / "article.html").read_text()
+    (tmp_path / "page.txt").write_text(saved)
+    docs, skipped = iter_documents([tmp_path])
+    assert skipped == []
+    assert {d.name: d.format for d in docs} == {"manual": "pdf", "page.txt": "html", "report.dat": "docx"}
+    assert "## Measured drift" in next(d for d in docs if d.name == "page.txt").text
+
+
+def test_html_in_another_charset_and_a_short_page(tmp_path):
+    page = (
+        '<html><head><meta charset="iso-8859-1"></head><body><p>Caf\xe9 cr\xe8me at the Tern works.</p></body></html>'
+    )
+    (tmp_path / "latin.html").write_bytes(page.encode("latin-1"))
+    (tmp_path / "short.htm").write_text("<p>Just one line.</p>")
+    docs, skipped = iter_documents([tmp_path])
+    assert skipped == []
+    assert [(d.name, d.text) for d in docs] == [
+        ("latin.html", "Café crème at the Tern works."),
+        ("short.htm", "Just one line."),
+    ]
+
+
+def test_heavy_converters_are_imported_only_when_needed():
+    """Plain-text ingest and `kvblend --help` never import a converter (trafilatura alone is 0.2 s)."""
+    code = (
+        "import sys; from pathlib import Path; from kvblend.documents import iter_documents;"
+        "docs, _ = iter_documents([Path(sys.argv[1])]); assert len(docs) == 12;"
+        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'lxml') if m in sys.modules])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "kvblend" / "data" / "docs")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert proc.stdout.strip() == "[]"
+
+
+# ─────────────────────────────── bad documents ───────────────────────────────
+
+
+def test_each_bad_document_is_skipped_with_its_reason_and_the_rest_is_read(tmp_path, capfd):
+    expected = make_bad_documents(tmp_path / "in")
+    (tmp_path / "in" / "good.md").write_text("A good document.")
+    docs, skipped = iter_documents([tmp_path / "in"])
+    assert [d.name for d in docs] == ["good.md"]
+    reasons = {Path(s.path).name: s.reason for s in skipped}
+    assert sorted(reasons) == sorted(expected)
+    for name, pattern in expected.items():
+        assert re.search(pattern, reasons[name]), (name, reasons[name])
+        assert "\n" not in reasons[name]
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # no converter printed a word of its own
+
+
+def test_zip_bomb_is_refused_by_its_declared_total_too(tmp_path, monkeypatch):
+    """Parts that are each plausible but add up past the cap: refused before anything is inflated."""
+    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 50_000)
+    docx = (DOCS / "report.docx").read_bytes()
+    with pytest.raises(conversion.ConversionError, match=r"^DOCX would inflate to over 0 MiB \(a ZIP bomb\?\)"):
+        conversion.convert("docx", docx)
+
+
+def test_a_converter_that_raises_or_runs_long_costs_one_line_not_the_run(tmp_path, monkeypatch):
+    (tmp_path / "a.html").write_text("<html><body><p>A page.</p></body></html>")
+    (tmp_path / "b.pdf").write_bytes((DOCS / "manual.pdf").read_bytes())
+    (tmp_path / "c.md").write_text("still read")
+
+    def explode(data: bytes) -> conversion.Converted:
+        raise KeyError("[Content_Types].xml")
+
+    monkeypatch.setattr(conversion, "_convert_html", explode)
+    monkeypatch.setattr(conversion, "MAX_CONVERT_SECONDS", -1.0)
+    docs, skipped = iter_documents([tmp_path])
+    assert [d.text for d in docs] == ["still read"]
+    p = tmp_path.as_posix()
+    assert skipped == [
+        Skipped(f"{p}/a.html", "cannot be read as HTML (KeyError: '[Content_Types].xml')"),
+        Skipped(f"{p}/b.pdf", "took longer than -1 s to convert"),
+    ]

@@ -1,0 +1,72 @@
+"""Provenance: a segment's offsets → its page range and section; how an answer cites its sources."""
+
+from __future__ import annotations
+
+from kvblend.pipeline.results import SegmentInfo
+from kvblend.provenance import cite, describe, page_range, section_of, segment_sources
+from kvblend.segmenter import find_headings, split_into_spans
+
+PAGES = (0, 100, 250, 400)  # pages 1..4
+
+
+def test_page_range_is_the_pages_a_span_touches():
+    assert page_range(PAGES, 0, 50) == [1, 1]
+    assert page_range(PAGES, 90, 110) == [1, 2]
+    assert page_range(PAGES, 100, 250) == [2, 2]  # the end is exclusive: 250 is page 3's first character
+    assert page_range(PAGES, 260, 900) == [3, 4]
+    assert page_range(PAGES, 400, 401) == [4, 4]
+    assert page_range((), 0, 10) is None  # no pages: not "page 1"
+    assert page_range((5, 20), 0, 3) == [1, 1]  # before the first start counts as page 1
+
+
+def test_section_is_the_nearest_heading_at_or_before_the_text():
+    text = "Intro text.\n\n# Manual\n\n## Specifications\n\nThe pump is rated.\n\nMore.\n\n## Safety ##\nWear gloves."
+    heads = find_headings(text)
+
+    def at(snippet: str, end: str | None = None) -> str | None:
+        a = text.index(snippet)
+        return section_of(text, heads, a, text.index(end) + len(end) if end else len(text))
+
+    assert at("Intro") is None  # before any heading
+    assert at("# Manual") == "Specifications"  # opens with a run of headings: the one its text falls under
+    assert at("The pump") == "Specifications" and at("More.") == "Specifications"
+    assert at("## Safety") == "Safety" and at("Wear") == "Safety"  # closing #s are not part of the title
+    assert at("# Manual", "## Specifications") == "Specifications"  # nothing but headings: the last one
+
+
+def test_segment_sources_for_a_paged_markdown_text():
+    pages = [
+        "# Orca-7 manual\n\nThis manual covers the pump.",
+        "## Installation\n\nBolt the pump down.",
+        "## Specifications\n\nThe Orca-7 pump's maximum pressure is 412 kPa.",
+    ]
+    text = "\n\n".join(pages)
+    starts = tuple(text.index(p) for p in pages)
+    spans = [(text.index(p), text.index(p) + len(p)) for p in pages]
+    assert segment_sources(text, spans, starts) == [
+        {"pages": [1, 1], "section": "Orca-7 manual"},
+        {"pages": [2, 2], "section": "Installation"},
+        {"pages": [3, 3], "section": "Specifications"},
+    ]
+    assert segment_sources(text, [(0, len(text))], starts) == [{"pages": [1, 3], "section": "Orca-7 manual"}]
+    assert segment_sources(text, [(0, len(text))]) == [{"pages": None, "section": "Orca-7 manual"}]
+    # with the segmenter: page 3 is its own segment once the text is too long for one
+    spans = split_into_spans(text, lambda s: len(s.split()), 16, breaks=starts)
+    assert segment_sources(text, spans, starts)[-1] == {"pages": [3, 3], "section": "Specifications"}
+
+
+def test_describe_and_cite():
+    assert describe([3, 3], "Specifications") == "p. 3 § Specifications"
+    assert describe([3, 4], None) == "pp. 3-4" and describe(None, "Install") == "§ Install"
+    assert describe(None, None) == ""
+    infos = [
+        SegmentInfo("k1", "manual.pdf", 10, True, pages=[3, 3], section="Specifications"),
+        SegmentInfo("k2", "guide.md", 10, True, section="Install"),
+        SegmentInfo("k3", "manual.pdf", 10, True, pages=[5, 5], section="Safety"),
+        SegmentInfo("k4", "manual.pdf", 10, True, pages=[3, 3], section="Specifications"),  # said once
+        SegmentInfo("k5", None, 10, False),  # a --context-file passage: no document
+        SegmentInfo("k6", "notes.txt", 10, True),  # nothing known but the document
+    ]
+    assert cite(infos) == "manual.pdf p. 3 § Specifications, p. 5 § Safety; guide.md § Install; notes.txt"
+    assert cite([{"document": "a.md", "pages": None, "section": "X"}]) == "a.md § X"  # the JSON form too
+    assert cite([SegmentInfo("k", None, 1, False)]) == ""
