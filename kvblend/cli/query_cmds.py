@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -146,7 +147,7 @@ def ingest(
             report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
     for s in report.skipped:
-        err.print(f"[yellow]skipped[/] {s['path']}: {s['reason']}")
+        err.print(f"[yellow]skipped[/] {escape(s['path'])}: {escape(s['reason'])}")  # a name may hold "[bold]"
     if as_json:
         print_json({**report.to_dict(), "archive": str(engine.location), "archive_bytes": on_disk})
         return
