@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich import filesize
 from rich.console import Console
 
 from kvblend.archive import Archive, resolve_location
@@ -91,11 +92,8 @@ def parse_size(text: str) -> int:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    """A size in SI units, as Rich writes them ("512 bytes", "1.2 kB", "3.4 MB"): the units parse_size reads."""
+    return filesize.decimal(int(n))
 
 
 def parse_check_layers(text: Optional[str]) -> tuple[int, ...] | None:

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
 from kvblend.pipeline.query import ContextLengthError
 from kvblend.serve.chunks import segment_source
-from kvblend.serve.metrics import Metrics
+from kvblend.serve.metrics import CONTENT_TYPE, Metrics
 from kvblend.serve.responses import (
     chunk_body,
     completion_body,
@@ -37,7 +37,7 @@ from kvblend.serve.responses import (
     kvblend_report,
     models_body,
     request_share,
-    usage,
+    usage_chunk,
 )
 from kvblend.serve.scheduler import Completed, Job, Scheduler, TokenEvent
 from kvblend.serve.schema import ApiError, ChatRequest, parse_body, parse_chat_request, parse_completion_request
@@ -209,12 +209,12 @@ def create_app(
             if kind == "done":
                 observe(value, job)
                 for choice in value.choices:
-                    body = chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason)
-                    if choice.index == 0:
-                        body["kvblend"] = kvblend_report(value.result, job.queue_wait_s)
-                    yield event(body)
+                    report = kvblend_report(value.result, job.queue_wait_s) if choice.index == 0 else None
+                    yield event(
+                        chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason, kvblend=report)
+                    )
                 if req.include_usage:
-                    yield event({**chunk_body(cid, model, 0, req.legacy), "choices": [], "usage": usage(value)})
+                    yield event(usage_chunk(cid, model, req.legacy, value))
             elif kind == "error":
                 yield event(error_for(value, hidden_paths).body())
             yield "data: [DONE]\n\n"
@@ -260,7 +260,7 @@ def create_app(
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(
             metrics.render(scheduler.depth, scheduler.busy, scheduler.running),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
+            media_type=CONTENT_TYPE,
         )
 
     return app

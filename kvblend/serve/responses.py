@@ -1,19 +1,36 @@
 """Response bodies in OpenAI's shapes (chat completions and legacy completions), each carrying what kvblend did
 in a `kvblend` object.
 
-OpenAI clients keep fields they do not know (`response.model_extra`), so the
-`kvblend` report rides along without breaking any client.
+Built from the `openai` package's own response types, so a body is the shape
+the official client parses, checked field by field as it is built. Those
+types keep fields they do not declare (pydantic's extra="allow"; a client sees
+them as `response.model_extra`), so the `kvblend` report rides along without
+breaking any client. A body is dumped with only the fields set here (an
+explicit null included), as OpenAI sends them.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Literal, cast
+
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.completion_choice import Logprobs
+from pydantic import BaseModel
 
 from kvblend.pipeline.results import QueryResult
 from kvblend.serve.chunks import segments_report
-from kvblend.serve.scheduler import ChoiceResult, Completed
+from kvblend.serve.scheduler import Completed
+
+ChatFinish = Literal["stop", "length"]  # how a choice ends here (the scheduler's ChoiceResult.finish_reason)
+LegacyFinish = Literal["stop", "length"]
 
 
 def completion_id(legacy: bool = False) -> str:
@@ -48,17 +65,21 @@ def kvblend_report(result: QueryResult, queue_wait_s: float) -> dict:
     }
 
 
-def usage(done: Completed) -> dict:
+def usage(done: Completed) -> CompletionUsage:
     completion = sum(len(c.token_ids) for c in done.choices)
     prompt = done.result.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_logprobs(entries: list[dict] | None) -> dict | None:
-    return None if entries is None else {"content": entries}
+def chat_logprobs(entries: list[dict] | None) -> ChoiceLogprobs | None:
+    return None if entries is None else ChoiceLogprobs(content=_token_logprobs(entries))
 
 
-def legacy_logprobs(entries: list[dict] | None, start: int = 0) -> dict | None:
+def _token_logprobs(entries: list[dict]) -> list[ChatCompletionTokenLogprob]:
+    return [ChatCompletionTokenLogprob.model_validate(e) for e in entries]
+
+
+def legacy_logprobs(entries: list[dict] | None, start: int = 0) -> Logprobs | None:
     """The legacy completions API's logprobs: parallel lists, the alternatives as {token: logprob}; `start`: the
     text offset of the first entry (a streamed chunk's, counted from the answer's start)."""
     if entries is None:
@@ -67,41 +88,50 @@ def legacy_logprobs(entries: list[dict] | None, start: int = 0) -> dict | None:
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }
+    return Logprobs(
+        tokens=[e["token"] for e in entries],
+        token_logprobs=[e["logprob"] for e in entries],
+        top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        text_offset=offsets,
+    )
 
 
-def _choice(choice: ChoiceResult, legacy: bool) -> dict:
-    if legacy:
-        return {
-            "index": choice.index,
-            "text": choice.text,
-            "finish_reason": choice.finish_reason,
-            "logprobs": legacy_logprobs(choice.logprobs),
-        }
-    return {
-        "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
-        "finish_reason": choice.finish_reason,
-        "logprobs": chat_logprobs(choice.logprobs),
-    }
+def _dump(body: BaseModel, kvblend: dict | None = None) -> dict:
+    """A response model as its JSON object: the fields set here (an explicit null too), then kvblend's extension."""
+    out = body.model_dump(mode="json", exclude_unset=True)
+    return out if kvblend is None else {**out, "kvblend": kvblend}
 
 
 def completion_body(cid: str, model: str, done: Completed, queue_wait_s: float, legacy: bool) -> dict:
     """A non-streamed `chat.completion` (or legacy `text_completion`)."""
-    return {
-        "id": cid,
-        "object": "text_completion" if legacy else "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [_choice(c, legacy) for c in done.choices],
-        "usage": usage(done),
-        "kvblend": kvblend_report(done.result, queue_wait_s),
-    }
+    created, report = int(time.time()), kvblend_report(done.result, queue_wait_s)
+    if legacy:
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                finish_reason=cast(LegacyFinish, c.finish_reason),
+                logprobs=legacy_logprobs(c.logprobs),
+            )
+            for c in done.choices
+        ]
+        legacy_body = Completion(
+            id=cid, object="text_completion", created=created, model=model, choices=choices, usage=usage(done)
+        )
+        return _dump(legacy_body, report)
+    chat_choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatCompletionMessage(role="assistant", content=c.text),
+            finish_reason=cast(ChatFinish, c.finish_reason),
+            logprobs=chat_logprobs(c.logprobs),
+        )
+        for c in done.choices
+    ]
+    body = ChatCompletion(
+        id=cid, object="chat.completion", created=created, model=model, choices=chat_choices, usage=usage(done)
+    )
+    return _dump(body, report)
 
 
 def chunk_body(
@@ -114,35 +144,51 @@ def chunk_body(
     finish: str | None = None,
     logprobs: list[dict] | None = None,
     text_offset: int = 0,
-    **extra: Any,
+    kvblend: dict | None = None,
 ) -> dict:
-    """One streamed chunk of a choice (extra: usage, kvblend, or choices=[] for the usage chunk)."""
+    """One streamed chunk of a choice (`kvblend`: the report, on the first choice's final chunk)."""
+    created = int(time.time())
     if legacy:
-        choice: dict = {
-            "index": index,
-            "text": text or "",
-            "finish_reason": finish,
-            "logprobs": legacy_logprobs(logprobs, text_offset) if logprobs else None,
-        }
+        # A legacy chunk is a `Completion` whose choice has no finish_reason until the last one: OpenAI streams a
+        # null there, which the type does not allow, so the choice is built unvalidated (as the client reads it).
+        choice = CompletionChoice.construct(
+            index=index,
+            text=text or "",
+            finish_reason=finish,
+            logprobs=legacy_logprobs(logprobs, text_offset) if logprobs else None,
+        )
+        chunk = Completion(id=cid, object="text_completion", created=created, model=model, choices=[choice])
+        return _dump(chunk, kvblend)
+    if role:
+        delta = ChoiceDelta(role="assistant", content="")
     else:
-        delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {
-            "index": index,
-            "delta": delta,
-            "finish_reason": finish,
-            "logprobs": chat_logprobs(logprobs) if logprobs else None,
-        }
-    body = {
-        "id": cid,
-        "object": "text_completion" if legacy else "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
-    body.update(extra)
-    return body
+        delta = ChoiceDelta(content=text) if text else ChoiceDelta()
+    chunk_choice = ChunkChoice(
+        index=index,
+        delta=delta,
+        finish_reason=cast(ChatFinish | None, finish),
+        logprobs=ChunkLogprobs(content=_token_logprobs(logprobs)) if logprobs else None,
+    )
+    chat_chunk = ChatCompletionChunk(
+        id=cid, object="chat.completion.chunk", created=created, model=model, choices=[chunk_choice]
+    )
+    return _dump(chat_chunk, kvblend)
+
+
+def usage_chunk(cid: str, model: str, legacy: bool, done: Completed) -> dict:
+    """The stream's last chunk when `stream_options.include_usage` asks: no choices, the usage."""
+    created = int(time.time())
+    if legacy:
+        return _dump(
+            Completion(id=cid, object="text_completion", created=created, model=model, choices=[], usage=usage(done))
+        )
+    return _dump(
+        ChatCompletionChunk(
+            id=cid, object="chat.completion.chunk", created=created, model=model, choices=[], usage=usage(done)
+        )
+    )
 
 
 def models_body(model: str, created: int) -> dict:
     """`GET /v1/models`: the one model this server holds."""
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvblend"}]}
+    return {"object": "list", "data": [_dump(Model(id=model, object="model", created=created, owned_by="kvblend"))]}

@@ -1,9 +1,15 @@
-"""The requests the server accepts (chat and legacy completions), and the OpenAI error shape for what it refuses.
+"""The requests the server accepts (chat and legacy completions) as pydantic models, and the OpenAI error shape
+for what it refuses.
 
-Parsed by hand rather than by a pydantic model so that every refusal is a 400
-in OpenAI's shape naming the offending parameter (a validation framework
-answers 422 in its own shape, which OpenAI clients do not understand). A
-parameter kvblend cannot honour is refused, never silently ignored: an app
+A body is validated by the models below; `refusal` turns pydantic's first
+error into a 400 in OpenAI's shape naming the offending parameter, as vLLM's
+handler does (FastAPI's own answer to a validation error is a 422 in its own
+shape, which OpenAI clients do not understand). The wording stays kvblend's
+("n must be at least 1 and at most 8"): each error names where it is
+("messages[2].content", "kvblend.ratio") and says what would be accepted.
+The models are strict (no "5" for 5, no true for 1), as the OpenAI API is.
+
+A parameter kvblend cannot honour is refused, never silently ignored: an app
 asking for tools must learn it did not get them. Parameters that change
 nothing about a greedy answer at their neutral value (``presence_penalty: 0``)
 are accepted; so are vLLM's sampling extensions that load-testing tools send
@@ -13,32 +19,26 @@ are accepted; so are vLLM's sampling extensions that load-testing tools send
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvblend.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvblend.options import MODES
 from kvblend.serve.chunks import Conversation, conversation, split_blocks
 
-# Accepted and used (both endpoints; `messages` only for chat, `prompt` only for completions).
-SUPPORTED = {
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "n",
-    "stop",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "top_logprobs",
-    "ignore_eos",
-    "min_tokens",
-    "kvblend",
-}
 # Accepted and ignored: they change nothing about the answer.
 IGNORED = {"user", "metadata", "store", "service_tier", "echo_prompt"}
 # Anything else is accepted only at its neutral value (OpenAI's default, or null/false/empty).
@@ -52,11 +52,12 @@ NEUTRAL = {
     "parallel_tool_calls": None,
     "response_format": {"type": "text"},
 }
-KVBLEND_KEYS = {"mode", "ratio", "top_k", "docs", "store"}
 MAX_STOP = 4  # as OpenAI
 MAX_N = 8
 MAX_TOP_LOGPROBS = 20
+MAX_LEGACY_LOGPROBS = 5
 MAX_JSON_DEPTH = 64  # a real request nests a few levels; deeper is an attack on the parser
+WHERE = "{where}"  # in a refusal's wording: the parameter's path, filled in by `refusal`
 
 
 class ApiError(Exception):
@@ -143,207 +144,382 @@ def _depth_exceeds(raw: bytes, limit: int) -> bool:
     return False
 
 
-def parse_chat_request(body: dict) -> ChatRequest:
-    """Validate a chat completion body; raise ApiError(400) naming the first problem."""
-    _refuse_unsupported(body, "messages")
-    req = _with_conversation(_conversation(body.get("messages")))
-    _sampling(req, body)
-    return req
+# ── refusals: pydantic's errors in kvblend's words ──
+# pydantic's error types for a value of the wrong JSON type, as kvblend has always worded them
+TYPE_PHRASES = {
+    "int_type": "{where} must be an integer",
+    "float_type": "{where} must be a number",
+    "finite_number": "{where} must be a number",
+    "string_type": "{where} must be a str",
+    "bool_type": "{where} must be a bool",
+    "list_type": "{where} must be a list",
+    "dict_type": "{where} must be an object",
+    "model_type": "{where} must be an object",
+    "model_attributes_type": "{where} must be an object",
+}
+CODES = {"invalid_value", "unsupported_parameter"}  # the error types our own validators raise, used as codes
 
 
-def parse_completion_request(body: dict) -> ChatRequest:
-    """Validate a legacy completion body: `prompt` is one string, read as a chat user message's text would be
-    (passages separated by <<<chunk>>> lines, the last block the question)."""
-    _refuse_unsupported(body, "prompt")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise invalid("prompt must be a non-empty string", "prompt")
-    try:
-        req = _with_conversation(conversation([], [prompt]))
-    except ValueError as exc:
-        raise invalid(str(exc), "prompt") from None
-    req.legacy = True
-    _sampling(req, body)
-    given = body.get("logprobs")
-    if given is not None and given is not False:  # the legacy API: an integer, the number of alternatives (0 too)
-        req.logprobs = True
-        req.top_logprobs = _int(given, "logprobs", low=0, high=5) if given is not True else 0
-    if body.get("top_logprobs") is not None:
-        raise invalid("/v1/completions takes the number of alternatives as logprobs: N", "top_logprobs")
-    return req
+def refused(phrase: str, code: str = "invalid_value", param: str | None = None) -> PydanticCustomError:
+    """A refusal raised inside a model: `phrase` may say {where}; `param` overrides the parameter it names."""
+    return PydanticCustomError(code, phrase, {"param": param} if param else None)
 
 
-def _with_conversation(conv: Conversation) -> ChatRequest:
-    return ChatRequest(question=conv.question, chunks=conv.chunks, system=conv.system, history=conv.history)
+def refusal(exc: ValidationError) -> ApiError:
+    """The 400 for a body the models refuse: the first error, worded and named as kvblend's API always has."""
+    error = exc.errors(include_url=False)[0]
+    loc = tuple(error["loc"])
+    ctx = error.get("ctx") or {}
+    custom = error["type"] in CODES
+    phrase = error["msg"] if custom else TYPE_PHRASES.get(error["type"], "{where}: " + error["msg"])
+    where = _path(loc)
+    message = phrase.replace(WHERE, where) if where else phrase.replace(WHERE, "the request body")
+    return invalid(message, ctx.get("param") or _param(loc), error["type"] if custom else "invalid_value")
 
 
-def _sampling(req: ChatRequest, body: dict) -> None:
-    req.model = _typed(body, "model", str, None)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if body.get(name) is not None:
-        req.max_tokens = _int(body[name], name, low=1)
-    req.temperature = _number(body, "temperature", req.temperature, 0.0, 2.0)
-    req.top_p = _number(body, "top_p", req.top_p, 0.0, 1.0)
-    if req.top_p <= 0:
-        raise invalid("top_p must be in (0, 1]", "top_p")
-    if body.get("seed") is not None:
-        # vLLM takes any 64-bit integer; torch's generators take 0..2^63-1
-        req.seed = _int(body["seed"], "seed", low=-(2**63), high=2**64 - 1) % 2**63
-    if body.get("n") is not None:
-        req.n = _int(body["n"], "n", low=1, high=MAX_N)
-    req.stop = _stop(body.get("stop"))
-    if not req.legacy:
-        req.logprobs = bool(_typed(body, "logprobs", bool, False))
-        if body.get("top_logprobs") is not None:
-            req.top_logprobs = _int(body["top_logprobs"], "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-            if req.top_logprobs and not req.logprobs:
-                raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    req.ignore_eos = bool(_typed(body, "ignore_eos", bool, False))
-    if body.get("min_tokens") is not None:
-        req.min_tokens = _int(body["min_tokens"], "min_tokens", low=0)
-        if req.min_tokens > req.max_tokens:
-            raise invalid(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({req.max_tokens})", "min_tokens")
-    req.stream = bool(_typed(body, "stream", bool, False))
-    options = _typed(body, "stream_options", dict, None) or {}
-    if options and not req.stream:
-        raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    req.include_usage = bool(_typed(options, "include_usage", bool, False))
-    _kvblend_options(req, _typed(body, "kvblend", dict, None) or {})
+def _path(loc: tuple) -> str:
+    """pydantic's location as a client writes it: messages[2].content, kvblend.ratio."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _stop(value: Any) -> list[str]:
-    """`stop`: a string or up to four non-empty strings."""
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise invalid("stop must be a non-empty string or an array of non-empty strings", "stop")
+def _param(loc: tuple) -> str | None:
+    """The parameter an error names: the path up to the first array index (messages[2].content: messages)."""
+    names: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            break
+        names.append(str(part))
+    return ".".join(names) or None
+
+
+def _in_range(value: int, low: int, high: int | None = None) -> int:
+    if value < low or (high is not None and value > high):
+        raise refused(f"{WHERE} must be at least {low}" + (f" and at most {high}" if high is not None else ""))
+    return value
+
+
+def _range(low: int, high: int | None = None) -> AfterValidator:
+    return AfterValidator(lambda value: _in_range(value, low, high))
+
+
+def _between(low: float, high: float, above_low: bool = False) -> WrapValidator:
+    """A number in [low, high] (or (low, high] when `above_low`); a refusal quotes the number as sent."""
+
+    def check(value: Any, handler: Any) -> float:
+        number = handler(value)
+        if not low <= number <= high:
+            raise refused(f"{WHERE} must be between {low:g} and {high:g}, not {value}")
+        if above_low and number <= low:
+            raise refused(f"{WHERE} must be in ({low:g}, {high:g}]")
+        return float(number)
+
+    return WrapValidator(check)
+
+
+def _phrased(phrase: str) -> WrapValidator:
+    """Any error inside the value becomes one refusal worded as `phrase` (a value of several accepted shapes)."""
+
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise refused(phrase) from None
+
+    return WrapValidator(check)
+
+
+def _stop_list(items: list[str]) -> list[str]:
+    if not all(items):
+        raise refused(f"{WHERE} must be a non-empty string or an array of non-empty strings")
     if len(items) > MAX_STOP:
-        raise invalid(f"stop takes at most {MAX_STOP} sequences, not {len(items)}", "stop")
+        raise refused(f"{WHERE} takes at most {MAX_STOP} sequences, not {len(items)}")
     return list(dict.fromkeys(items))
 
 
-def _refuse_unsupported(body: dict, content_key: str) -> None:
-    for name, value in body.items():
-        if name in SUPPORTED or name in IGNORED or name == content_key:
-            continue
-        if value in (None, False, [], {}) or (name in NEUTRAL and value == NEUTRAL[name]):
-            continue
-        raise invalid(
-            f"unsupported parameter: {name}={json.dumps(value)[:60]} (kvblend serve does not support it)",
-            name,
-            code="unsupported_parameter",
+def _one_of(choices: tuple[str, ...]) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in choices:
+            raise refused(f"{WHERE} must be one of {', '.join(choices)}")
+        return value
+
+    return AfterValidator(check)
+
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Stop = Annotated[  # a string or up to four, each non-empty
+    list[str],
+    BeforeValidator(lambda value: [value] if isinstance(value, str) else value),
+    _phrased(f"{WHERE} must be a non-empty string or an array of non-empty strings"),
+    AfterValidator(_stop_list),
+]
+
+
+# ── the models ──
+class _Strict(BaseModel):
+    """No coercion (as the OpenAI API: "5" is no integer); unknown keys are dropped unless a model refuses them."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = None
+
+
+class KvblendOptions(_Strict):
+    """The request's `kvblend` object: what CacheBlend does for this request."""
+
+    mode: Annotated[str, _one_of(MODES)] | None = None
+    ratio: Annotated[Number, _between(0.0, 1.0)] | None = None
+    top_k: Annotated[int, _range(0)] | None = None  # None: retrieval's default without client chunks, none with them
+    docs: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], _phrased(f"{WHERE} must be an array of document names")]
+        | None
+    ) = None
+    store: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data: Any) -> Any:
+        unknown = sorted(set(data) - set(cls.model_fields)) if isinstance(data, dict) else []
+        if unknown:
+            known = ", ".join(sorted(cls.model_fields))
+            raise refused(
+                f"unknown kvblend option(s): {', '.join(unknown)} (known: {known})", "unsupported_parameter", "kvblend"
+            )
+        return data
+
+
+def _text_part(value: Any, handler: Any) -> Any:
+    """A content part: only {"type": "text", "text": ...}; any other kind is named in the refusal."""
+    try:
+        return handler(value)
+    except ValidationError:
+        kind = value.get("type") if isinstance(value, dict) else type(value).__name__
+        raise refused(f"{WHERE}: only text parts are supported, not {kind!r}", "unsupported_parameter") from None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+def _content(value: Any) -> Any:
+    """A message's content: a string (one text part), an array of parts, or null (checked per role)."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if value is None or isinstance(value, list):
+        return value
+    raise refused(f"{WHERE} must be a string or an array of text parts")
+
+
+class Message(_Strict):
+    """One chat message; its other keys (a `name`) are dropped."""
+
+    role: Any = None
+    content: Annotated[list[Annotated[TextPart, WrapValidator(_text_part)]] | None, BeforeValidator(_content)] = None
+    tool_calls: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> Message:
+        if self.role == "assistant" and self.tool_calls:
+            raise refused(f"{WHERE} has tool calls, which kvblend serve does not support", "unsupported_parameter")
+        if self.content is None and self.role != "assistant":
+            raise refused(f"{WHERE}.content must be a string or an array of text parts")
+        if self.role not in ("system", "developer", "user", "assistant"):
+            raise refused(
+                f"{WHERE}.role {self.role!r} is not supported: send system, developer, user and assistant messages",
+                "unsupported_parameter",
+            )
+        return self
+
+    @property
+    def texts(self) -> list[str]:
+        return [part.text for part in self.content or []]
+
+
+def _non_empty_array(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise refused(f"{WHERE} must be a non-empty array")
+    return value
+
+
+class _Body(_Strict):
+    """What both endpoints take: sampling, stop rules, streaming, vLLM's extensions and the `kvblend` object."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, _range(1)] | None = None
+    max_completion_tokens: Annotated[int, _range(1)] | None = None
+    temperature: Annotated[Number, _between(0.0, 2.0)] | None = None
+    top_p: Annotated[Number, _between(0.0, 1.0, above_low=True)] | None = None
+    seed: Annotated[int, _range(-(2**63), 2**64 - 1)] | None = None  # vLLM: any 64-bit integer
+    n: Annotated[int, _range(1, MAX_N)] | None = None
+    stop: Stop | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, _range(0)] | None = None
+    kvblend: KvblendOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, value in data.items() if isinstance(data, dict) else ():
+            if name in cls.model_fields or name in IGNORED:
+                continue
+            if value in (None, False, [], {}) or (name in NEUTRAL and value == NEUTRAL[name]):
+                continue
+            raise refused(
+                f"unsupported parameter: {name}={json.dumps(value)[:60]} (kvblend serve does not support it)",
+                "unsupported_parameter",
+                name,
+            )
+        return data
+
+    @property
+    def max_new_tokens(self) -> int:
+        given = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return given if given is not None else DEFAULT_MAX_NEW_TOKENS
+
+    def _check_common(self, chunks: list[str]) -> None:
+        """The rules across fields, in the order a client fixes them."""
+        if self.min_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise refused(
+                f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_new_tokens})", param="min_tokens"
+            )
+        if self.stream_options is not None and not self.stream:
+            options = self.stream_options
+            if options.model_fields_set or options.model_extra:
+                raise refused("stream_options is only allowed when stream is true", param="stream_options")
+        kv = self.kvblend
+        if kv is not None and kv.top_k == 0 and not chunks and not kv.docs:
+            raise refused(
+                "kvblend.top_k 0 retrieves nothing: send passages, name docs, or ask for 1 or more", param="kvblend"
+            )
+
+    def _request(self, conv: Conversation, legacy: bool) -> ChatRequest:
+        kv = self.kvblend or KvblendOptions()
+        return ChatRequest(
+            question=conv.question,
+            chunks=conv.chunks,
+            system=conv.system,
+            history=conv.history,
+            model=self.model,
+            max_tokens=self.max_new_tokens,
+            temperature=self.temperature if self.temperature is not None else ChatRequest.temperature,
+            top_p=self.top_p if self.top_p is not None else ChatRequest.top_p,
+            seed=None if self.seed is None else self.seed % 2**63,  # torch's generators take 0..2^63-1
+            n=self.n or 1,
+            stop=self.stop or [],
+            ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0,
+            stream=bool(self.stream),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            legacy=legacy,
+            mode=kv.mode,
+            ratio=kv.ratio,
+            top_k=kv.top_k,
+            docs=kv.docs or [],
+            store=kv.store if kv.store is not None else True,
         )
 
 
-def _conversation(messages: Any) -> Conversation:
+class ChatBody(_Body):
+    """`POST /v1/chat/completions`: system/developer texts, earlier turns, and the last user turn (passages +
+    question)."""
+
+    messages: Annotated[list[Message], BeforeValidator(_non_empty_array)] = Field(None, validate_default=True)
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, _range(0, MAX_TOP_LOGPROBS)] | None = None
+    _conversation: Conversation = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _rules(self) -> ChatBody:
+        if self.messages[-1].role != "user":
+            raise refused("the last message must be the user's", param="messages")
+        self._conversation = _conversation(self.messages)
+        if self.top_logprobs and not self.logprobs:
+            raise refused("top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_common(self._conversation.chunks)
+        return self
+
+    def request(self) -> ChatRequest:
+        req = self._request(self._conversation, legacy=False)
+        req.logprobs, req.top_logprobs = bool(self.logprobs), self.top_logprobs or 0
+        return req
+
+
+def _legacy_logprobs(value: Any) -> Any:
+    """The legacy API's logprobs: the number of alternatives, 0 to 5 (true: 0; false or null: none)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise refused(f"{WHERE} must be an integer")
+    return _in_range(value, 0, MAX_LEGACY_LOGPROBS)
+
+
+def _prompt(value: Any) -> Any:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if not isinstance(value, str) or not value.strip():
+        raise refused(f"{WHERE} must be a non-empty string")
+    return value
+
+
+class CompletionBody(_Body):
+    """`POST /v1/completions`: `prompt` is one string, read as a chat user message's text would be (passages
+    separated by <<<chunk>>> lines, the last block the question)."""
+
+    prompt: Annotated[str, BeforeValidator(_prompt)] = Field(None, validate_default=True)
+    logprobs: Annotated[bool | int | None, BeforeValidator(_legacy_logprobs)] = None
+    top_logprobs: Any = None
+    _conversation: Conversation = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _rules(self) -> CompletionBody:
+        try:
+            self._conversation = conversation([], [self.prompt])
+        except ValueError as exc:
+            raise refused(str(exc), param="prompt") from None
+        if self.top_logprobs is not None:
+            raise refused("/v1/completions takes the number of alternatives as logprobs: N", param="top_logprobs")
+        self._check_common(self._conversation.chunks)
+        return self
+
+    def request(self) -> ChatRequest:
+        req = self._request(self._conversation, legacy=True)
+        if self.logprobs is not None and self.logprobs is not False:  # an integer (0 too), or true: 0
+            req.logprobs, req.top_logprobs = True, 0 if self.logprobs is True else self.logprobs
+        return req
+
+
+def _conversation(messages: list[Message]) -> Conversation:
     """System/developer texts, earlier user and assistant turns, and the last user turn (passages + question)."""
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty array", "messages")
-    system: list[str] = []
-    turns: list[tuple[str, list[str]]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages[{i}] must be an object", "messages")
-        role = message.get("role")
-        if role == "assistant" and message.get("tool_calls"):
-            raise invalid(
-                f"messages[{i}] has tool calls, which kvblend serve does not support",
-                "messages",
-                code="unsupported_parameter",
-            )
-        texts = _texts(message.get("content"), f"messages[{i}].content", optional=role == "assistant")
-        if role in ("system", "developer"):
-            system.extend(texts)
-        elif role in ("user", "assistant"):
-            turns.append((role, texts))
-        else:
-            raise invalid(
-                f"messages[{i}].role {role!r} is not supported: send system, developer, user and assistant messages",
-                "messages",
-                code="unsupported_parameter",
-            )
-    if not turns or messages[-1].get("role") != "user":
-        raise invalid("the last message must be the user's", "messages")
+    system = [t for m in messages if m.role in ("system", "developer") for t in m.texts]
+    turns = [(m.role, m.texts) for m in messages if m.role in ("user", "assistant")]
     history = [(role, "\n".join(block for t in texts for block in split_blocks(t))) for role, texts in turns[:-1]]
     try:
         conv = conversation(system, turns[-1][1])
     except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
+        raise refused(str(exc), param="messages") from None
     return Conversation(conv.system, conv.chunks, conv.question, [(r, t) for r, t in history if t])
 
 
-def _texts(content: Any, where: str, optional: bool = False) -> list[str]:
-    """A message content as its text parts: a string, or an array of {"type": "text"} parts."""
-    if content is None and optional:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        raise invalid(f"{where} must be a string or an array of text parts", "messages")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(
-                f"{where}: only text parts are supported, not {kind!r}", "messages", code="unsupported_parameter"
-            )
-        texts.append(part["text"])
-    return texts
+def parse_chat_request(body: dict) -> ChatRequest:
+    """Validate a chat completion body; raise ApiError(400) naming the first problem."""
+    try:
+        return ChatBody.model_validate(body).request()
+    except ValidationError as exc:
+        raise refusal(exc) from None
 
 
-def _kvblend_options(req: ChatRequest, options: dict) -> None:
-    """The request's `kvblend` object: mode, ratio, top_k, docs, store."""
-    unknown = sorted(set(options) - KVBLEND_KEYS)
-    if unknown:
-        raise invalid(
-            f"unknown kvblend option(s): {', '.join(unknown)} (known: {', '.join(sorted(KVBLEND_KEYS))})",
-            "kvblend",
-            code="unsupported_parameter",
-        )
-    req.mode = _typed(options, "mode", str, None)
-    if req.mode is not None and req.mode not in MODES:
-        raise invalid(f"kvblend.mode must be one of {', '.join(MODES)}", "kvblend")
-    if options.get("ratio") is not None:
-        req.ratio = _number(options, "ratio", 0.0, 0.0, 1.0)
-    if options.get("top_k") is not None:
-        req.top_k = _int(options["top_k"], "kvblend.top_k", low=0)
-        if req.top_k == 0 and not req.chunks and not options.get("docs"):
-            raise invalid(
-                "kvblend.top_k 0 retrieves nothing: send passages, name docs, or ask for 1 or more", "kvblend"
-            )
-    docs = _typed(options, "docs", list, None) or []
-    if not all(isinstance(d, str) and d for d in docs):
-        raise invalid("kvblend.docs must be an array of document names", "kvblend")
-    req.docs = docs
-    req.store = bool(_typed(options, "store", bool, True))
-
-
-def _typed(obj: dict, name: str, kind: type, default: Any) -> Any:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind):
-        raise invalid(f"{name} must be a {kind.__name__ if kind is not dict else 'object'}", name)
-    return value
-
-
-def _number(obj: dict, name: str, default: float, low: float, high: float) -> float:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"{name} must be a number", name)
-    if not low <= value <= high:
-        raise invalid(f"{name} must be between {low:g} and {high:g}, not {value}", name)
-    return float(value)
-
-
-def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{name} must be an integer", name)
-    if value < low or (high is not None and value > high):
-        raise invalid(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else ""), name)
-    return value
+def parse_completion_request(body: dict) -> ChatRequest:
+    """Validate a legacy completion body; raise ApiError(400) naming the first problem."""
+    try:
+        return CompletionBody.model_validate(body).request()
+    except ValidationError as exc:
+        raise refusal(exc) from None
