@@ -168,3 +168,19 @@ def test_segments_report_says_where_each_passage_came_from():
     assert first == {"key": "k1", "tokens": 5, "source": "hit", "document": "manual.pdf", "pages": [3, 3],
                      "section": "Operating limits"}
     assert (second["document"], second["pages"], second["section"]) == (None, None, None)
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"n": 9}, "n", "n must be at least 1 and at most 8"),
+    ({"temperature": 3}, "temperature", "temperature must be between 0 and 2, not 3"),
+    ({"kvblend": {"ratio": 2}}, "kvblend.ratio", "kvblend.ratio must be between 0 and 1, not 2"),
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage",
+     "stream_options.include_usage must be a bool"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Q?"}, {"type": "image_url"}]}]},
+     "messages", "messages[0].content[1]: only text parts are supported, not 'image_url'"),
+])
+def test_a_refusal_says_where_the_problem_is(body, param, message):
+    """pydantic's error location becomes the refusal's wording and `param`; an array index stays in the message
+    (the parameter is the top-level array, as OpenAI names it)."""
+    err = refused({**user("Q?"), **body}, param=param)
+    assert err.message == message
