@@ -3,22 +3,24 @@
 Each app gets its own CollectorRegistry, not the library's global one, so
 several apps in one process (tests, an embedding program) never collide on a
 metric name. The `_created` series prometheus_client adds to every counter and
-histogram are switched off: they were never part of kvblend's metrics, and a
-dashboard gains nothing from them. prometheus_client's metrics are
-thread-safe, so no lock of ours is needed.
+histogram are left out of the text (they were never part of kvblend's
+metrics), by this registry alone: the library's process-wide switch would
+change them for a program that embeds kvblend too. prometheus_client's
+metrics are thread-safe, so no lock of ours is needed.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SHARE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
 SOURCES = ("hit", "computed")
-
-disable_created_metrics()
 
 
 class Metrics:
@@ -66,4 +68,16 @@ class Metrics:
         self.queue_depth.set(queue_depth)
         self.busy.set(int(busy))
         self.running.set(running)
-        return generate_latest(self.registry).decode()
+        return generate_latest(_WithoutCreated(self.registry)).decode()
+
+
+class _WithoutCreated:
+    """A registry's metrics without their `_created` samples (what generate_latest reads: collect())."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
