@@ -287,8 +287,8 @@ class RedisStore(Store):
             if table != "segments":
                 self.client.hset(self.keys.hash(table), name, value)
                 return
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.keys.rec(name), value)  # visible whole or not at all
+            self.client.set(self.keys.rec(name), value)  # visible whole or not at all, and before it is listed
+            pipe = self.client.pipeline(transaction=False)  # (a cluster pipeline may reorder keys of two slots)
             pipe.sadd(self.keys.segs, name)
             pipe.zadd(self.keys.lru, {name: time.time()})
             pipe.hincrby(self.keys.stats, "stores", 1)
@@ -315,10 +315,13 @@ class RedisStore(Store):
         out: list[bytes | None] = []
         for start in range(0, len(keys), BATCH):
             batch = keys[start : start + BATCH]
-            with self._errors():
-                raws = self._get_many([self.keys.rec(key) for key in batch])
-                scores = self.client.zmscore(self.keys.lru, batch)
-                hits = self.client.hmget(self.keys.hits, batch)
+            with self._errors():  # one round trip: the records, then their last access and hits
+                pipe = self.client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.get(self.keys.rec(key))
+                pipe.zmscore(self.keys.lru, batch)
+                pipe.hmget(self.keys.hits, batch)
+                *raws, scores, hits = pipe.execute()
             for raw, score, hit in zip(raws, scores, hits):
                 if raw is not None and (score is not None or hit is not None):
                     d = load_record(raw)
