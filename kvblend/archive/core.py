@@ -180,8 +180,7 @@ def commit_segments(txn: Txn, records: Sequence[SegmentRecord], embeddings: dict
     """Write segment records (and their embeddings), their payloads already stored; returns the records they
     replaced whose payloads are now unreferenced."""
     replaced = []
-    for rec in records:
-        old = txn.get("segments", rec.key)
+    for rec, old in zip(records, txn.get_many("segments", [r.key for r in records])):
         if old is not None:
             d = load_record(old)
             rec.hits = int(d.get("hits", 0))  # a replaced segment keeps its popularity

@@ -179,6 +179,9 @@ class _RedisTxn(Txn):
     def get(self, table: str, name: str) -> bytes | None:
         return self._store.get(table, name)
 
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        return self._store.get_many(table, names)
+
     def put(self, table: str, name: str, value: bytes) -> None:
         self._store._put(table, name, value)
 

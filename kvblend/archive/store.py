@@ -100,6 +100,10 @@ class Txn(ABC):
     @abstractmethod
     def get(self, table: str, name: str) -> bytes | None: ...
 
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get` of several names (a store that pays a round trip per read batches them)."""
+        return [self.get(table, name) for name in names]
+
     @abstractmethod
     def put(self, table: str, name: str, value: bytes) -> None: ...
 
