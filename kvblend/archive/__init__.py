@@ -9,10 +9,11 @@ The format is specified in ``FORMAT.md`` next to this file. Typical use::
 
     records.py      segment / document records, keys, names of stored settings
     codec.py        per-layer payloads: safetensors + zstd (lossless), quant.py (int8 / int4)
-    store.py        the store interface both stores implement
+    core.py         every rule above the store, once: format version, model binding, segments, documents, lookups
+    store.py        the narrow store interface: records in a transaction, payloads, scans, the writer lock
     local.py        the local store: a directory with an LMDB index (index.py, pagecheck.py) and blob files (blobs.py)
     redis_store.py  the Redis store: one key per segment layer, records written last
-    facade.py       Archive: what every command uses, whatever the store
+    facade.py       Archive: the core opened at a location, with its upkeep; what every command uses
     maintenance.py  verify, gc, stats
     repair.py       a lost local index rebuilt from its blob files
     location.py     --archive: a directory or a redis:// URL
@@ -29,8 +30,8 @@ from kvblend.archive.codec import (
     encode_layer,
     is_lossless,
 )
-from kvblend.archive.facade import SEGMENT_PREFIX_MIN, Archive, DocumentSummary
-from kvblend.archive.local import FORMAT_VERSION
+from kvblend.archive.core import FORMAT_VERSION, SEGMENT_PREFIX_MIN, DocumentSummary
+from kvblend.archive.facade import Archive
 from kvblend.archive.location import Location, resolve_location
 from kvblend.archive.maintenance import (
     ArchiveStats,

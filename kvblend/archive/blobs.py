@@ -30,24 +30,18 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
 
-from kvblend.archive.codec import encode_layer
 from kvblend.archive.records import (
     DocumentRecord,
     LayerEntry,
-    Model,
     SegmentRecord,
-    blob_metadata,
     check_key,
     checksum,
-    describe,
 )
 from kvblend.errors import ArchiveError
-from kvblend.types import LayerKV
 
 BLOB_DIR = "blobs"
 BLOB_SUFFIX = ".kvb"
@@ -409,47 +403,31 @@ def read_manifests(root: Path) -> tuple[list[DocumentRecord], list[str]]:
 
 def write_segment_blobs(
     root: Path,
-    items: Iterable[tuple[SegmentRecord, Sequence[LayerKV]]],
-    codec: str,
-    level: int,
+    staged: Sequence[tuple[SegmentRecord, Iterable[bytes]]],
     committed: Callable[[str], SegmentRecord | None],
-    model: Model = Model(),
-    embeddings: Mapping[str, Any] | None = None,
-) -> list[SegmentRecord]:
-    """Write one blob per new key (repeats: first wins); return the filled-in records, not yet committed.
+) -> None:
+    """Write one blob per segment, filling in each record's ``blob`` and ``layers``; not yet committed.
 
-    ``committed(key)`` is the record the index holds now, if any (its blob
-    must survive until the new record commits). ``model`` and ``embeddings``
-    (key -> vector) go into layer 0's metadata with the record. On any
-    failure the blobs already written are unlinked (no committed record names
-    them yet) and the error propagates.
+    ``staged``: each record with its encoded layer payloads (core.py encodes
+    them). ``committed(key)`` is the record the index holds now, if any (its
+    blob must survive until the new record commits). On any failure the blobs
+    already written are unlinked (no committed record names them yet) and the
+    error propagates.
     """
-    records: list[SegmentRecord] = []
-    seen: set[str] = set()
     written: list[str] = []
     dirs: set[Path] = set()
     try:
-        for record, layers in items:
-            if record.key in seen:
-                continue
-            seen.add(record.key)
-            rec = describe(record, layers, codec)
+        for rec, payloads in staged:
             rec.blob = new_blob_path(rec.key, committed(rec.key))
-            about = blob_metadata(rec, model, (embeddings or {}).get(rec.key))
-            payloads = (
-                encode_layer(k, v, codec, level, segment=about if i == 0 else None) for i, (k, v) in enumerate(layers)
-            )
             rec.layers = write_blob(root, rec.blob, payloads, sync_dir=False)
             written.append(rec.blob)
             dirs.add((root / rec.blob).parent)
-            records.append(rec)
         for d in sorted(dirs):
             fsync_dir(d)
     except BaseException:
         for rel in written:
             unlink_blob(root, rel)
         raise
-    return records
 
 
 def new_blob_path(key: str, current: SegmentRecord | None) -> str:

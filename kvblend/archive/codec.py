@@ -80,13 +80,9 @@ import zstandard
 from kvblend.archive import quant
 from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import CorruptBlobError, UsageError
-from kvblend.types import LayerKV
 
 if TYPE_CHECKING:
     import torch
-
-    from kvblend.archive.records import SegmentRecord
-from typing import TYPE_CHECKING
 
 LOSSLESS_CODECS: tuple[str, ...] = ("zstd", "zstd-shuffle")  # DEFAULT_CODEC (kvblend.defaults) is one of them
 CODECS: tuple[str, ...] = (*LOSSLESS_CODECS, *quant.SCHEMES)
@@ -466,28 +462,3 @@ def compress_blocks(compressor: zstandard.ZstdCompressor, raw: bytes, bounds: li
         parts.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
     parts.append(cobj.flush())
     return b"".join(parts)
-
-
-def decode_checked(record: SegmentRecord, layer: int, data: bytes, lazy: bool = False) -> LayerKV:
-    """Decode one layer's payload and check it matches the record's shape and dtype.
-
-    ``lazy``: lossy codecs return :class:`~kvblend.archive.quant.Quantized`
-    codes (same ``shape``/``dtype``) for the loader to dequantize in place.
-    """
-    if record.codec not in CODECS:  # written by a newer kvblend: unreadable here, so recompute
-        raise CorruptBlobError(
-            f"segment {record.key} uses codec {record.codec!r}, unknown to this kvblend", record.key, layer
-        )
-    try:
-        k, v = decode_layer(data, record.codec, lazy)
-    except CorruptBlobError as e:
-        raise CorruptBlobError(f"segment {record.key} layer {layer}: {e}", record.key, layer) from None
-    want = (record.kv_heads, record.n_tokens, record.head_dim)
-    if tuple(k.shape) != want or tuple(v.shape) != want or dtype_name(k.dtype) != record.dtype:
-        raise CorruptBlobError(
-            f"segment {record.key} layer {layer}: payload is {tuple(k.shape)} {k.dtype}, "
-            f"record says {want} {record.dtype}",
-            record.key,
-            layer,
-        )
-    return k, v

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from kvblend.errors import UsageError
 
@@ -76,30 +76,36 @@ def is_redis_url(value: str | os.PathLike[str]) -> bool:
 
 
 def parse_redis_url(url: str) -> RedisAddress:
-    """A Redis URL's parts; a malformed URL is one UsageError line that does not repeat its password."""
+    """A Redis URL's parts, as redis-py reads them (``redis.connection.parse_url``: host, port, credentials,
+    database); a malformed URL is one UsageError line that does not repeat its password. What redis-py would
+    pass over silently is refused here: a missing host, a database that is not a number, a query or fragment
+    (redis-py would take connection options from a query)."""
+    from redis.connection import parse_url
+
+    bad = UsageError(f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])")
+    scheme, _, rest = url.partition("://")
+    normalized = f"{scheme.lower()}://{rest}"  # redis-py knows its schemes in lower case only
     try:
-        parts = urlsplit(url)
-        port = parts.port or DEFAULT_REDIS_PORT
+        parts = parse_url(normalized)
+        split = urlsplit(normalized)
     except ValueError:
-        raise UsageError(
-            f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])"
-        ) from None
-    if parts.scheme.lower() not in REDIS_SCHEMES or not parts.hostname:
-        raise UsageError(f"--archive {_shown(url)}: not a Redis URL (redis://[user[:password]@]host:port[/db])")
-    if parts.query or parts.fragment:
+        raise bad from None
+    if scheme.lower() not in REDIS_SCHEMES or not parts.get("host"):
+        raise bad
+    if split.query or split.fragment:
         raise UsageError(f"--archive {_shown(url)}: a Redis URL takes no query or fragment")
-    db_text = parts.path.strip("/") or "0"
-    if not db_text.isdigit():
+    db_text = split.path.strip("/") or "0"
+    if not db_text.isdigit():  # redis-py reads "/-1" or "/3/4" as a number, or ignores "/x"
         raise UsageError(
             f"--archive {_shown(url)}: the database must be a number (redis://host:port/0), not {db_text!r}"
         )
     return RedisAddress(
-        host=parts.hostname,
-        port=port,
-        db=int(db_text),
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-        tls=parts.scheme.lower() == "rediss",
+        host=parts["host"],
+        port=parts.get("port") or DEFAULT_REDIS_PORT,
+        db=int(parts.get("db", 0)),
+        username=parts.get("username"),
+        password=parts.get("password"),
+        tls=scheme.lower() == "rediss",
     )
 
 

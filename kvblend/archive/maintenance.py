@@ -1,10 +1,11 @@
 """Archive upkeep: ``verify`` (and repair), ``gc`` (leftovers, LRU eviction), ``stats``.
 
 Kept apart from the facade because none of it is on a query's path: these walk
-the whole archive. They talk to the :class:`~kvblend.archive.store.Store`
-interface only, so a local archive and a Redis one are checked, collected and
-counted by the same code; what differs (a blob file or a layer key left by a
-crashed write, the index's own pages) the store reports.
+the whole archive. They talk to the archive core (core.py) and its
+:class:`~kvblend.archive.store.Store` interface only, so a local archive and a
+Redis one are checked, collected and counted by the same code; what differs (a
+blob file or a layer key left by a crashed write, the index's own pages) the
+store reports.
 
 ``verify --repair`` and ``gc`` delete, so they run under the store's writer (a
 temp file seen then is never a live writer's) and may spend the disk reserve.
@@ -19,10 +20,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvblend.archive.codec import decode_checked
-from kvblend.archive.local import FORMAT_VERSION
+from kvblend.archive.core import FORMAT_VERSION, ArchiveCore, decode_checked
 from kvblend.archive.records import SegmentRecord
-from kvblend.archive.store import JSON_TABLES, Store
+from kvblend.archive.store import JSON_TABLES, load_json
 from kvblend.errors import ArchiveError, BlobUnreadableError, CorruptBlobError
 
 MISSING = "blob file is missing"  # the local store's reason for a payload that is not there at all
@@ -135,7 +135,7 @@ class ArchiveStats:
 # ---------------------------------------------------------------- verify
 
 
-def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyReport:
+def verify(archive: ArchiveCore, repair: bool = False, deep: bool = False) -> VerifyReport:
     """Re-read every layer of every segment and check its checksum (``deep``: also decode it).
 
     Also reads every record of every table (so garbage in any of them is found, not only in the ones a query
@@ -143,16 +143,17 @@ def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyRepo
     With ``repair``, bad segments are dropped (their documents lose them and are marked incomplete) so
     queries recompute instead of failing; leftovers are left for ``gc``.
     """
+    store = archive.store
     report = VerifyReport(structure=store.structure_problems())
     bad: set[str] = set()
     with store.ensure_writer() if repair else nullcontext():
         present: set[str] = set()
-        for rec in store.iter_segments():
+        for rec in archive.iter_segments():
             report.segments_checked += 1
             report.codecs[rec.codec] = report.codecs.get(rec.codec, 0) + 1
             present.add(rec.key)
-            problems = _verify_segment(store, rec, report, deep)
-            if problems and not repair and _replaced_meanwhile(store, rec):
+            problems = _verify_segment(archive, rec, report, deep)
+            if problems and not repair and _replaced_meanwhile(archive, rec):
                 continue  # a concurrent writer replaced or removed it: not corruption
             report.problems.extend(problems)
             bad.update(p.key for p in problems if p.damaged)
@@ -166,25 +167,25 @@ def verify(store: Store, repair: bool = False, deep: bool = False) -> VerifyRepo
                 )
             )
             bad.add(key)
-        dangling = _dangling_references(store, present, repair, report)
+        dangling = _dangling_references(archive, present, repair, report)
         for table in JSON_TABLES:
-            for _ in store.json_items(table):
-                pass
-        store.get_embeddings(None)
+            for _, raw in store.scan(table):
+                load_json(raw)
+        archive.get_embeddings(None)
         for item in store.leftovers():
             if item.temp:
                 report.temp_files += 1
             else:
                 report.orphan_blobs += 1
         if repair and (bad or dangling):
-            marked = store.drop_segments(bad) if bad else []
-            marked += store.strip_dangling(dangling) if dangling else []
+            marked = archive.drop_segments(bad) if bad else []
+            marked += archive.strip_dangling(dangling) if dangling else []
             report.repaired_segments = sorted(bad)
             report.repaired_documents = sorted(set(marked))
     return report
 
 
-def _verify_segment(store: Store, rec: SegmentRecord, report: VerifyReport, deep: bool) -> list[VerifyProblem]:
+def _verify_segment(archive: ArchiveCore, rec: SegmentRecord, report: VerifyReport, deep: bool) -> list[VerifyProblem]:
     if len(rec.layers) != rec.n_layers:
         reason = f"record lists {len(rec.layers)} layers but says n_layers={rec.n_layers}"
         return [VerifyProblem(rec.key, None, reason)]
@@ -192,7 +193,7 @@ def _verify_segment(store: Store, rec: SegmentRecord, report: VerifyReport, deep
     for i in range(len(rec.layers)):
         report.layers_checked += 1
         try:
-            data = store.read_layer_raw(rec, i)
+            data = archive.read_layer_raw(rec, i)
         except BlobUnreadableError as e:  # e.g. a blob another user owns: not damage, and not to be dropped
             problems.append(VerifyProblem(rec.key, i, f"{e.reason}; not known to be damaged, --repair keeps it", False))
             continue
@@ -211,19 +212,21 @@ def _verify_segment(store: Store, rec: SegmentRecord, report: VerifyReport, deep
     return problems
 
 
-def _replaced_meanwhile(store: Store, rec: SegmentRecord) -> bool:
-    now = store.get_segment(rec.key)
+def _replaced_meanwhile(archive: ArchiveCore, rec: SegmentRecord) -> bool:
+    now = archive.get_segment(rec.key)
     return now is None or now.blob != rec.blob or now.layers != rec.layers
 
 
-def _dangling_references(store: Store, present: set[str], repair: bool, report: VerifyReport) -> dict[str, list[str]]:
+def _dangling_references(
+    archive: ArchiveCore, present: set[str], repair: bool, report: VerifyReport
+) -> dict[str, list[str]]:
     """Document path -> its segment keys that are not in the archive (each also reported as a problem)."""
     dangling: dict[str, list[str]] = {}
-    for doc in store.iter_documents():
+    for doc in archive.iter_documents():
         report.documents_checked += 1
         missing = [k for k in doc.segment_keys if k not in present]
         if missing and not repair:  # without the lock a writer may have added it since the scan
-            missing = [k for k in missing if not store.has_segment(k)]
+            missing = [k for k in missing if not archive.has_segment(k)]
         for k in missing:
             report.problems.append(
                 VerifyProblem(k, None, f"document {doc.path} lists a segment that is not in the archive")
@@ -236,7 +239,7 @@ def _dangling_references(store: Store, present: set[str], repair: bool, report: 
 # ---------------------------------------------------------------- gc
 
 
-def gc(store: Store, max_size_bytes: int | None = None, dry_run: bool = False) -> GcReport:
+def gc(archive: ArchiveCore, max_size_bytes: int | None = None, dry_run: bool = False) -> GcReport:
     """Delete leftovers (orphan payloads, temp files); with ``max_size_bytes``, evict least recently used segments.
 
     Eviction order is by ``last_access`` (then ``created``), oldest first, until the segments total at most
@@ -244,9 +247,10 @@ def gc(store: Store, max_size_bytes: int | None = None, dry_run: bool = False) -
     """
     if max_size_bytes is not None and max_size_bytes < 0:
         raise ArchiveError("gc budget must be >= 0 bytes")
+    store = archive.store
     report = GcReport(dry_run=dry_run)
     with nullcontext() if dry_run else store.ensure_writer():
-        live = {rec.key: rec for rec in store.iter_segments()}
+        live = {rec.key: rec for rec in archive.iter_segments()}
         leftovers = store.leftovers()
         for item in leftovers:
             (report.temp_files if item.temp else report.orphan_blobs).append(item.name)
@@ -266,7 +270,7 @@ def gc(store: Store, max_size_bytes: int | None = None, dry_run: bool = False) -
                 total -= sizes[rec.key]
                 report.freed_bytes += sizes[rec.key]
             if report.evicted and not dry_run:
-                report.incomplete_documents = sorted(set(store.drop_segments(report.evicted)))
+                report.incomplete_documents = sorted(set(archive.drop_segments(report.evicted)))
         report.blob_bytes_after = total
         report.orphan_manifests = store.after_gc(dry_run)
     return report
@@ -275,12 +279,12 @@ def gc(store: Store, max_size_bytes: int | None = None, dry_run: bool = False) -
 # ---------------------------------------------------------------- stats
 
 
-def stats(store: Store, location: str) -> ArchiveStats:
+def stats(archive: ArchiveCore, location: str) -> ArchiveStats:
     """Totals for `kvblend stats`: counts, tokens, bytes stored vs raw fp16, per codec, hits, the store's usage."""
     n = tokens = stored = raw = hits = 0
     codecs: dict[str, int] = {}
     per_codec: dict[str, list[int]] = {}  # codec -> [tokens, stored bytes]
-    for rec in store.iter_segments():
+    for rec in archive.iter_segments():
         n += 1
         tokens += rec.n_tokens
         stored += rec.stored_bytes
@@ -292,17 +296,17 @@ def stats(store: Store, location: str) -> ArchiveStats:
         sums[1] += rec.stored_bytes
     return ArchiveStats(
         location=location,
-        store=store.kind,
+        store=archive.store.kind,
         format_version=FORMAT_VERSION,
-        model_name=store.model.name,
-        model_fingerprint=store.model.fingerprint,
+        model_name=archive.model.name,
+        model_fingerprint=archive.model.fingerprint,
         segments=n,
-        documents=store.count_documents(),
+        documents=archive.count_documents(),
         tokens=tokens,
         stored_bytes=stored,
         raw_bytes=raw,
         hits=hits,
         codecs=codecs,
         bytes_per_token_by_codec={c: (b / t if t else 0.0) for c, (t, b) in sorted(per_codec.items())},
-        usage=store.usage(),
+        usage=archive.store.usage(),
     )

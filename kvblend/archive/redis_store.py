@@ -43,40 +43,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
-import numpy as np
-
-from kvblend.archive.codec import encode_layer
-from kvblend.archive.local import FORMAT_VERSION
+from kvblend.archive.core import FORMAT_VERSION
 from kvblend.archive.location import RedisAddress
-from kvblend.archive.records import (
-    DocumentRecord,
-    LayerEntry,
-    Model,
-    SegmentRecord,
-    blob_metadata,
-    checksum,
-    describe,
-)
-from kvblend.archive.store import (
-    Leftover,
-    Store,
-    dump_json,
-    embedding_bytes,
-    embedding_matrix,
-    load_json,
-)
-from kvblend.errors import (
-    ArchiveError,
-    ArchiveModelMismatchError,
-    ArchiveUnavailableError,
-    ArchiveVersionError,
-    CorruptBlobError,
-)
-from kvblend.types import LayerKV
+from kvblend.archive.records import LayerEntry, SegmentRecord, checksum, load_record
+from kvblend.archive.store import Leftover, Store, Txn, dump_json
+from kvblend.errors import ArchiveError, ArchiveUnavailableError, CorruptBlobError
 
 T = TypeVar("T")
 
@@ -99,8 +74,18 @@ class Keys:
         self.emb = f"{{{ns}}}:{v}:emb"
         self.docs = f"{{{ns}}}:{v}:docs"
         self.stats = f"{{{ns}}}:{v}:stats"
-        self.tables = {"meta": self.meta, "profiles": f"{{{ns}}}:{v}:profiles", "tuned": f"{{{ns}}}:{v}:tuned"}
+        self.tables = {
+            "meta": self.meta,
+            "profiles": f"{{{ns}}}:{v}:profiles",
+            "tuned": f"{{{ns}}}:{v}:tuned",
+            "documents": self.docs,
+            "embeddings": self.emb,
+        }
         self._ns, self._v = ns, v
+
+    def hash(self, table: str) -> str:
+        """The hash that holds a table other than ``segments``."""
+        return self.tables[table]
 
     def rec(self, key: str) -> str:
         return f"{{{self._ns}:{key}}}:{self._v}:rec"
@@ -183,15 +168,49 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class RedisStore(Store):
-    """An archive on Redis (see the module docstring for the key layout and its guarantees)."""
+class _RedisTxn(Txn):
+    """A Txn on Redis: each step lands at once and atomically, in order (a cluster has no multi-key
+    transaction). Enough for the rules, which write a record only after what it names, and bind the model
+    with write-if-absent (HSETNX), so of two nodes binding at once one wins."""
 
-    def __init__(self, client: Any, address: RedisAddress, readonly: bool, model: Model):
+    def __init__(self, store: RedisStore):
+        self._store = store
+
+    def get(self, table: str, name: str) -> bytes | None:
+        return self._store.get(table, name)
+
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        return self._store.get_many(table, names)
+
+    def put(self, table: str, name: str, value: bytes) -> None:
+        self._store._put(table, name, value)
+
+    def put_new(self, table: str, name: str, value: bytes) -> bool:
+        if table == "segments":
+            raise ArchiveError("a segment record is written whole, never only if absent")
+        with self._store._errors():
+            return bool(self._store.client.hsetnx(self._store.keys.hash(table), name, value))
+
+    def delete(self, table: str, name: str) -> None:
+        self._store._delete(table, name)
+
+    def scan(self, table: str) -> Iterator[tuple[str, bytes]]:
+        return iter(list(self._store.scan(table)))
+
+
+class RedisStore(Store):
+    """An archive on Redis (see the module docstring for the key layout and its guarantees).
+
+    Segment records are one key each (with their layers on one cluster slot), listed in a set, with their
+    last access and hits kept beside them in a sorted set and a hash, so ``touch`` never rewrites a record
+    another node may be replacing; every other table is one hash.
+    """
+
+    def __init__(self, client: Any, address: RedisAddress, readonly: bool):
         self.client = client
         self.address = address
         self.location = address.display
         self.readonly = readonly
-        self.model = model
         self.keys = Keys()
         self._closed = False
 
@@ -204,26 +223,19 @@ class RedisStore(Store):
         return type(self.client).__name__ == "RedisCluster"
 
     @classmethod
-    def open(
-        cls, address: RedisAddress, *, create: bool, readonly: bool, asked: Model, defer_binding: bool
-    ) -> RedisStore:
-        """Connect, then check what the archive is before anything is written: its format version, its model."""
+    def open(cls, address: RedisAddress, *, create: bool, readonly: bool) -> RedisStore:
+        """Connect, and refuse an empty database unless creating (the core then checks what the archive is)."""
         client = connect(address)
-        store = cls(client, address, readonly, Model())
+        store = cls(client, address, readonly)
         try:
             with store._errors():
-                meta = {_text(k): load_json(v) for k, v in client.hgetall(store.keys.meta).items()}
                 # a cache may have evicted the meta hash itself: any index key left means an archive is here
-                empty = not meta and not client.exists(store.keys.segs, store.keys.docs, store.keys.emb)
+                keys = store.keys
+                empty = not client.exists(keys.meta, keys.segs, keys.docs, keys.emb)
             if empty and not create:
                 raise ArchiveError(
                     f"no archive at {address.display} (run `kvblend ingest PATH --archive {address.display}` first)"
                 )
-            store.model = store._check(meta, asked)
-            if create and not readonly and "format_version" not in meta:
-                store._stamp()
-            if create and not readonly and not defer_binding:
-                store.model = store._bind(asked)
         except BaseException:
             client.close()
             raise
@@ -234,94 +246,122 @@ class RedisStore(Store):
             self._closed = True
             self.client.close()
 
-    # ── identity ──
-    def _check(self, meta: dict[str, Any], asked: Model) -> Model:
-        version = meta.get("format_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
-            raise ArchiveError(f"archive at {self.location} has a malformed format version {version!r}")
-        if version is not None and version > FORMAT_VERSION:
-            raise ArchiveVersionError(
-                f"archive format v{version} is newer than this kvblend supports (v{FORMAT_VERSION}); upgrade kvblend"
-            )
-        have = Model(meta.get("model_name"), meta.get("model_fingerprint"))
-        if asked.fingerprint and have.fingerprint and asked.fingerprint != have.fingerprint:
-            a, b = have.name or have.fingerprint[:12], asked.name or asked.fingerprint[:12]
-            hint = f"pass --model {have.name} or use another --archive" if have.name else "use another --archive"
-            raise ArchiveModelMismatchError(
-                f"archive at {self.location} was built with model {a}; you asked for model {b} ({hint})"
-            )
-        return have
-
-    def _stamp(self) -> None:
-        """Record the format version if it is missing (a new archive, or a cache evicted the meta hash)."""
-        with self._errors():
-            self.client.hsetnx(self.keys.meta, "format_version", dump_json(FORMAT_VERSION))
-            self.client.hsetnx(self.keys.meta, "created", dump_json(time.time()))
-
-    def _bind(self, asked: Model) -> Model:
-        """Record the format version and the model if they are not (HSETNX: of two writers binding at once, one
-        wins), then check the model. Every write does it, so an evicted meta hash is recorded again."""
-        self._stamp()
-        if asked.fingerprint:
-            with self._errors():
-                if self.client.hsetnx(self.keys.meta, "model_fingerprint", dump_json(asked.fingerprint)):
-                    self.client.hset(self.keys.meta, "model_name", dump_json(asked.name))
-                meta = {_text(k): load_json(v) for k, v in self.client.hgetall(self.keys.meta).items()}
-        else:
-            meta = {}
-        return self._check(meta, asked) if meta else self.model
-
     @contextmanager
     def _errors(self) -> Iterator[None]:
         with unavailable(self.location):
             yield
 
-    # ── segments ──
-    def get_segment(self, key: str) -> SegmentRecord | None:
+    # ── records ──
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        if not names:
+            return []
+        if table == "segments":
+            return self._records(list(names))
         with self._errors():
-            raw = self.client.get(self.keys.rec(key))
-        return None if raw is None else SegmentRecord.from_json(raw)
+            return list(self.client.hmget(self.keys.hash(table), list(names)))
 
-    def has_segment(self, key: str) -> bool:
+    def scan(self, table: str) -> Iterator[tuple[str, bytes]]:
+        if table == "segments":
+            members = self._members()
+            for start in range(0, len(members), BATCH):
+                batch = members[start : start + BATCH]
+                for key, raw in zip(batch, self._records(batch)):
+                    if raw is not None:
+                        yield key, raw
+            return
         with self._errors():
-            return bool(self.client.exists(self.keys.rec(key)))
+            rows = self.client.hgetall(self.keys.hash(table))
+        for k, raw in sorted(rows.items()):
+            yield _text(k), raw
+
+    def count(self, table: str) -> int:
+        if table == "segments":
+            return super().count(table)
+        with self._errors():
+            return int(self.client.hlen(self.keys.hash(table)))
+
+    def write(self, edit: Callable[[Txn], T]) -> T:
+        self.check_writable()
+        with self._errors():
+            return edit(_RedisTxn(self))
+
+    def _put(self, table: str, name: str, value: bytes) -> None:
+        with self._errors():
+            if table != "segments":
+                self.client.hset(self.keys.hash(table), name, value)
+                return
+            self.client.set(self.keys.rec(name), value)  # visible whole or not at all, and before it is listed
+            pipe = self.client.pipeline(transaction=False)  # (a cluster pipeline may reorder keys of two slots)
+            pipe.sadd(self.keys.segs, name)
+            pipe.zadd(self.keys.lru, {name: time.time()})
+            pipe.hincrby(self.keys.stats, "stores", 1)
+            pipe.execute()
+
+    def _delete(self, table: str, name: str) -> None:
+        with self._errors():
+            if table != "segments":
+                self.client.hdel(self.keys.hash(table), name)
+                return
+            pipe = self.client.pipeline(transaction=False)
+            pipe.unlink(self.keys.rec(name))
+            pipe.srem(self.keys.segs, name)
+            pipe.zrem(self.keys.lru, name)
+            pipe.hdel(self.keys.hits, name)
+            pipe.execute()
 
     def _members(self) -> list[str]:
         with self._errors():
             return sorted(_text(m) for m in self.client.smembers(self.keys.segs))
 
-    def _records(self, keys: Sequence[str]) -> list[SegmentRecord | None]:
+    def _records(self, keys: Sequence[str]) -> list[bytes | None]:
         """Records of `keys` (None where evicted), with their use counts, fetched in pipelined batches."""
-        out: list[SegmentRecord | None] = []
+        out: list[bytes | None] = []
         for start in range(0, len(keys), BATCH):
             batch = keys[start : start + BATCH]
-            with self._errors():
+            with self._errors():  # one round trip: the records, then their last access and hits
                 pipe = self.client.pipeline(transaction=False)
                 for key in batch:
                     pipe.get(self.keys.rec(key))
-                raws = pipe.execute()
-                scores = self.client.zmscore(self.keys.lru, batch)
-                hits = self.client.hmget(self.keys.hits, batch)
+                pipe.zmscore(self.keys.lru, batch)
+                pipe.hmget(self.keys.hits, batch)
+                *raws, scores, hits = pipe.execute()
             for raw, score, hit in zip(raws, scores, hits):
-                rec = None if raw is None else SegmentRecord.from_json(raw)
-                if rec is not None:
-                    rec.last_access = float(score) if score is not None else rec.last_access
-                    rec.hits = int(hit) if hit is not None else rec.hits
-                out.append(rec)
+                if raw is not None and (score is not None or hit is not None):
+                    d = load_record(raw)
+                    if isinstance(d, dict):
+                        d["last_access"] = float(score) if score is not None else d.get("last_access", 0.0)
+                        d["hits"] = int(hit) if hit is not None else d.get("hits", 0)
+                        raw = dump_json(d)
+                out.append(raw)
         return out
 
-    def iter_segments(self) -> Iterator[SegmentRecord]:
-        for rec in self._records(self._members()):
-            if rec is not None:
-                yield rec
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """GET of keys that may live on different cluster slots: a pipeline, not MGET."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
 
-    def count_segments(self) -> int:
-        return sum(1 for _ in self.iter_segments())
+    def touch(self, keys: Sequence[str]) -> int:
+        if self.readonly or not keys:
+            return 0
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.keys.rec(key))
+            present = [k for k, n in zip(keys, pipe.execute()) if n]
+            if present:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zadd(self.keys.lru, {k: time.time() for k in present})
+                for k in present:
+                    pipe.hincrby(self.keys.hits, k, 1)
+                pipe.execute()
+            return len(present)
 
     def lost_segments(self) -> list[str]:
         """Segments listed but whose record is gone (Redis evicted it): the archive no longer has them."""
         members = self._members()
-        return [k for k, rec in zip(members, self._records(members)) if rec is None]
+        return [k for k, raw in zip(members, self._records(members)) if raw is None]
 
     def claim(self, keys: Sequence[str]) -> list[str]:
         """Of `keys` nobody holds, those this process now may compute (another node computes the rest)."""
@@ -335,96 +375,25 @@ class RedisStore(Store):
             won = pipe.execute()
         return [k for k, ok in zip(keys, won) if ok]
 
-    def put_segments(
-        self,
-        items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]],
-        codec: str,
-        level: int,
-        embeddings: dict[str, Any] | None,
-        asked: Model,
-    ) -> list[SegmentRecord]:
-        """Every layer under a fresh generation, then the records (each a single SET: visible whole or not at
-        all), then the old generation's layers deleted."""
+    # ── payloads ──
+    def put_payloads(self, staged: Sequence[tuple[SegmentRecord, Iterable[bytes]]]) -> None:
+        """Every layer under a fresh write generation (named in ``blob``), so two writers of one segment never
+        mix their bytes: the one whose record lands second leaves only garbage for ``gc``."""
         self.check_writable()
-        self.model = self._bind(asked)
-        model = Model(self.model.name or asked.name, self.model.fingerprint or asked.fingerprint)
-        records: list[SegmentRecord] = []
-        seen: set[str] = set()
-        for record, layers in items:
-            if record.key in seen:
-                continue
-            seen.add(record.key)
-            rec = describe(record, layers, codec)
-            rec.blob = secrets.token_hex(4)  # the write generation its layer keys carry
-            about = blob_metadata(rec, model, (embeddings or {}).get(rec.key))
-            self._write_layers(
-                rec,
-                (
-                    encode_layer(k, v, codec, level, segment=about if i == 0 else None)
-                    for i, (k, v) in enumerate(layers)
-                ),
-            )
-            records.append(rec)
-        self._commit(records, embeddings or {})
-        return records
-
-    def _write_layers(self, rec: SegmentRecord, payloads: Iterable[bytes]) -> None:
-        with self._errors():
-            pipe = self.client.pipeline(transaction=False)
-            for i, data in enumerate(payloads):
-                pipe.set(self.keys.layer(rec.key, i, rec.blob), data)
-                rec.layers.append(LayerEntry(offset=0, length=len(data), checksum=checksum(data)))
-            pipe.execute()
-
-    def _commit(self, records: Sequence[SegmentRecord], embeddings: dict[str, Any]) -> None:
-        if not records:
-            return
-        with self._errors():
-            old = self._get_many([self.keys.rec(r.key) for r in records])
-            pipe = self.client.pipeline(transaction=False)
-            for rec in records:
-                pipe.set(self.keys.rec(rec.key), rec.to_json().encode())
-            pipe.execute()
-            now = time.time()
-            pipe = self.client.pipeline(transaction=False)
-            pipe.sadd(self.keys.segs, *[r.key for r in records])
-            pipe.zadd(self.keys.lru, {r.key: now for r in records})
-            pipe.hincrby(self.keys.stats, "stores", len(records))
-            vectors = {r.key: embedding_bytes(embeddings[r.key]) for r in records if r.key in embeddings}
-            if vectors:
-                pipe.hset(self.keys.emb, mapping=vectors)
-            pipe.execute()
-            stale = [SegmentRecord.from_json(raw) for raw in old if raw is not None]
-            self._delete_layers(
-                [
-                    (r.key, r.blob, len(r.layers))
-                    for r in stale
-                    if (r.key, r.blob) not in {(n.key, n.blob) for n in records}
-                ]
-            )
-
-    def _delete_layers(self, generations: Sequence[tuple[str, str, int]]) -> None:
-        names = [self.keys.layer(key, i, gen) for key, gen, n in generations for i in range(n)]
-        if names:
+        for rec, payloads in staged:
+            rec.blob = secrets.token_hex(4)
+            rec.layers = []
             with self._errors():
                 pipe = self.client.pipeline(transaction=False)
-                for name in names:
-                    pipe.unlink(name)
+                for i, data in enumerate(payloads):
+                    pipe.set(self.keys.layer(rec.key, i, rec.blob), data)
+                    rec.layers.append(LayerEntry(offset=0, length=len(data), checksum=checksum(data)))
                 pipe.execute()
 
-    def read_layer_raw(self, rec: SegmentRecord, layer: int) -> bytes:
-        result = self.read_layers_raw([rec], layer)[0]
-        if isinstance(result, CorruptBlobError):
-            raise result
-        return result
-
-    def read_layers_raw(self, recs: Sequence[SegmentRecord], layer: int) -> list[bytes | CorruptBlobError]:
+    def read_payloads(self, recs: Sequence[SegmentRecord], layer: int) -> list[bytes | CorruptBlobError]:
         """One pipelined round trip for layer `layer` of every segment (a cluster splits it by node)."""
         with self._errors():
-            pipe = self.client.pipeline(transaction=False)
-            for rec in recs:
-                pipe.get(self.keys.layer(rec.key, layer, rec.blob))
-            got = pipe.execute()
+            got = self._get_many([self.keys.layer(rec.key, layer, rec.blob) for rec in recs])
         return [self._checked(rec, layer, data) for rec, data in zip(recs, got)]
 
     @staticmethod
@@ -440,174 +409,27 @@ class RedisStore(Store):
             return data
         return CorruptBlobError(f"segment {rec.key} layer {layer}: {reason}", rec.key, layer, reason)
 
-    def touch(self, keys: Sequence[str]) -> int:
-        if self.readonly or not keys:
-            return 0
-        try:
-            with self._errors():
-                present = [k for k, n in zip(keys, self._exists(keys)) if n]
-                if present:
-                    pipe = self.client.pipeline(transaction=False)
-                    pipe.zadd(self.keys.lru, {k: time.time() for k in present})
-                    for k in present:
-                        pipe.hincrby(self.keys.hits, k, 1)
-                    pipe.execute()
-                return len(present)
-        except ArchiveError:
-            return 0
-
-    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        """GET of keys that may live on different cluster slots: a pipeline, not MGET."""
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.get(name)
-        return pipe.execute()
-
-    def _exists(self, keys: Sequence[str]) -> list[int]:
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.keys.rec(key))
-        return pipe.execute()
-
-    def drop_segments(self, keys: Iterable[str]) -> list[str]:
-        drop = sorted(set(keys))
-        if not drop:
-            return []
-        self.check_writable()
-        self._delete_segments(drop)
-        return self._mark_documents(set(drop))
-
-    def _delete_segments(self, keys: Sequence[str]) -> None:
-        recs = [r for r in self._records(list(keys)) if r is not None]
-        with self._errors():
+    def delete_payloads(self, recs: Sequence[SegmentRecord]) -> None:
+        names = [self.keys.layer(r.key, i, r.blob) for r in recs if r.blob for i in range(len(r.layers))]
+        if not names:
+            return
+        with suppress(ArchiveError), self._errors():  # what is left is a leftover for gc
             pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.unlink(self.keys.rec(key))
+            for name in names:
+                pipe.unlink(name)
             pipe.execute()
-            self.client.srem(self.keys.segs, *keys)
-            self.client.zrem(self.keys.lru, *keys)
-            self.client.hdel(self.keys.hits, *keys)
-            self.client.hdel(self.keys.emb, *keys)
-        self._delete_layers([(r.key, r.blob, len(r.layers)) for r in recs])
-
-    def _mark_documents(self, gone: set[str]) -> list[str]:
-        """Documents listing a key in `gone` lose it and are marked incomplete; returns their paths."""
-        marked = []
-        for doc in list(self.iter_documents()):
-            if gone.intersection(doc.segment_keys):
-                doc.drop_segments(gone)
-                doc.incomplete = True
-                self.put_document(doc)
-                marked.append(doc.path)
-        return marked
-
-    # ── documents ──
-    def get_document(self, path: str) -> DocumentRecord | None:
-        with self._errors():
-            raw = self.client.hget(self.keys.docs, path)
-        return None if raw is None else DocumentRecord.from_json(raw)
-
-    def iter_documents(self) -> Iterator[DocumentRecord]:
-        with self._errors():
-            rows = self.client.hgetall(self.keys.docs)
-        for _, raw in sorted(rows.items()):
-            yield DocumentRecord.from_json(raw)
-
-    def count_documents(self) -> int:
-        with self._errors():
-            return int(self.client.hlen(self.keys.docs))
-
-    def put_document(self, doc: DocumentRecord) -> None:
-        self.check_writable()
-        with self._errors():
-            self.client.hset(self.keys.docs, doc.path, doc.to_json().encode())
-
-    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
-        old = self.get_document(doc.path)
-        self.put_document(doc)
-        stale = set(old.segment_keys if old else ()) - set(doc.segment_keys) - set(keep)
-        if stale:
-            stale -= {k for other in self.iter_documents() for k in other.segment_keys}
-            self._delete_segments(sorted(stale))
-        return sorted(stale)
-
-    def remove_documents(self, paths: Sequence[str]) -> list[str]:
-        self.check_writable()
-        removed, candidates = [], set()
-        for path in dict.fromkeys(paths):
-            doc = self.get_document(path)
-            if doc is None:
-                continue
-            with self._errors():
-                self.client.hdel(self.keys.docs, path)
-            removed.append(doc.path)
-            candidates.update(doc.segment_keys)
-        unused = candidates - {k for other in self.iter_documents() for k in other.segment_keys}
-        if unused:
-            self._delete_segments(sorted(unused))
-        return removed
-
-    def strip_dangling(self, dangling: dict[str, list[str]]) -> list[str]:
-        marked = []
-        for path, missing in dangling.items():
-            doc = self.get_document(path)
-            if doc is not None:
-                doc.drop_segments(set(missing))
-                doc.incomplete = True
-                self.put_document(doc)
-                marked.append(path)
-        return marked
-
-    # ── side tables ──
-    def get_json(self, table: str, name: str) -> Any:
-        with self._errors():
-            return load_json(self.client.hget(self.keys.tables[table], name))
-
-    def put_json(self, table: str, name: str, value: Any) -> None:
-        self.check_writable()
-        with self._errors():
-            self.client.hset(self.keys.tables[table], name, dump_json(value))
-
-    def json_items(self, table: str) -> Iterator[tuple[str, Any]]:
-        with self._errors():
-            rows = self.client.hgetall(self.keys.tables[table])
-        for k, raw in sorted(rows.items()):
-            yield _text(k), load_json(raw)
-
-    def put_embeddings(self, pairs: Sequence[tuple[str, Any]]) -> None:
-        self.check_writable()
-        if pairs:
-            with self._errors():
-                self.client.hset(self.keys.emb, mapping={k: embedding_bytes(v) for k, v in pairs})
-
-    def has_embedding(self, key: str) -> bool:
-        with self._errors():
-            return bool(self.client.hexists(self.keys.emb, key))
-
-    def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
-        with self._errors():
-            if keys is None:
-                rows = [(_text(k), v) for k, v in self.client.hgetall(self.keys.emb).items()]
-            else:
-                wanted = list(keys)
-                rows = [
-                    (k, v)
-                    for k, v in zip(wanted, self.client.hmget(self.keys.emb, wanted) if wanted else [])
-                    if v is not None
-                ]
-        return embedding_matrix(sorted(rows))
 
     # ── upkeep ──
-    def _scan(self, pattern: str) -> list[str]:
+    def _scan_keys(self, pattern: str) -> list[str]:
         with self._errors():
             return [_text(k) for k in self.client.scan_iter(match=pattern, count=1000)]
 
     def leftovers(self) -> list[Leftover]:
         """Layer keys of a generation no record names, whose segment nobody is computing now (a crashed or
         losing writer's layers)."""
-        live = {(r.key, r.blob) for r in self.iter_segments()}
+        live = {(key, str(load_record(raw).get("blob"))) for key, raw in self.scan("segments")}
         groups: dict[tuple[str, str], list[str]] = {}
-        for name in self._scan(self.keys.layer_pattern):
+        for name in self._scan_keys(self.keys.layer_pattern):
             parsed = self.keys.parse_layer(name)
             if parsed is not None and (parsed[0], parsed[2]) not in live:
                 groups.setdefault((parsed[0], parsed[2]), []).append(name)
@@ -636,9 +458,6 @@ class RedisStore(Store):
             pipe.execute()
         return sum(item.size for item in leftovers)
 
-    def segment_bytes(self, rec: SegmentRecord) -> int:
-        return rec.stored_bytes
-
     def usage(self) -> dict[str, Any]:
         """Redis's memory (summed over a cluster's masters), its limit and eviction policy, the stores counted."""
         with self._errors():
@@ -662,7 +481,7 @@ class RedisStore(Store):
         return [fn(self.client.get_redis_connection(node)) for node in self.client.get_primaries()]
 
     def size_bytes(self, include_index: bool = True) -> int:
-        payload = sum(rec.stored_bytes for rec in self.iter_segments())
+        payload = sum(SegmentRecord.from_json(raw).stored_bytes for _, raw in self.scan("segments"))
         if not include_index:
             return payload
         with self._errors():

@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +46,20 @@ from kvblend.archive.blobs import (
     spending_reserve,
 )
 from kvblend.archive.codec import describe_payload, split_frames
+from kvblend.archive.core import FORMAT_VERSION, check_version
 from kvblend.archive.index import (
     DATA_FILE,
     DB_NAMES,
     INDEX_DIR,
     Index,
+    damaged,
     has_blobs,
     index_problem,
 )
 from kvblend.archive.local import (
-    FORMAT_VERSION,
     LOCK_FILE,
     WriterLock,
     archive_exists,
-    check_version,
     embedding_rows,
     put_embedding_rows,
     writable,
@@ -117,7 +118,7 @@ def rebuild_index(path: str | os.PathLike[str], wait: bool | float = False) -> R
 def _refuse_newer(old: Salvage, root: Path) -> None:
     """A newer kvblend's archive is not ours to rebuild; a malformed version is what a rebuild repairs."""
     with contextlib.suppress(ArchiveDamagedError):
-        check_version(old.tables["meta"].get(b"format_version"), root)
+        check_version(old.tables["meta"].get(b"format_version"), partial(damaged, root))
 
 
 def _restore_segments(root: Path, old: Salvage, report: RebuildReport) -> dict[str, Restored]:

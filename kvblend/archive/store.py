@@ -1,21 +1,35 @@
-"""The store interface: where an archive's records and KV payloads live.
+"""The store interface: the narrow, byte-level layer under an archive.
 
-An archive (facade.py) and its upkeep (maintenance.py) talk only to a
-:class:`Store`, so no command, fusor or feed knows which one it has. Two stores
-stand behind it:
+A store keeps bytes and knows nothing of what they mean. Everything an archive
+*is* (which record names which payload, documents and the segments they share,
+the format version and the model binding, lookups by name) is core.py's,
+written once over this interface, so every store obeys the same rules. A store
+offers only:
+
+* records: small values in named tables (:data:`TABLES`), read by name or
+  scanned, and written in a transaction (:class:`Txn`);
+* payloads: each segment's per-layer KV bytes, stored before the record that
+  names them, read back checksum-verified, deleted after that record is gone;
+* the writer lock, use counts (``touch``), and what no record names
+  (``leftovers``), with the numbers ``stats`` shows.
+
+Two stores stand behind it:
 
     local.py        a directory: an LMDB index plus one blob file per segment (the embedded default)
     redis_store.py  a Redis server or cluster, shared by several serving nodes
 
+A few things only some stores can do are optional methods with a neutral
+default (``claim``, ``payload_intact``, ``lost_segments``,
+``structure_problems``, ``after_gc``, ``measure_reads``), so no caller ever
+asks which store it has.
+
 What every store promises, whatever it keeps underneath:
 
-* a segment is visible only once all its layers are stored: its record is
-  written last, so a reader never sees half a segment;
-* a layer comes back checksum-verified or not at all (:class:`CorruptBlobError`
-  naming the segment and layer), so a damaged or evicted layer is recomputed,
-  never trusted;
-* an archive built with another model or format version is refused at open,
-  in one line;
+* a payload read comes back checksum-verified or not at all
+  (:class:`CorruptBlobError` naming the segment and layer), so a damaged or
+  evicted layer is recomputed, never trusted;
+* a transaction's steps land in order (LMDB: all at once; Redis: one by one),
+  so a record written after its payloads is never seen without them;
 * records are JSON and payloads are the codec's bytes (codec.py): nothing is
   ever unpickled.
 """
@@ -24,18 +38,21 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from kvblend.archive.records import DocumentRecord, Model, SegmentRecord, load_record
-from kvblend.errors import ArchiveError, CorruptBlobError
-from kvblend.types import LayerKV
+from kvblend.archive.records import SegmentRecord, load_record
+from kvblend.errors import ArchiveDamagedError, ArchiveError, CorruptBlobError
 
-#: Side tables of small JSON values under short names, besides segments, documents and embeddings.
+T = TypeVar("T")
+
+#: Every table a store keeps: segment and document records, retrieval embeddings (raw float32, not JSON), and
+#: side tables of small JSON values (:data:`JSON_TABLES`).
+TABLES: tuple[str, ...] = ("meta", "segments", "documents", "embeddings", "profiles", "tuned")
 JSON_TABLES: tuple[str, ...] = ("meta", "profiles", "tuned")
 
 
@@ -73,24 +90,95 @@ class Leftover:
     temp: bool = False  # an interrupted write's temp file (local stores only)
 
 
+class Txn(ABC):
+    """One write transaction over a store's tables; ``name`` is a segment key, a document path, an entry name.
+
+    Rules run inside it as plain functions of a Txn, so they are written once; a store may run the function
+    again from scratch (LMDB, after growing a full map), so it must only read and write through the Txn.
+    """
+
+    @abstractmethod
+    def get(self, table: str, name: str) -> bytes | None: ...
+
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get` of several names (a store that pays a round trip per read batches them)."""
+        return [self.get(table, name) for name in names]
+
+    @abstractmethod
+    def put(self, table: str, name: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    def put_new(self, table: str, name: str, value: bytes) -> bool:
+        """Write only if nothing is stored under ``name``; whether it wrote (of two writers binding an
+        archive at once, one wins)."""
+
+    @abstractmethod
+    def delete(self, table: str, name: str) -> None:
+        """Delete ``name`` if present (absent is not an error)."""
+
+    @abstractmethod
+    def scan(self, table: str) -> Iterator[tuple[str, bytes]]:
+        """Every (name, value) of a table as this transaction sees it."""
+
+
 class Store(ABC):
-    """Records, payloads and side tables of one archive, as one store keeps them."""
+    """Records and payloads of one archive, as one store keeps them (see the module docstring)."""
 
     location: str  # for messages: a directory, or a URL without its password
     readonly: bool
-    model: Model  # the model the store records (None fields: not bound yet)
-
-    # ── life ──
-    @abstractmethod
-    def close(self) -> None:
-        """Release what the store holds (locks, descriptors, connections). Idempotent."""
 
     @property
     def kind(self) -> str:
         """ "local" or "redis": what `stats` and `path` show."""
         return "local"
 
-    # ── writing ──
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the store holds (locks, descriptors, connections). Idempotent."""
+
+    # ── records ──
+    @abstractmethod
+    def get_many(self, table: str, names: Sequence[str]) -> list[bytes | None]:
+        """The values stored under ``names`` (None where absent), in one read where the store can."""
+
+    def get(self, table: str, name: str) -> bytes | None:
+        return self.get_many(table, [name])[0]
+
+    @abstractmethod
+    def scan(self, table: str) -> Iterator[tuple[str, bytes]]:
+        """Every (name, value) of a table in name order, read in batches (records written meanwhile may or
+        may not appear; no transaction is held while the caller works)."""
+
+    def count(self, table: str) -> int:
+        return sum(1 for _ in self.scan(table))
+
+    @abstractmethod
+    def write(self, edit: Callable[[Txn], T]) -> T:
+        """Run ``edit`` in one write transaction and commit it; returns what ``edit`` returned."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[str]) -> int:
+        """Record a use of these segments (last access now, one more hit); never fails the caller. Returns how
+        many were found. A store keeps use counts its own way (in the record, or in counters beside it)."""
+
+    # ── payloads ──
+    @abstractmethod
+    def put_payloads(self, staged: Sequence[tuple[SegmentRecord, Iterable[bytes]]]) -> None:
+        """Store each segment's layer payloads, filling in its ``blob`` (where they live) and ``layers``
+        (length and checksum of each); durable before this returns. Nothing names them until their record
+        commits; on failure, what was written is removed or left for ``gc``."""
+
+    @abstractmethod
+    def read_payloads(self, recs: Sequence[SegmentRecord], layer: int) -> list[bytes | CorruptBlobError]:
+        """Layer ``layer`` of each segment (a loader's one fetch per layer), checksum-verified but still
+        encoded: each payload, or the error for that segment (missing, short or damaged)."""
+
+    @abstractmethod
+    def delete_payloads(self, recs: Sequence[SegmentRecord]) -> None:
+        """Delete the payloads these (no longer committed) records named; never fails the caller, since what
+        is left is a leftover for ``gc``."""
+
+    # ── the writer lock ──
     def writer(self, wait: bool | float = False) -> AbstractContextManager[object]:
         """The store's exclusive writer for a block (re-entrant). Stores whose writes are safe
         from any number of writers at once (each record lands atomically) need none."""
@@ -109,48 +197,36 @@ class Store(ABC):
         if self.readonly:
             raise ArchiveError("archive was opened read-only; cannot write to it")
 
-    # ── segments ──
-    @abstractmethod
-    def get_segment(self, key: str) -> SegmentRecord | None: ...
+    def freeing(self) -> AbstractContextManager[object]:
+        """Around an edit that frees space (gc, rm, repair): a store that keeps a disk reserve spends it."""
+        return nullcontext()
 
-    def has_segment(self, key: str) -> bool:
-        return self.get_segment(key) is not None
-
+    # ── upkeep ──
     @abstractmethod
-    def iter_segments(self) -> Iterator[SegmentRecord]: ...
-
-    @abstractmethod
-    def count_segments(self) -> int: ...
+    def leftovers(self) -> list[Leftover]:
+        """What no record names (crashed writes' orphans and temp files, or layers without a record)."""
 
     @abstractmethod
-    def put_segments(
-        self,
-        items: Sequence[tuple[SegmentRecord, Sequence[LayerKV]]],
-        codec: str,
-        level: int,
-        embeddings: dict[str, Any] | None,
-        asked: Model,
-    ) -> list[SegmentRecord]:
-        """Encode and store every layer of each segment, then commit their records (and embeddings):
-        a record only once its layers are all stored. Repeated keys are stored once (first wins); the
-        model `asked` is checked against the recorded one and recorded if none is. Returns the records."""
+    def delete_leftovers(self, leftovers: Sequence[Leftover]) -> int:
+        """Delete them (under the writer); returns the bytes freed."""
 
     @abstractmethod
-    def read_layer_raw(self, rec: SegmentRecord, layer: int) -> bytes:
-        """One layer's payload, checksum-verified but still encoded; CorruptBlobError(key, layer) if it is
-        missing, short or damaged."""
+    def usage(self) -> dict[str, Any]:
+        """Store-specific numbers for `stats` (index bytes on disk, or Redis memory)."""
 
-    def read_layers_raw(self, recs: Sequence[SegmentRecord], layer: int) -> list[bytes | CorruptBlobError]:
-        """Layer `layer` of several segments at once (a loader's one fetch per layer): each payload, or the
-        error for that segment. Stores that pay a round trip per read batch them."""
-        out: list[bytes | CorruptBlobError] = []
-        for rec in recs:
-            try:
-                out.append(self.read_layer_raw(rec, layer))
-            except CorruptBlobError as exc:
-                out.append(exc)
-        return out
+    @abstractmethod
+    def size_bytes(self, include_index: bool = True) -> int:
+        """Everything the archive occupies (payloads, and by default the index)."""
 
+    def segment_bytes(self, rec: SegmentRecord) -> int:
+        """Bytes this segment occupies in the store (what `gc --max-size` counts)."""
+        return rec.stored_bytes
+
+    def damaged(self, what: str) -> ArchiveError:
+        """The one-line error for damage to the store's records (a local store names its repair command)."""
+        return ArchiveDamagedError(f"archive at {self.location} is damaged: {what}")
+
+    # ── what only some stores can do (neutral defaults) ──
     def payload_intact(self, rec: SegmentRecord) -> bool:
         """A cheap pre-flight before a query streams the segment (no payload read): False when its payload is
         surely missing or short. Stores where asking costs a round trip answer True and let the read tell."""
@@ -166,74 +242,6 @@ class Store(ABC):
         """Segments the store lists whose record is gone (a cache evicted it); `verify` names them."""
         return []
 
-    @abstractmethod
-    def touch(self, keys: Sequence[str]) -> int:
-        """Record a use (last access now, one more hit); never fails the caller. Returns how many were found."""
-
-    @abstractmethod
-    def drop_segments(self, keys: Iterable[str]) -> list[str]:
-        """Delete segments (records, embeddings, payloads); documents that listed one lose it and are
-        marked incomplete. Returns those documents' paths."""
-
-    # ── documents ──
-    @abstractmethod
-    def get_document(self, path: str) -> DocumentRecord | None: ...
-
-    @abstractmethod
-    def iter_documents(self) -> Iterator[DocumentRecord]: ...
-
-    @abstractmethod
-    def count_documents(self) -> int: ...
-
-    @abstractmethod
-    def put_document(self, doc: DocumentRecord) -> None: ...
-
-    @abstractmethod
-    def replace_document(self, doc: DocumentRecord, keep: Collection[str] = frozenset()) -> list[str]:
-        """Store `doc`, dropping segments only its previous version used, but none in `keep` (segments a
-        document not yet committed relies on); returns their keys."""
-
-    @abstractmethod
-    def remove_documents(self, paths: Sequence[str]) -> list[str]:
-        """Forget documents and drop the segments no remaining document uses; returns the paths removed."""
-
-    @abstractmethod
-    def strip_dangling(self, dangling: dict[str, list[str]]) -> list[str]:
-        """Remove keys that name no segment from their documents, marking them incomplete; returns paths."""
-
-    # ── side tables ──
-    @abstractmethod
-    def get_json(self, table: str, name: str) -> Any: ...
-
-    @abstractmethod
-    def put_json(self, table: str, name: str, value: Any) -> None: ...
-
-    @abstractmethod
-    def json_items(self, table: str) -> Iterator[tuple[str, Any]]: ...
-
-    @abstractmethod
-    def put_embeddings(self, pairs: Sequence[tuple[str, Any]]) -> None: ...
-
-    @abstractmethod
-    def has_embedding(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def get_embeddings(self, keys: Iterable[str] | None = None) -> tuple[list[str], np.ndarray]:
-        """(keys, [n, dim] float32) for the given keys that have one, or for every segment when None."""
-
-    # ── upkeep ──
-    @abstractmethod
-    def leftovers(self) -> list[Leftover]:
-        """What no record names (crashed writes' orphans and temp files, or layers without a record)."""
-
-    @abstractmethod
-    def delete_leftovers(self, leftovers: Sequence[Leftover]) -> int:
-        """Delete them (under the writer); returns the bytes freed."""
-
-    @abstractmethod
-    def segment_bytes(self, rec: SegmentRecord) -> int:
-        """Bytes this segment occupies in the store (what `gc --max-size` counts)."""
-
     def structure_problems(self) -> list[str]:
         """Damage to the store's own structures that reading every record would not show (an LMDB page a
         write would touch); each is one line. None by default."""
@@ -244,10 +252,8 @@ class Store(ABC):
         (with ``dry_run``, would delete)."""
         return []
 
-    @abstractmethod
-    def usage(self) -> dict[str, Any]:
-        """Store-specific numbers for `stats` (index bytes on disk, or Redis memory)."""
-
-    @abstractmethod
-    def size_bytes(self, include_index: bool = True) -> int:
-        """Everything the archive occupies (payloads, and by default the index)."""
+    def measure_reads(self, segments: Sequence[Sequence[bytes]], runs: int = 3) -> list[float] | None:
+        """MB/s of reading scratch payloads back as the loader does, per run, for a store no disk probe can
+        measure (a network store); None where the store is files in a directory that `kvblend profile`
+        measures itself (page cache evicted, cold and warm)."""
+        return None

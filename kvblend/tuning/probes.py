@@ -27,6 +27,7 @@ import torch
 
 from kvblend.archive import decode_layer
 from kvblend.archive.quant import Quantized
+from kvblend.archive.store import Store
 from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
 from kvblend.tuning.delay import MB, fit_cost_model, recompute_time
@@ -188,10 +189,13 @@ def measure_ram_read(segments: Sequence[Sequence[bytes]], runs: int = 3) -> Read
     return ReadMeasurement(rate, rate, total, len(arrays), None, rates, rates)
 
 
-def measure_store_read(store, segments: Sequence[Sequence[bytes]], runs: int = 3) -> ReadMeasurement:
-    """A network store (Redis): scratch payloads written there, then read back as the loader reads them, one
-    pipelined fetch per layer over every segment. Its memory has no page cache to evict: cold = warm."""
+def measure_store_read(store: Store, segments: Sequence[Sequence[bytes]], runs: int = 3) -> ReadMeasurement | None:
+    """Through the archive's store, for a store no disk probe can measure (a network store such as Redis):
+    scratch payloads written there, then read back as the loader reads them. Its memory has no page cache to
+    evict: cold = warm. None for a store of files in a directory (measure_disk_read measures those)."""
     rates = store.measure_reads(segments, runs=max(1, runs))
+    if rates is None:
+        return None
     rate = statistics.median(rates)
     total = sum(len(p) for seg in segments for p in seg)
     return ReadMeasurement(rate, rate, total, sum(len(seg) for seg in segments), None, rates, rates)

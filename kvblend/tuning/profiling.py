@@ -135,10 +135,12 @@ def build_profile(
     log(f"storage: {store_label} ({where or 'in memory'}), {len(scratch)} segments × {n_layers} layers")
     if where is None:
         reads = probes.measure_ram_read(scratch, runs=settings.warm_runs)
-    elif archive.location.is_redis and where == archive.location.key:
-        reads = probes.measure_store_read(archive.store, scratch, runs=settings.warm_runs)
-    else:
-        reads = probes.measure_disk_read(where, scratch, cold_runs=settings.cold_runs, warm_runs=settings.warm_runs)
+    else:  # the archive's own store measures itself where no disk probe can (Redis)
+        own = where == archive.location.key
+        through = probes.measure_store_read(archive.store, scratch, runs=settings.warm_runs) if own else None
+        reads = through or probes.measure_disk_read(
+            where, scratch, cold_runs=settings.cold_runs, warm_runs=settings.warm_runs
+        )
     log(f"codec: {sample.codec}")
     dec = probes.measure_decompress(
         [p for seg in sample.segments[:4] for p in seg], sample.codec, settings.decompress_seconds

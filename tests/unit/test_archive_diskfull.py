@@ -12,7 +12,7 @@ import pytest
 
 from archive_helpers import ar, flip_byte, layers, put  # noqa: F401 (ar: fixture)
 from hardening_helpers import build_archive, fill_disk, small_tmpfs
-from kvblend.archive import Archive, SegmentRecord, local
+from kvblend.archive import Archive, SegmentRecord, core, local
 from kvblend.archive.blobs import RESERVE_BYTES, RESERVE_FILE
 from kvblend.errors import ArchiveError
 from support import one_line_error, run_cli
@@ -82,7 +82,7 @@ def test_index_commit_failure_leaves_index_unchanged_and_orphans_for_gc(ar, monk
     def full(*args, **kwargs):
         raise lmdb.DiskError("mdb_txn_commit: No space left on device")
 
-    monkeypatch.setattr(local, "commit_segments", full)
+    monkeypatch.setattr(core, "commit_segments", full)
     with pytest.raises(ArchiveError, match="nothing was committed"):
         put(ar, "cc1")
     monkeypatch.undo()

@@ -9,7 +9,7 @@ import pytest
 
 from archive_helpers import N_LAYERS, TOKENS, ar, flip_byte, layers, put, same  # noqa: F401 (ar: fixture)
 from kvblend.archive import DocumentRecord
-from kvblend.errors import ArchiveError, CorruptBlobError
+from kvblend.errors import CorruptBlobError
 
 # ---------------------------------------------------------------- verify and repair
 
@@ -107,25 +107,3 @@ def test_gc_removes_orphans_and_temp_files(ar):
     report = ar.gc()
     assert report.freed_bytes == 150 and not orphan.exists() and not temp.exists()
     assert foreign.exists() and (ar.path / rec.blob).exists() and ar.verify().ok
-
-
-def test_gc_evicts_least_recently_used_first(ar):
-    for i in range(5):
-        put(ar, f"ll{i}", seed=i, created=1000.0 + i, last_access=1000.0 + i)
-    ar.put_document(DocumentRecord(path="/d.txt", segment_keys=["ll0", "ll3", "ll4"]))
-    ar.touch(["ll0", "ll1"])  # the two oldest become the most recently used
-    sizes = {f"ll{i}": (ar.path / ar.get_segment(f"ll{i}").blob).stat().st_size for i in range(5)}
-    budget = sizes["ll0"] + sizes["ll1"] + sizes["ll4"]
-
-    assert ar.gc(max_size_bytes=budget, dry_run=True).evicted == ["ll2", "ll3"]
-    assert ar.count_segments() == 5
-    report = ar.gc(max_size_bytes=budget)
-    assert report.evicted == ["ll2", "ll3"] and report.blob_bytes_after <= budget
-    assert report.freed_bytes == sizes["ll2"] + sizes["ll3"]
-    assert sorted(r.key for r in ar.iter_segments()) == ["ll0", "ll1", "ll4"]
-    doc = ar.get_document("/d.txt")
-    assert doc.segment_keys == ["ll0", "ll4"] and doc.incomplete
-    assert report.incomplete_documents == ["/d.txt"]
-    assert ar.size_bytes(include_index=False) <= budget
-    with pytest.raises(ArchiveError, match=">= 0"):
-        ar.gc(max_size_bytes=-1)

@@ -8,10 +8,9 @@ import json
 import lmdb
 import pytest
 
-from archive_helpers import layers
 from hardening_helpers import N_SEGMENTS, build_archive, public_dir, readonly_tree, run_as, snapshot, tree
-from kvblend.archive import Archive, SegmentRecord
-from kvblend.errors import ArchiveDamagedError, ArchiveModelMismatchError
+from kvblend.archive import Archive
+from kvblend.errors import ArchiveDamagedError
 from support import one_line_error, run_cli
 
 READ_COMMANDS = [["ls"], ["stats"], ["show", "seg01"], ["show", "/docs/a.md"], ["verify"], ["gc", "--dry-run"],
@@ -85,37 +84,6 @@ def test_missing_format_version_is_not_written_back_by_readers(tmp_path):
         pass  # how `query` opens it
     assert _format_version(arc) is None
     assert json.loads(run_cli("stats", "--archive", arc, "--json", check=True).stdout)["segments"] == N_SEGMENTS
-
-
-def test_deferred_binding_records_the_model_only_with_the_first_segment(tmp_path):
-    """A run that fails before storing anything (its model would not load) must not bind the archive."""
-    path = tmp_path / "new"
-    with Archive.open(path, model_name="garbage", model_fingerprint="fp-garbage", defer_binding=True):
-        pass  # e.g. the model failed to load here
-    with Archive.open(path, readonly=True) as ar:
-        assert (ar.model_name, ar.model_fingerprint) == (None, None)
-    with Archive.open(path, model_name="real", model_fingerprint="fp-real", defer_binding=True) as ar:
-        assert ar.model_fingerprint is None
-        ar.put_segment(SegmentRecord(key="bb1", token_ids=list(range(8))), layers(0))
-        assert (ar.model_name, ar.model_fingerprint) == ("real", "fp-real")
-    with pytest.raises(ArchiveModelMismatchError, match="built with model real"):
-        Archive.open(path, model_name="garbage", model_fingerprint="fp-garbage", defer_binding=True)
-
-
-def test_deferred_binding_is_rechecked_in_the_commit(tmp_path):
-    """Two writers naming different models on a fresh archive: the second commit is refused."""
-    path = tmp_path / "new"
-    Archive.open(path).close()
-    first = Archive.open(path, model_name="a", model_fingerprint="fp-a", defer_binding=True)
-    second = Archive.open(path, model_name="b", model_fingerprint="fp-b", defer_binding=True)
-    try:
-        first.put_segment(SegmentRecord(key="aa1"), layers(1))
-        with pytest.raises(ArchiveModelMismatchError):
-            second.put_segment(SegmentRecord(key="bb1"), layers(2))
-        assert not first.has_segment("bb1")
-    finally:
-        first.close()
-        second.close()
 
 
 def test_failed_model_load_does_not_bind_a_new_archive(tmp_path):
