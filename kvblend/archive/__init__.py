@@ -10,7 +10,7 @@ The format is specified in ``FORMAT.md`` next to this file. Typical use::
     records.py      segment / document records, keys, names of stored settings
     codec.py        per-layer payloads: safetensors + zstd (lossless), quant.py (int8 / int4)
     store.py        the store interface both stores implement
-    local.py        the local store: a directory with an LMDB index (index.py, pagecheck.py) and blob files (blobs.py)
+    local.py        the local store: a directory with an LMDB index (index.py, indexcheck.py) and blob files (blobs.py)
     redis_store.py  the Redis store: one key per segment layer, records written last
     facade.py       Archive: what every command uses, whatever the store
     maintenance.py  verify, gc, stats
