@@ -232,9 +232,9 @@ class Index:
             try:
                 with self._rw.shared():
                     with self.env.begin(write=True) as txn:
-                        self._refuse_unchecked_changes()
+                        before = self._refuse_unchecked_changes()
                         result = fn(txn)
-                    self._stamp()
+                    self._stamp(before)
                     return result
             except lmdb.MapFullError:
                 self._grow()
@@ -257,7 +257,7 @@ class Index:
                 raise damaged(self.root, f"its index is corrupted ({problems[0]})")
         self._known = now
 
-    def _refuse_unchecked_changes(self) -> None:
+    def _refuse_unchecked_changes(self) -> dict[str, Any] | None:
         """Inside a write transaction, before ``fn`` touches a page: a file changed since this process last knew
         it sound, and not by a stamped kvblend commit, is walked first (LMDB would follow a garbage pointer and
         kill the process mid-commit). The transaction is held, so no writer moves the snapshot meanwhile; a
@@ -268,13 +268,15 @@ class Index:
             if problems:
                 raise damaged(self.root, f"its index is corrupted ({problems[0]})")
         self._known = now
+        return now
 
-    def _stamp(self) -> None:
-        """After a commit: this state was reached from a checked one, so record it for other processes (best
-        effort: a stamp that could not be written only costs the next opener a walk)."""
+    def _stamp(self, before: dict[str, Any] | None) -> None:
+        """After a commit that changed the file: this state was reached from a checked one, so record it for
+        other processes (best effort: a stamp that could not be written only costs the next opener a walk). A
+        commit that changed nothing writes nothing, so a command that fails leaves the archive as it was."""
         now = identity(self.data)
         self._known = now
-        if now is not None and now != self._stamped and write_stamp(self.path, now):
+        if now is not None and now != before and now != self._stamped and write_stamp(self.path, now):
             self._stamped = now
 
     def problems(self) -> list[str]:
