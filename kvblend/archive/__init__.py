@@ -11,7 +11,7 @@ The format is specified in ``FORMAT.md`` next to this file. Typical use::
     codec.py        per-layer payloads: safetensors + zstd (lossless), quant.py (int8 / int4)
     core.py         every rule above the store, once: format version, model binding, segments, documents, lookups
     store.py        the narrow store interface: records in a transaction, payloads, scans, the writer lock
-    local.py        the local store: a directory with an LMDB index (index.py, pagecheck.py) and blob files (blobs.py)
+    local.py        the local store: a directory with an LMDB index (index.py, indexcheck.py) and blob files (blobs.py)
     redis_store.py  the Redis store: one key per segment layer, records written last
     facade.py       Archive: the core opened at a location, with its upkeep; what every command uses
     maintenance.py  verify, gc, stats

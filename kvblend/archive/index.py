@@ -13,9 +13,14 @@ a ``data.mdb`` shorter than its own header says is mapped anyway, and the first
 read past the end is SIGBUS (no exception, no message). So before LMDB maps it,
 the two meta pages are read with plain file I/O and the file size compared with
 the last page they claim (:func:`index_problem`); damage *inside* the file is
-pagecheck.py's to find. A missing or empty index next to blob files is a
-*damaged* archive, not an empty one: opening it as empty would let ``gc``
-delete every blob as an orphan.
+found by walking it (indexcheck.py) at open and before a write whenever the file
+is not in a state a kvblend writer stamped, and in ``verify``. A missing or
+empty index next to blob files is a *damaged* archive, not an empty one:
+opening it as empty would let ``gc`` delete every blob as an orphan.
+
+The LMDB engine is chosen here, never by py-lmdb's defaults (which follow
+``LMDB_DEFAULT_LIB_VERSION``): an existing ``data.mdb`` opens with the engine
+whose data version it holds, a new one is written by LMDB 0.9 (:data:`NEW_LIB_VERSION`).
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 
 from kvblend.archive.blobs import BLOB_DIR, BLOB_SUFFIX, is_temp_name
+from kvblend.archive.indexcheck import file_problems, identity, read_stamp, write_stamp
 from kvblend.errors import ArchiveDamagedError, ArchiveError
 
 T = TypeVar("T")
@@ -116,7 +123,10 @@ class Index:
         self.path = path
         self.root = path.parent
         self.readonly = readonly
+        self.data = path / DATA_FILE
         self._rw = _SharedExclusiveLock()
+        self._known: dict[str, Any] | None = None  # the data file's identity when this process last knew it sound
+        self._stamped: dict[str, Any] | None = None  # the identity this process last wrote to the stamp
         try:
             self.env = lmdb.open(
                 str(path),
@@ -128,6 +138,7 @@ class Index:
                 readahead=False,
                 meminit=False,
                 lock=lock,
+                lib_version=lib_version_for(self.data),
             )
         except DAMAGE_ERRORS as e:
             raise damaged(self.root, f"its index cannot be opened ({lmdb_reason(e)})") from None
@@ -221,8 +232,10 @@ class Index:
             try:
                 with self._rw.shared():
                     with self.env.begin(write=True) as txn:
-                        self._refuse_damaged_pages(txn.id() - 1)  # the snapshot this write starts from
-                        return fn(txn)
+                        before = self._refuse_unchecked_changes()
+                        result = fn(txn)
+                    self._stamp(before)
+                    return result
             except lmdb.MapFullError:
                 self._grow()
             except lmdb.MapResizedError:
@@ -234,13 +247,56 @@ class Index:
                     f"index write failed, nothing was committed ({lmdb_reason(e)}); free space or check {self.path}"
                 ) from None
 
-    def _refuse_damaged_pages(self, txnid: int) -> None:
-        """Before a write touches the index, walk the pages it could touch (pagecheck.py): LMDB would follow a
-        garbage node pointer or size and kill the process (SIGBUS) mid-commit. The write transaction is
-        held, so no other writer moves the snapshot; a damaged page aborts it and nothing is written."""
-        problems = _page_problems(self.path / DATA_FILE, txnid)
-        if problems:
-            raise damaged(self.root, f"its index is corrupted ({problems[0]})")
+    def refuse_unclean(self) -> None:
+        """At open, before LMDB reads a page: walk the file (ArchiveDamagedError naming the first problem) unless
+        it is in a state a kvblend writer stamped after its commit, or this process already checked."""
+        now = identity(self.data)
+        if now is not None and now != self._known and now != read_stamp(self.path):
+            problems = self.problems()
+            if problems:
+                raise damaged(self.root, f"its index is corrupted ({problems[0]})")
+        self._known = now
+
+    def _refuse_unchecked_changes(self) -> dict[str, Any] | None:
+        """Inside a write transaction, before ``fn`` touches a page: a file changed since this process last knew
+        it sound, and not by a stamped kvblend commit, is walked first (LMDB would follow a garbage pointer and
+        kill the process mid-commit). The transaction is held, so no writer moves the snapshot meanwhile; a
+        damaged page aborts it and nothing is written. The usual case costs one stat."""
+        now = identity(self.data)
+        if now is not None and now != self._known and now != read_stamp(self.path):
+            problems = file_problems(self.data)
+            if problems:
+                raise damaged(self.root, f"its index is corrupted ({problems[0]})")
+        self._known = now
+        return now
+
+    def _stamp(self, before: dict[str, Any] | None) -> None:
+        """After a commit that changed the file: this state was reached from a checked one, so record it for
+        other processes (best effort: a stamp that could not be written only costs the next opener a walk). A
+        commit that changed nothing writes nothing, so a command that fails leaves the archive as it was."""
+        now = identity(self.data)
+        self._known = now
+        if now is not None and now != before and now != self._stamped and write_stamp(self.path, now):
+            self._stamped = now
+
+    def problems(self) -> list[str]:
+        """Every structural problem of the newest snapshot (lmdb.verify), one line each.
+
+        A read transaction holds the snapshot so a writer in another process
+        cannot recycle its pages mid-walk; the walk reads the newest meta page,
+        so it is trusted only when no commit landed meanwhile (else walked
+        again). The walk uses plain reads and can never crash, whatever it finds.
+        """
+        found: list[str] = []
+        for _ in range(5):
+            with self._rw.shared(), self.env.begin(write=False) as txn:
+                held = txn.id()
+                if newest_txnid(self.data) != held:
+                    continue  # a commit landed between the transaction's start and now
+                found = file_problems(self.data)
+                if not found or newest_txnid(self.data) == held:
+                    return found
+        return found if found else file_problems(self.data)
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot); results must be copied out."""
@@ -297,39 +353,6 @@ class Index:
             after = rows[-1][0]
 
 
-def _page_problems(data: Path, txnid: int | None) -> list[str]:
-    from kvblend.archive import pagecheck
-
-    try:
-        report = pagecheck.check_pages(data, txnid=txnid)
-    except pagecheck.SnapshotMoved:
-        report = pagecheck.check_pages(data)  # a fresh environment: nothing committed yet under that id
-    except OSError as e:
-        return [f"cannot read {data.name} ({e.strerror or e})"]
-    return [str(p) for p in report.problems]
-
-
-def check_index_pages(index: Index) -> list[str]:
-    """Every structural problem of the index's current snapshot (pagecheck.py), one line each.
-
-    A read transaction is held while the pages are walked, so a concurrent
-    writer cannot recycle them mid-walk; the walk reads the file with plain
-    reads and so can never crash, whatever it finds.
-    """
-    for _ in range(3):
-        with index._rw.shared(), index.env.begin(write=False) as txn:
-            try:
-                from kvblend.archive import pagecheck
-
-                report = pagecheck.check_pages(index.path / DATA_FILE, txnid=txn.id())
-            except pagecheck.SnapshotMoved:
-                continue
-            except OSError as e:
-                return [f"cannot read {DATA_FILE} ({e.strerror or e})"]
-        return [str(p) for p in report.problems]
-    return _page_problems(index.path / DATA_FILE, None)
-
-
 _OPEN: dict[str, Index] = {}
 _OPEN_LOCK = threading.Lock()
 
@@ -368,13 +391,81 @@ def lmdb_reason(e: lmdb.Error) -> str:
 INDEX_DIR = "index"  # the LMDB environment
 DATA_FILE = "data.mdb"
 
-# LMDB 0.9 meta page on a 64-bit build (mdb.c: MDB_page header, then MDB_meta).
+# An LMDB meta page on a 64-bit build (mdb.c: the MDB_page header, then MDB_meta): the header is 16 bytes in
+# LMDB 0.9 (data version 1) and 24 in 1.0 (data version 3); MDB_meta's fields sit at the same offsets after it.
 _MAGIC = 0xBEEFC0DE
-_DATA_VERSION = 1
-_MAGIC_AT = 16  # mm_magic, mm_version: two uint32 right after the 16-byte page header
-_PSIZE_AT = 40  # mm_dbs[FREE_DBI].md_pad holds the page size
-_LAST_PG_AT = 136  # mm_last_pg, then mm_txnid: two uint64
+_HEADER_SIZES = (16, 24)
+_PSIZE_AT = 24  # after the header: mm_dbs[FREE_DBI].md_pad holds the page size
+_LAST_PG_AT = 120  # after the header: mm_last_pg, then mm_txnid, two uint64
+_META_BYTES = max(_HEADER_SIZES) + _LAST_PG_AT + 16
 _MIN_PAGE = 512
+
+#: LMDB data version -> the engine that reads and writes it (py-lmdb's ``lib_version``: LMDB's major version).
+ENGINES = {1: 0, 3: 1}
+#: The engine a new index is written with: LMDB 0.9 (data version 1), which every py-lmdb release and the
+#: usual ``mdb_*`` tools read, so an archive stays readable by older kvblend and by those tools.
+NEW_LIB_VERSION = 0
+
+
+@dataclass(frozen=True)
+class _Meta:
+    version: int  # LMDB's data version
+    psize: int
+    last_pg: int
+    txnid: int
+
+
+def _read_meta(fd: int, at: int) -> _Meta | str:
+    """The meta page at byte ``at``, or why it cannot be read ("is too short ...", "is not an LMDB file")."""
+    raw = os.pread(fd, _META_BYTES, at)
+    hdr = next((h for h in _HEADER_SIZES if len(raw) >= h + 4 and struct.unpack_from("=I", raw, h)[0] == _MAGIC), None)
+    if hdr is None:
+        return "is too short to be an LMDB file" if len(raw) < max(_HEADER_SIZES) + 4 else "is not an LMDB file"
+    if len(raw) < hdr + _LAST_PG_AT + 16:
+        return "is too short to be an LMDB file"
+    version = struct.unpack_from("=I", raw, hdr + 4)[0]
+    psize = struct.unpack_from("=I", raw, hdr + _PSIZE_AT)[0]
+    last_pg, txnid = struct.unpack_from("=QQ", raw, hdr + _LAST_PG_AT)
+    return _Meta(version, psize, last_pg, txnid)
+
+
+def _newest_meta(fd: int) -> _Meta | str | None:
+    """The meta page LMDB would use (the newer one), a reason if it cannot; None on a 32-bit build (there
+    LMDB's own checks stand alone)."""
+    if sys.maxsize <= 2**32:
+        return None
+    first = _read_meta(fd, 0)
+    if isinstance(first, str):
+        return first
+    if first.version not in ENGINES:
+        return f"holds LMDB data version {first.version}, which this kvblend cannot read"
+    if first.psize < _MIN_PAGE or first.psize & (first.psize - 1):
+        return "has a damaged header (bad page size)"
+    second = _read_meta(fd, first.psize)
+    if second == "is too short to be an LMDB file":
+        return "is truncated (its second meta page is missing)"
+    return second if isinstance(second, _Meta) and second.txnid > first.txnid else first
+
+
+def lib_version_for(data: Path) -> int:
+    """The LMDB engine for ``data``: the one whose data version an existing file holds, else the one new
+    indexes use. Passed at every open, so py-lmdb's default (``LMDB_DEFAULT_LIB_VERSION``) never decides."""
+    try:
+        with open(data, "rb") as f:
+            meta = _read_meta(f.fileno(), 0)
+    except OSError:
+        return NEW_LIB_VERSION
+    return ENGINES.get(meta.version, NEW_LIB_VERSION) if isinstance(meta, _Meta) else NEW_LIB_VERSION
+
+
+def newest_txnid(data: Path) -> int | None:
+    """The transaction id of the newest committed snapshot (None if the meta pages cannot be read)."""
+    try:
+        with open(data, "rb") as f:
+            meta = _newest_meta(f.fileno())
+    except OSError:
+        return None
+    return meta.txnid if isinstance(meta, _Meta) else None
 
 
 def repair_hint(root: Path) -> str:
@@ -410,47 +501,20 @@ def index_problem(root: Path) -> str | None:
     path = data_file(root)
     try:
         with open(path, "rb") as f:
-            head = f.read(_MIN_PAGE)
             size = os.fstat(f.fileno()).st_size
-            if not head:
+            if not size:
                 return "is empty"
-            last = _last_page_claimed(f, head)
+            meta = _newest_meta(f.fileno())
             size = max(size, os.fstat(f.fileno()).st_size)  # a writer may have grown it meanwhile
     except FileNotFoundError:
         return "is missing"
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
-    if isinstance(last, str):
-        return last
-    if last is not None and size < last:
-        return f"is truncated ({size} bytes; its header needs {last})"
+    if isinstance(meta, str):
+        return meta
+    if meta is not None and size < (meta.last_pg + 1) * meta.psize:
+        return f"is truncated ({size} bytes; its header needs {(meta.last_pg + 1) * meta.psize})"
     return None
-
-
-def _last_page_claimed(f, head: bytes) -> int | str | None:
-    """Bytes the newest meta page says the file holds; a reason string if unreadable; None if unknown."""
-    if sys.maxsize <= 2**32:
-        return None  # 32-bit LMDB lays the meta page out differently: leave the check to LMDB
-    if len(head) < _LAST_PG_AT + 16:
-        return "is too short to be an LMDB file"
-    magic, version = struct.unpack_from("<II", head, _MAGIC_AT)
-    if magic != _MAGIC:
-        return "is not an LMDB file"
-    if version != _DATA_VERSION:
-        return None  # another LMDB data version: LMDB will refuse it with its own message
-    psize = struct.unpack_from("<I", head, _PSIZE_AT)[0]
-    if psize < _MIN_PAGE or psize & (psize - 1):
-        return "has a damaged header (bad page size)"
-    best_pg, best_txn = struct.unpack_from("<QQ", head, _LAST_PG_AT)
-    f.seek(psize)
-    second = f.read(_LAST_PG_AT + 16)
-    if len(second) == _LAST_PG_AT + 16 and struct.unpack_from("<I", second, _MAGIC_AT)[0] == _MAGIC:
-        pg, txn = struct.unpack_from("<QQ", second, _LAST_PG_AT)
-        if txn > best_txn:
-            best_pg = pg
-    elif len(second) < _LAST_PG_AT + 16:
-        return "is truncated (its second meta page is missing)"
-    return (best_pg + 1) * psize
 
 
 def check_index_file(root: Path, *, fresh_ok: bool) -> bool:

@@ -55,7 +55,6 @@ from kvblend.archive.index import (
     INDEX_DIR,
     Index,
     check_index_file,
-    check_index_pages,
     damaged,
     has_blobs,
     open_index,
@@ -275,9 +274,7 @@ def open_parts(path: str | os.PathLike[str], *, create: bool, readonly: bool, ma
         root / INDEX_DIR, readonly=readonly, map_size=map_size, lock=not readonly or _reader_table_usable(root)
     )
     try:
-        problems = check_index_pages(index)  # before LMDB reads a page: a damaged one could kill the process
-        if problems:
-            raise damaged(root, f"its index is corrupted ({problems[0]})")
+        index.refuse_unclean()  # before LMDB reads a page: a damaged one could kill the process
         check_version(index.peek_meta("format_version"), partial(damaged, root))
         _refuse_blank(index, root)
         index.open_dbs()
@@ -549,7 +546,7 @@ class LocalStore(Store):
             return 0
 
     def structure_problems(self) -> list[str]:
-        return check_index_pages(self.index)
+        return self.index.problems()
 
     def after_gc(self, dry_run: bool = False) -> list[str]:
         """Temp manifests and manifests of documents the index no longer holds."""

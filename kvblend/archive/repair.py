@@ -8,11 +8,10 @@ it is listed (:func:`restore_blob`): its layer entries are found again by walkin
 its zstd frames, and a blob with neither an old record nor a self-description
 cannot be restored (its KV is useless without the token ids it came from).
 
-The salvage reads the damaged index table by table until the first error, then
-looks up the keys it can guess (segment keys from blob names, documents from
-manifests) one by one, each in its own transaction, so only the records on the
-damaged page itself are lost; usage counts, profiles and tuned settings live
-only there.
+The salvage walks the damaged index with plain reads (indexcheck.read_records,
+never LMDB, which could be killed by the damage being repaired) and keeps every
+record on a sound page, so only the records on damaged pages (and below them)
+are lost; usage counts, profiles and tuned settings live only there.
 
 Nothing is deleted. The new index is built beside the old one and swapped in
 by two renames; the old one is kept as ``index.damaged-<time>/``. Blobs that
@@ -36,7 +35,6 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from kvblend.archive import pagecheck
 from kvblend.archive.blobs import (
     BLOB_DIR,
     check_key,
@@ -56,6 +54,7 @@ from kvblend.archive.index import (
     has_blobs,
     index_problem,
 )
+from kvblend.archive.indexcheck import read_records
 from kvblend.archive.local import (
     LOCK_FILE,
     WriterLock,
@@ -346,15 +345,15 @@ def salvage(root: Path) -> Salvage:
             found.problems.append(f"the old index {problem}: nothing could be read from it")
         return found
 
-    # Plain reads of the sound pages (pagecheck.py), never LMDB itself: LMDB follows a damaged page's garbage
+    # Plain reads of the sound pages (indexcheck.py), never LMDB itself: LMDB follows a damaged page's garbage
     # pointers and can kill the process, which is the very damage a rebuild is run for.
     try:
-        tables, report = pagecheck.read_records(root / INDEX_DIR / DATA_FILE)
+        tables, problems = read_records(root / INDEX_DIR / DATA_FILE)
     except OSError as e:
         found.problems.append(f"the old index cannot be read ({e.strerror or e})")
         return found
     for name in DB_NAMES:
         found.tables[name].update(tables.get(name, []))
-    for damage in report.problems[:10]:
+    for damage in problems[:10]:
         found.problems.append(f"the old index is damaged: {damage}; the records on that page are lost")
     return found

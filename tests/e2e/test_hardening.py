@@ -1,5 +1,6 @@
 """Hardening with the real default model: query on a read-only archive, a lost index rebuilt and queried,
-a corrupted index met by query, and a failed model load that leaves a new archive unbound."""
+a corrupted index met by query, ingest and query whatever LMDB engine the environment names, and a failed
+model load that leaves a new archive unbound."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 # when it collects from it, so an e2e-only run adds it here.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 
-from hardening_helpers import home_for, public_dir, readonly_tree, run_as, snapshot  # noqa: E402
+from hardening_helpers import home_for, index_pages, public_dir, readonly_tree, run_as, snapshot  # noqa: E402
 from support import DOCS, one_line_error, run_cli  # noqa: E402
 
 QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
@@ -72,15 +73,12 @@ def test_garbled_index_pages_are_one_line_for_query_and_the_rebuild_answers_agai
     """The corruption users hit: bytes 16..4095 of index pages overwritten. LMDB followed the garbage and `query`
     died of SIGBUS after its first token (the usage-count write); now it stops at once in one line, names the
     repair, and after `verify --rebuild-index` answers as before."""
-    from kvblend.archive.pagecheck import check_pages
-
     arc = tmp_path / "arc"
     shutil.copytree(built, arc)
     first = json.loads(_query(arc, "--no-prefix-cache").stdout)
     data = arc / "index" / "data.mdb"
-    report = check_pages(data)
     with open(data, "r+b") as f:
-        for page in sorted(report.visited - report.overflow)[1:]:  # every tree page but the main tree's root
+        for page in index_pages(data)[0][1:]:  # every tree page but the main tree's root
             f.seek(page * 4096 + 16)
             f.write(b"\xff" * (4096 - 16))
     proc = _query(arc)
@@ -90,6 +88,21 @@ def test_garbled_index_pages_are_one_line_for_query_and_the_rebuild_answers_agai
     again = _query(arc, "--no-prefix-cache")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["answer"] == first["answer"]
+
+
+@pytest.mark.parametrize("engine", ["0", "1"])
+def test_ingest_and_query_whatever_lmdb_engine_the_environment_names(built, tmp_path, engine):
+    """With LMDB_DEFAULT_LIB_VERSION=1 the first `kvblend ingest` into a new archive failed ("meta page 0 is not
+    an LMDB meta page") and every later command called the archive damaged (issue 35). The index's engine is now
+    pinned: ingest and query work with either value set, on a new archive and on one built without it."""
+    env = {"LMDB_DEFAULT_LIB_VERSION": engine}
+    arc = tmp_path / "arc"
+    proc = run_cli("ingest", built.parent / "docs" / NAMES[1], "--archive", arc, "--chunk-tokens", "128", env=env)
+    assert proc.returncode == 0 and "damaged" not in proc.stderr, proc.stderr
+    for archive in (arc, built):
+        proc = _query(archive, "--no-prefix-cache", runner=lambda *a: run_cli(*a, env=env))
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["segments"]
 
 
 def test_failed_model_load_leaves_a_new_archive_unbound(built, tmp_path):

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lmdb import verify as lmdb_verify
 
 from archive_helpers import TOKENS, layers
 from kvblend.archive import Archive, DocumentRecord, SegmentRecord
+from kvblend.archive.indexcheck import _Walker
 from support import REPO, kvblend_script
 
 N_SEGMENTS = 6
@@ -42,6 +44,25 @@ def build_archive(path: Path, n: int = N_SEGMENTS, n_layers: int = 4) -> Path:
             ar.replace_document(DocumentRecord(path=doc, content_hash=f"hash {doc}", segment_keys=keys,
                                                n_tokens=TOKENS * len(keys), size=100))
     return path
+
+
+def index_pages(data: Path) -> tuple[list[int], list[int]]:
+    """The branch and leaf pages the newest snapshot of an LMDB data file reads, and the first page of each overflow
+    run: the pages LMDB follows pointers through (stale copies LMDB left behind are read by nothing).
+
+    From the index check's walk (lmdb.verify's reachable pages), each sorted by the type its own header gives.
+    """
+    with open(data, "rb") as f:
+        walker = _Walker(f, os.fstat(f.fileno()).st_size, collect=False)
+        walker.verify()
+        tree, heads = [], []
+        for page in (p for p in range(len(walker.live)) if walker.live[p]):
+            header = walker.read_page(page)
+            if walker._pg_pgno(header, 0) != page:
+                continue  # the body of an overflow run
+            flags = walker._pg_flags(header, 0)
+            (heads if flags & lmdb_verify.P_OVERFLOW else tree).append(page)
+    return tree, heads
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:

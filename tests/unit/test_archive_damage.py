@@ -13,7 +13,7 @@ import lmdb
 import pytest
 
 from archive_helpers import TOKENS, flip_byte, layers, same
-from hardening_helpers import DOCS, N_SEGMENTS, build_archive, embedding, snapshot
+from hardening_helpers import DOCS, N_SEGMENTS, build_archive, embedding, index_pages, snapshot
 from kvblend.archive import Archive, encode_layer, rebuild_index
 from kvblend.archive.blobs import write_blob
 from kvblend.errors import ArchiveDamagedError, ArchiveVersionError
@@ -290,11 +290,7 @@ def test_rebuild_refuses_a_newer_archive_and_repairs_a_malformed_version(tmp_pat
 
 def _live_pages(arc) -> list[int]:
     """Every branch and leaf page the current snapshot reads (not stale copies LMDB left behind)."""
-    from kvblend.archive.pagecheck import check_pages
-
-    report = check_pages(arc / "index" / "data.mdb")
-    assert report.ok, report.problems
-    return sorted(report.visited - report.overflow)
+    return index_pages(arc / "index" / "data.mdb")[0]
 
 
 def _garble_page(arc, page: int) -> None:
