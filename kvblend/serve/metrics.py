@@ -63,8 +63,9 @@ class Metrics:
             self.share.observe(share)
             self.segments.update(sources)
 
-    def render(self, queue_depth: int, busy: bool, running: int = 0) -> str:
-        """The exposition text; queue depth, busy and running sequences are sampled by the caller now."""
+    def render(self, queue_depth: int, busy: bool, running: int = 0, outcomes: dict[str, int] | None = None) -> str:
+        """The exposition text; queue depth, busy, running sequences and the scheduler's request outcomes
+        (submitted, and finished by status) are sampled by the caller now."""
         with self._lock:
             lines = _family("kvblend_requests_total", "counter", "Chat completion requests by HTTP status.")
             lines += [f'kvblend_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
@@ -90,6 +91,17 @@ class Metrics:
             "kvblend_running_sequences", "gauge", "Sequences admitted to the batch (prefilling or decoding)."
         )
         lines.append(f"kvblend_running_sequences {running}")
+        if outcomes is not None:  # submitted = finished (stop + length + abort + error) + waiting + running
+            lines += _family("kvblend_scheduler_submitted_total", "counter", "Requests the scheduler queued.")
+            lines.append(f"kvblend_scheduler_submitted_total {outcomes.get('submitted', 0)}")
+            lines += _family(
+                "kvblend_scheduler_finished_total",
+                "counter",
+                "Requests the scheduler finished, by status: stop, length, abort (client left or shutdown), error.",
+            )
+            lines += [
+                f'kvblend_scheduler_finished_total{{status="{s}"}} {n}' for s, n in outcomes.items() if s != "submitted"
+            ]
         return "\n".join(lines) + "\n"
 
 

@@ -12,8 +12,8 @@ import uuid
 from typing import Any
 
 from kvblend.pipeline.results import QueryResult
+from kvblend.serve.async_bridge import ChoiceResult, Completed
 from kvblend.serve.chunks import segments_report
-from kvblend.serve.scheduler import ChoiceResult, Completed
 
 
 def completion_id(legacy: bool = False) -> str:
