@@ -9,7 +9,6 @@ model step (kvblend.generation.decode) and the same output processor
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -43,7 +42,6 @@ def generate(
     sampling.validate()
     forced = tuple(forced_tokens) if forced_tokens is not None else None
     seq = Sequence(runner, fused, OutputParams(sampling, forced_tokens=forced, keep_logits=keep_logits))
-    seq.started = time.perf_counter()
     delta = seq.accept(fused.last_logits)
     while True:
         if on_token is not None and delta.text:

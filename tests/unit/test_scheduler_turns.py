@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import threading
 
+from kvblend.serve.async_bridge import Job
 from kvblend.serve.executor import Executor
 from kvblend.serve.scheduler import ExecutorOutput, Request, SchedulerOutput
+from kvblend.serve.schema import ChatRequest
 from kvblend.types import WAITING, Steps
 
 
 def _request(steps: Steps) -> Request:
     """A request already admitted, its steps built: the prefill turn runs them and nothing else."""
-    req = Request.__new__(Request)
-    req.steps, req.prepared, req.sequences = steps, None, []
+    req = Request(Job(ChatRequest(question="Q"), loop=None))  # type: ignore[arg-type]  # sends no event
+    req.steps = steps
     return req
 
 
