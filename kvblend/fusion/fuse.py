@@ -121,7 +121,7 @@ def fuse(
     feed: CachedKVFeed | None = None,
 ) -> FusionResult:
     """Build the prompt's KV in `mode`; return it with the last token's logits."""
-    return drain(fuse_steps(runner, segments, mode, blend, feed, rows_per_step=0))
+    return drain(fuse_steps(runner, segments, mode, blend, feed))
 
 
 @torch.inference_mode()
@@ -133,10 +133,10 @@ def fuse_steps(
     feed: CachedKVFeed | None = None,
     rows_per_step: int | None = None,
 ) -> Steps[FusionResult]:
-    """:func:`fuse` in steps: it yields after every layer and, with `rows_per_step` (default: the runner's
-    `step_rows`), within a layer after every `rows_per_step` tokens' projections and every `rows_per_step`
-    queries' attention and MLP, so a server can decode other requests' next tokens in between (vLLM's
-    chunked prefill). Without it every layer is computed whole, exactly as :func:`fuse` computes it."""
+    """:func:`fuse` in steps: it yields after every layer and, with `rows_per_step`, within a layer after
+    every `rows_per_step` tokens' projections and every `rows_per_step` queries' attention and MLP, so a
+    server can decode other requests' next tokens in between (vLLM's chunked prefill). Without it every layer
+    is computed whole, exactly as :func:`fuse` computes it."""
     blend = blend or BlendConfig()
     if mode == "blend":
         blend.validate(runner.n_layers)
@@ -156,8 +156,7 @@ def fuse_steps(
     exact = never_recomputed(plan, mode_effective, blend)
 
     ids = torch.tensor([plan.token_ids], device=device)
-    rows = runner.step_rows if rows_per_step is None else rows_per_step
-    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact, rows)
+    loop = _LayerLoop(runner, feed, schedule, T, ~cached_mask, n_cached - exact, rows_per_step)
     if mode_effective == "blend" and blend.selects:
         loop.set_selection(blend, plan, _approximate(segments, mode, exact), exact)
     hidden = runner.embed(ids)

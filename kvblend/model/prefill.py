@@ -68,17 +68,18 @@ def precompute_kv_steps(
     sink_prefix: list[int] | None = None,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[list[int], int], None] | None = None,
+    rows_per_step: int | None = None,
 ) -> Steps[list[list[LayerKV]]]:
-    """:func:`precompute_kv` in steps: it yields after every layer of every batch (a server prefills a client's
-    new passages between other requests' decode steps)."""
+    """:func:`precompute_kv` in steps: it yields after every layer of every batch, and every `rows_per_step`
+    tokens within one (a server prefills a client's new passages between other requests' decode steps)."""
     prefix = list(sink_prefix or [])
     dtype = storage_dtype(runner)
     results: list[list[LayerKV] | None] = [None] * len(token_lists)
-    past = (yield from runner.prefill_steps([prefix]))[0] if prefix else None
+    past = (yield from runner.prefill_steps([prefix], rows_per_step=rows_per_step))[0] if prefix else None
     lengths = [len(t) for t in token_lists]
     for batch in batches_by_tokens(lengths, batch_tokens):
         rows = [list(token_lists[i]) for i in batch]
-        kv_rows = yield from runner.prefill_steps(rows, start_position=len(prefix), past=past)
+        kv_rows = yield from runner.prefill_steps(rows, len(prefix), past, rows_per_step)
         for i, layers in zip(batch, kv_rows):
             results[i] = [(k.to("cpu", dtype).contiguous(), v.to("cpu", dtype).contiguous()) for k, v in layers]
         if on_batch is not None:

@@ -61,10 +61,6 @@ class ModelRunner:
     tokenizer: Any = None  # optional for pure-tensor use (tests); needed to tokenize and decode
     name: str = "model"
     fingerprint: str = ""
-    # Work done in steps (fuse_steps, prefill_steps) also yields inside a layer, every `step_rows` tokens, so a
-    # server's running streams wait for at most that much of one layer (vLLM's chunked prefill); None: whole
-    # layers, which a one-off query computes bit for bit as before.
-    step_rows: int | None = None
     local_layers_skip_sink: bool = True
     arch: str = field(init=False)
 
@@ -299,7 +295,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_steps(
-        self, batch: list[list[int]], start_position: int = 0, past: list[LayerKV] | None = None
+        self,
+        batch: list[list[int]],
+        start_position: int = 0,
+        past: list[LayerKV] | None = None,
+        rows_per_step: int | None = None,
     ) -> Steps[list[list[LayerKV]]]:
         """Prefill several token lists alone, padded right, and return each one's per-layer KV.
 
@@ -309,7 +309,10 @@ class ModelRunner:
         the rows attend to those tokens too; the prefix is computed once for the whole batch
         instead of once per row, and only the rows' own KV comes back.
         KV comes back as [kv_heads, n, head_dim] per layer, on the compute device. It yields
-        after every layer, so a server can interleave it with other requests' decode steps.
+        after every layer, so a server can interleave it with other requests' decode steps, and with
+        `rows_per_step` also inside a layer, every `rows_per_step` tokens, so a server's running streams
+        wait for at most that much of one layer (vLLM's chunked prefill); None: whole layers, bit for bit
+        as before. The caller passes it per call: a runner holds no setting of a server's.
         The last layer's attention and MLP are skipped: only its K/V are kept, and they come
         from its input (1/n_layers of the work, for nothing).
         """
@@ -328,7 +331,7 @@ class ModelRunner:
         cos, sin = self.rope(positions.expand(len(batch), -1))
         hidden = self.embed(ids)
         out: list[list[LayerKV]] = [[] for _ in batch]
-        chunks = row_chunks(width, self.step_rows)
+        chunks = row_chunks(width, rows_per_step)
         for layer in range(self.n_layers):
             last = layer == self.n_layers - 1
             if len(chunks) == 1:

@@ -271,8 +271,10 @@ def _flush_steps(
     batch_tokens: int,
     report: IngestReport,
     behind: StoreBehind | None = None,
+    rows_per_step: int | None = None,
 ) -> Steps[None]:
-    """:func:`_flush` in steps (it yields after every layer of prefill, and while it waits for another node)."""
+    """:func:`_flush` in steps (it yields after every layer of prefill, and every `rows_per_step` tokens within
+    one, and while it waits for another node)."""
     segments, docs = pending.take()
     if not segments and not docs:
         return
@@ -280,13 +282,14 @@ def _flush_steps(
     theirs = [s for s in segments if s[0] not in mine]
     ours = [s for s in segments if s[0] in mine]
     if theirs:  # prefill ours in the meantime, then wait: by then theirs are usually stored
-        items, vectors = yield from _prefill(res, ours, batch_tokens, report)
+        items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
         missing = yield from _await_others(archive, theirs)
         report.segments_reused += len(theirs) - len(missing)
-        late, late_vectors = yield from _prefill(res, missing, batch_tokens, report)  # their writer gave up
+        # their writer gave up: prefill them here after all
+        late, late_vectors = yield from _prefill(res, missing, batch_tokens, report, rows_per_step)
         items, vectors = items + late, [*vectors, *late_vectors]
     else:
-        items, vectors = yield from _prefill(res, ours, batch_tokens, report)
+        items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
     store = functools.partial(_store, archive, items, vectors, docs, codec, level, report, pending.claims)
     if behind is None:
         store()
@@ -295,7 +298,11 @@ def _flush_steps(
 
 
 def _prefill(
-    res: Resources, segments: list[tuple[str, str, list[int]]], batch_tokens: int, report: IngestReport
+    res: Resources,
+    segments: list[tuple[str, str, list[int]]],
+    batch_tokens: int,
+    report: IngestReport,
+    rows_per_step: int | None = None,
 ) -> Steps[tuple[list[tuple[SegmentRecord, list[LayerKV]]], list[np.ndarray]]]:
     """Each segment prefilled alone (after the sink), with its record, and the texts' retrieval embeddings."""
     if not segments:
@@ -304,7 +311,11 @@ def _prefill(
     t0 = time.perf_counter()
     sink = res.sink_ids()  # prefilled after the sink (its KV dropped): base position len(sink)
     kvs = yield from precompute_kv_steps(
-        runner, [ids for _, _, ids in segments], sink_prefix=sink or None, batch_tokens=batch_tokens
+        runner,
+        [ids for _, _, ids in segments],
+        sink_prefix=sink or None,
+        batch_tokens=batch_tokens,
+        rows_per_step=rows_per_step,
     )
     report.prefill_seconds += time.perf_counter() - t0
     items = [
@@ -394,9 +405,15 @@ def store_texts(
 
 
 def store_texts_steps(
-    res: Resources, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL, replace: bool = False
+    res: Resources,
+    texts: Sequence[str],
+    codec: str = DEFAULT_CODEC,
+    level: int = DEFAULT_LEVEL,
+    replace: bool = False,
+    rows_per_step: int | None = None,
 ) -> Steps[list[SegmentRecord]]:
-    """:func:`store_texts` in steps (it yields after every layer of prefill)."""
+    """:func:`store_texts` in steps (it yields after every layer of prefill, and every `rows_per_step` tokens
+    within one)."""
     archive = res.archive(create=True)
     codec = check_codec(codec)
     items = []
@@ -409,6 +426,9 @@ def store_texts_steps(
             todo.add(key, text, ids)
     if todo.segments:
         with archive.writer(wait=30.0):
-            yield from _flush_steps(res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, IngestReport())
+            report = IngestReport()
+            yield from _flush_steps(
+                res, archive, todo, codec, level, DEFAULT_BATCH_TOKENS, report, rows_per_step=rows_per_step
+            )
     stored = [archive.get_segment(k) for k, _, _ in items]
     return [rec for rec in stored if rec is not None]

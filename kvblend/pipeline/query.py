@@ -93,10 +93,16 @@ class Prepared:
         return bool(self.prompt[0].cached) and self.fused.mode != "full"  # cached only with opts.cache_prefix
 
 
-def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning: Warn | None = None) -> Steps[Prepared]:
+def prepare_steps(
+    res: Resources,
+    question: str,
+    opts: QueryOptions,
+    on_warning: Warn | None = None,
+    rows_per_step: int | None = None,
+) -> Steps[Prepared]:
     """Retrieve, store the passages the archive misses, assemble the prompt, stream its KV and fuse, in steps
-    (a server runs a new request's steps between its running requests' decode steps; see fuse_steps and
-    ModelRunner.step_rows)."""
+    (a server runs a new request's steps between its running requests' decode steps), which yield every
+    `rows_per_step` tokens inside a layer too (see fuse_steps; None: whole layers)."""
     opts.validate()
     if not question or not question.strip():
         raise UsageError("empty question")
@@ -110,10 +116,10 @@ def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning:
             on_warning(msg)
 
     t0 = time.perf_counter()
-    passages, infos, record_by_key = yield from _passages(res, question, opts, warn)
+    passages, infos, record_by_key = yield from _passages(res, question, opts, warn, rows_per_step)
     t_retrieved = time.perf_counter()
     prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
-    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn)
+    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step)
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
@@ -132,13 +138,13 @@ def prepare_steps(res: Resources, question: str, opts: QueryOptions, on_warning:
     )
 
 
-def finish_steps(res: Resources, prepared: Prepared) -> Steps[None]:
+def finish_steps(res: Resources, prepared: Prepared, rows_per_step: int | None = None) -> Steps[None]:
     """After the answer: archive a freshly computed instruction prefix, touch the segments used (for gc), and
-    store again the passages whose KV could not be read."""
+    store again the passages whose KV could not be read (yielding every `rows_per_step` tokens of a layer)."""
     _record_use(res, prepared.prompt, prepared.fused, prepared.opts, prepared.warn)
     if prepared.unreadable and prepared.opts.restore_missing:
         records = [prepared.record_by_key[k] for k in prepared.unreadable if k in prepared.record_by_key]
-        yield from restore_segments(res, records, prepared.warn)
+        yield from restore_segments(res, records, prepared.warn, rows_per_step)
 
 
 def answered(prepared: Prepared, gen: Generation, ttft: float) -> QueryResult:
@@ -173,7 +179,7 @@ def answered(prepared: Prepared, gen: Generation, ttft: float) -> QueryResult:
 
 # ── passages ──
 def _passages(
-    res: Resources, question: str, opts: QueryOptions, warn: Warn
+    res: Resources, question: str, opts: QueryOptions, warn: Warn, rows_per_step: int | None = None
 ) -> Steps[tuple[list[Segment], list[SegmentInfo], dict[str, SegmentRecord]]]:
     """The prompt's passages in order: archived records, then --context-file texts."""
     records, infos = select_records(res, question, opts, warn)
@@ -186,7 +192,7 @@ def _passages(
     for text, n in zip(opts.context_texts, lengths):
         # a request stores at most max_stored_tokens of new passages: the rest is computed in the prompt
         store = opts.store_context and (opts.max_stored_tokens is None or stored_tokens + n <= opts.max_stored_tokens)
-        seg, info, rec = yield from context_segment_steps(res, text, store=store, warn=warn)
+        seg, info, rec = yield from context_segment_steps(res, text, store, warn, rows_per_step)
         stored_tokens += n if info.stored else 0
         passages.append(seg)
         infos.append(info)
@@ -274,7 +280,7 @@ def context_segment(
 
 
 def context_segment_steps(
-    res: Resources, text: str, store: bool, warn: Warn | None = None
+    res: Resources, text: str, store: bool, warn: Warn | None = None, rows_per_step: int | None = None
 ) -> Steps[tuple[Segment, SegmentInfo, SegmentRecord | None]]:
     """A --context-file text (or a client's passage): cached if already archived, stored with --store, else
     computed.
@@ -288,7 +294,7 @@ def context_segment_steps(
     try:
         rec = res.archive().get_segment(key)
         if rec is None and store:
-            rec = (yield from store_texts_steps(res, [text]))[0]
+            rec = (yield from store_texts_steps(res, [text], rows_per_step=rows_per_step))[0]
             stored = rec is not None
     except ArchiveBusyError:
         rec = None
@@ -391,7 +397,9 @@ def _record_use(res: Resources, prompt: list[Segment], fused: FusionResult, opts
         warn(f"could not record segment use: {exc}")
 
 
-def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -> Steps[None]:
+def restore_segments(
+    res: Resources, records: list[SegmentRecord], warn: Warn, rows_per_step: int | None = None
+) -> Steps[None]:
     """Store again, prefilled alone, the passages whose KV could not be read (a cache evicted a layer, a blob was
     damaged), so the next query hits: after the answer, never on its time to first token. A passage is restored
     only under its own key (the same tokens, model and settings); an instruction prefix is archived by
@@ -408,7 +416,7 @@ def restore_segments(res: Resources, records: list[SegmentRecord], warn: Warn) -
         return
     try:
         for codec, texts in texts_by_codec.items():
-            yield from store_texts_steps(res, texts, codec, replace=True)
+            yield from store_texts_steps(res, texts, codec, replace=True, rows_per_step=rows_per_step)
     except (ArchiveBusyError, ArchiveError) as exc:  # bookkeeping: the answer stands
         warn(f"could not store the recomputed segments again: {exc}")
 
@@ -421,6 +429,7 @@ def fuse_streaming(
     opts: QueryOptions,
     blend_cfg: BlendConfig,
     warn: Warn,
+    rows_per_step: int | None = None,
 ) -> Steps[tuple[FusionResult, list[str]]]:
     """Fuse with the archive feed, in steps (fuse_steps); a segment whose KV fails mid-stream is recomputed
     instead. Returns the fusion and the keys of the segments that could not be read."""
@@ -441,7 +450,7 @@ def fuse_streaming(
         )
         try:
             with feed:
-                fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed)
+                fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed, rows_per_step)
             fused.stream = feed.stats
             return fused, unreadable
         except SegmentUnavailable as exc:

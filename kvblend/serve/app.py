@@ -5,7 +5,7 @@ the result or an error) become a JSON response or server-sent events. The
 status is decided by the first event, before any byte is sent: a streamed
 request that fails (unknown document, prompt too long) still gets its 404 or
 400, not a 200 with an error inside. While a request waits or decodes, a
-client that disconnects cancels it (kvblend.serve.scheduler). With an API key
+client that disconnects cancels it (kvblend.serve.async_bridge). With an API key
 every route but /health needs it as a Bearer token, as vLLM's --api-key does.
 """
 
@@ -28,7 +28,9 @@ from starlette.requests import ClientDisconnect
 
 from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
 from kvblend.pipeline.query import ContextLengthError
+from kvblend.serve.async_bridge import Completed, Job, TokenEvent
 from kvblend.serve.chunks import segment_source
+from kvblend.serve.engine_core import EngineCore
 from kvblend.serve.metrics import CONTENT_TYPE, Metrics
 from kvblend.serve.responses import (
     chunk_body,
@@ -39,7 +41,6 @@ from kvblend.serve.responses import (
     request_share,
     usage_chunk,
 )
-from kvblend.serve.scheduler import Completed, Job, Scheduler, TokenEvent
 from kvblend.serve.schema import ApiError, ChatRequest, parse_body, parse_chat_request, parse_completion_request
 
 log = logging.getLogger("kvblend.serve")
@@ -83,7 +84,7 @@ def _classify(exc: BaseException) -> ApiError:
 
 
 def create_app(
-    scheduler: Scheduler,
+    scheduler: EngineCore,
     metrics: Metrics,
     model: str,
     store: str,
@@ -259,7 +260,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(
-            metrics.render(scheduler.depth, scheduler.busy, scheduler.running),
+            metrics.render(scheduler.depth, scheduler.busy, scheduler.running, scheduler.outcomes()),
             media_type=CONTENT_TYPE,
         )
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SHARE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
@@ -52,6 +52,8 @@ class Metrics:
         self.running = Gauge(
             "kvblend_running_sequences", "Sequences admitted to the batch (prefilling or decoding).", registry=r
         )
+        self._outcomes = _SchedulerOutcomes()
+        r.register(self._outcomes)
 
     def request(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
@@ -63,11 +65,13 @@ class Metrics:
         for source in sources:
             self.segments.labels(source=source).inc()
 
-    def render(self, queue_depth: int, busy: bool, running: int = 0) -> str:
-        """The exposition text; queue depth, busy and running sequences are sampled by the caller now."""
+    def render(self, queue_depth: int, busy: bool, running: int = 0, outcomes: dict[str, int] | None = None) -> str:
+        """The exposition text; queue depth, busy, running sequences and the scheduler's request outcomes
+        (submitted, and finished by status) are sampled by the caller now."""
         self.queue_depth.set(queue_depth)
         self.busy.set(int(busy))
         self.running.set(running)
+        self._outcomes.sampled = outcomes
         return generate_latest(_WithoutCreated(self.registry)).decode()
 
 
@@ -81,3 +85,28 @@ class _WithoutCreated:
         for metric in self.registry.collect():
             metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
             yield metric
+
+
+class _SchedulerOutcomes:
+    """The scheduler's own request counts, which it keeps and /metrics samples (submitted = finished by status
+    (stop + length + abort + error) + waiting + running): counters the scheduler owns, so a custom collector."""
+
+    def __init__(self) -> None:
+        self.sampled: dict[str, int] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        outcomes = self.sampled
+        if outcomes is None:
+            return
+        submitted = CounterMetricFamily("kvblend_scheduler_submitted", "Requests the scheduler queued.")
+        submitted.add_metric([], outcomes.get("submitted", 0))
+        yield submitted
+        finished = CounterMetricFamily(
+            "kvblend_scheduler_finished",
+            "Requests the scheduler finished, by status: stop, length, abort (client left or shutdown), error.",
+            labels=["status"],
+        )
+        for status, n in outcomes.items():
+            if status != "submitted":
+                finished.add_metric([status], n)
+        yield finished

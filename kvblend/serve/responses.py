@@ -26,8 +26,8 @@ from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel
 
 from kvblend.pipeline.results import QueryResult
+from kvblend.serve.async_bridge import Completed
 from kvblend.serve.chunks import segments_report
-from kvblend.serve.scheduler import Completed
 
 ChatFinish = Literal["stop", "length"]  # how a choice ends here (the scheduler's ChoiceResult.finish_reason)
 LegacyFinish = Literal["stop", "length"]

@@ -1,61 +1,66 @@
-"""Continuous batching: one model thread serves every request, decoding all running sequences together.
+"""The scheduler: every request's state, and the decision of what the model thread does next.
 
-vLLM's scheduler, for a CPU and one small model. On a CPU, decoding is bound by
-reading the weights, so every sequence that is decoding advances in one
-batched forward pass per step (kvblend.generation.decode_step: each sequence
-keeps its own KV, ragged lengths, no padding), and sequences join and leave at
-any step. A new request's work before its first token (retrieval, prefilling
-the passages the archive misses, streaming the cached KV and fusing) is
-already layer by layer; it runs in slices (kvblend.fusion.fuse_steps with row
-chunks, vLLM's chunked prefill) between decode steps, under a time budget tied
-to the decode step's own duration, so a long prompt arriving does not freeze
-the streams that are running.
+vLLM v1's shape, for a CPU and one small model. Each iteration of the model
+thread (kvblend.serve.engine_core) is
 
-One iteration of the loop::
+    decision = scheduler.schedule()      which requests start, which prefill (in what order, for how long),
+                                         which decode, which are dropped
+    outcome  = executor.execute(decision)    the model work (kvblend.serve.executor)
+    scheduler.update(outcome)            state transitions, and each request's events to its client
 
-    admit waiting requests while the batch has room (--max-batch sequences)
-    prefill turn: advance the oldest new request(s) for at most the budget
-    decode turn:  one batched step for every decoding sequence; stream tokens
+A request's state is its RequestStatus:
 
-Greedy output does not depend on what else is in the batch: attention is per
-sequence, and only the batched matrix products may round differently (within
-1e-4 on the logits; tests hold it to that and to the same tokens).
+    WAITING ──admit──▶ PREFILLING ──first tokens──▶ DECODING ──every choice ends──▶ FINISHED_STOPPED / _LENGTH
+       │                   │                           │
+       └── client left, or the server cuts it (shutdown) ──▶ FINISHED_ABORTED;  a failure ──▶ FINISHED_ERROR
+
+PREFILLING is everything before the first token: retrieval, prefilling the
+passages the archive misses, streaming the cached KV and fusing. It runs in
+slices (fuse_steps with row chunks, vLLM's chunked prefill) between decode
+steps, under a time budget tied to the decode step's own duration, so a long
+prompt arriving does not freeze the streams that are running; a request that
+can only wait for another writer gives its turn to the next. DECODING
+sequences all advance in one batched forward pass per step (on a CPU decoding
+is bound by reading the weights), and sequences join and leave at any step.
 
 Requests wait in a bounded queue (`max_queue`; one more is a 429). A client
-that goes away cancels its request at the next step. Shutdown refuses what
+that goes away cancels its request at the next schedule. Shutdown refuses what
 waits (503) and gives running requests a grace period, after which their
 clients get an error event, not a torn stream.
+
+Threads and what they may touch. Three threads meet here: the event loop
+(submit, shutdown, the /health and /metrics gauges), a timer (the end of the
+shutdown grace period) and the model thread (schedule, update, and the
+executor between them). Everything this class holds (the queue, the running
+list, every Request's status and live-sequence count, the chores, the
+counters and flags) is guarded by its one lock, `_lock`; no method reads or
+writes it outside the lock. A Request's working parts (its steps, its
+Prepared, its Sequences and their KV) are the model thread's alone: the
+executor uses them without the lock, and no other thread reads them. A Job's
+`cancelled` is a threading.Event, set from the event loop and read here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import logging
+import enum
+import itertools
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MODE, DEFAULT_TOP_K
-from kvblend.generation import DecodeState, Generation, decode_step, logprobs_of, next_token
-from kvblend.options import PromptTemplate, QueryOptions, SamplingConfig
-from kvblend.pipeline.query import Prepared, answered, finish_steps, prepare_steps
-from kvblend.pipeline.results import QueryResult
-from kvblend.serve.chunks import question_with_history
+from kvblend.defaults import DEFAULT_MAX_BATCH
+from kvblend.serve.async_bridge import Completed, Job, TokenEvent, shutting_down
 from kvblend.serve.schema import ApiError, ChatRequest
-from kvblend.types import WAIT_POLL_S, WAITING, Steps, Waiting
+from kvblend.types import Steps
 
 if TYPE_CHECKING:
-    from kvblend.pipeline.engine import Engine
+    import asyncio
 
-log = logging.getLogger("kvblend.serve")
+    from kvblend.generation import Delta, Sequence
+    from kvblend.pipeline.query import Prepared
 
-ROWS_PER_STEP = 256  # a prefill unit: the projections or attention + MLP of this many tokens of one layer
 # Prefill time per iteration: what keeps the running streams' inter-token latency near ITL_FACTOR times a lone
 # stream's (the decode step of the whole batch, plus this), and at least MIN_PREFILL_S so new requests progress.
 ITL_FACTOR = 2.5
@@ -63,277 +68,132 @@ MIN_PREFILL_S = 0.015
 IDLE_PREFILL_S = 0.25  # nothing decoding: prefill in slices this long, so new arrivals are admitted between
 
 
-class Cancelled(Exception):
-    """A request's client went away (or the server cut it)."""
-
-
-@dataclass
-class TokenEvent:
-    """New text of one choice, and the tokens that made it (with log-probabilities when asked)."""
-
-    choice: int
-    text: str
-    logprobs: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: list[dict] | None
-
-
-@dataclass
-class Completed:
-    """What a finished request's handler gets: the query report and every choice."""
-
-    result: QueryResult
-    choices: list[ChoiceResult]
-
-
-class Job:
-    """One request on its way through the queue and the model thread."""
-
-    def __init__(self, request: ChatRequest, loop: asyncio.AbstractEventLoop):
-        self.request = request
-        self.loop = loop
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.enqueued = time.perf_counter()
-        self.admitted = 0.0
-        self.queue_wait_s = 0.0
-        self.abort: ApiError | None = None  # why the server cut it (None: its client left)
-
-    def emit(self, kind: str, value: Any = None) -> None:
-        """Hand an event to the request's handler (thread-safe): token, done, error or cancelled."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-
-    def cancel(self, abort: ApiError | None = None) -> None:
-        """Stop at the next step; `abort` is the error its client gets, if still listening."""
-        self.abort = self.abort or abort
-        self.cancelled.set()
-
-    def end_cancelled(self) -> None:
-        self.emit("error", self.abort) if self.abort is not None else self.emit("cancelled")
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", "shutting_down", type="server_error")
-
-
-def query_options(req: ChatRequest, max_stored_tokens: int | None = None) -> QueryOptions:
-    """The pipeline options for a request: client chunks replace retrieval unless top_k asks for both."""
-    top_k = req.top_k if req.top_k is not None else (0 if req.chunks else DEFAULT_TOP_K)
-    return QueryOptions(
-        mode=req.mode or DEFAULT_MODE,
-        ratio=req.ratio,
-        top_k=top_k,
-        docs=tuple(req.docs),
-        context_texts=tuple(req.chunks),
-        store_context=req.store,
-        restore_missing=req.store,
-        max_stored_tokens=max_stored_tokens,
-        template=PromptTemplate(system=req.system) if req.system else PromptTemplate(),
-        sampling=SamplingConfig(req.max_tokens, req.temperature, req.top_p, req.seed),
-    )
-
-
-class Choice:
-    """One sequence being generated: its KV, its sampler, stop rules, and the text streamed so far."""
-
-    def __init__(self, job: Job, index: int, state: DecodeState, tokenizer: Any, stop_ids: set[int]):
-        req = job.request
-        self.job, self.index, self.state, self.tokenizer, self.stop_ids = job, index, state, tokenizer, stop_ids
-        self.sampling = SamplingConfig(req.max_tokens, req.temperature, req.top_p, req.seed)
-        seed = None if req.seed is None else (req.seed + index) % 2**63  # n samples: independent, repeatable
-        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of `text` already streamed
-        self.finish: str | None = None
-        self.logprobs: list[dict] = []
-        self.started = time.perf_counter()
-        self.first_token_s = 0.0
-        self.hit_eos = False
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for a place in the batch
+    PREFILLING = "prefilling"  # admitted: retrieval, stored misses, KV streaming and fusion, in slices
+    DECODING = "decoding"  # first tokens out: in every batched decode step until each choice ends
+    FINISHED_STOPPED = "stop"  # every choice ended on a stop token or stop string
+    FINISHED_LENGTH = "length"  # a choice reached max_tokens
+    FINISHED_ABORTED = "abort"  # its client went away, or the server cut it (shutdown)
+    FINISHED_ERROR = "error"  # it failed; its client got the error
 
     @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    def accept(self, logits: torch.Tensor) -> TokenEvent:
-        """Sample the next token from `logits`, apply the request's stop rules, and say what new text to send."""
-        req = self.job.request
-        if req.ignore_eos or len(self.tokens) < req.min_tokens:
-            logits = logits.clone()
-            logits[list(self.stop_ids)] = float("-inf")  # vLLM's ignore_eos / min_tokens: no end before it
-        token = next_token(logits.cpu(), self.sampling, self.generator)
-        if not self.tokens:
-            self.first_token_s = time.perf_counter() - self.started
-        if token in self.stop_ids:  # not part of the answer: no text, no log-probability, not counted
-            self.finish, self.hit_eos = "stop", True
-            return TokenEvent(self.index, self._flush())
-        entries = [self._logprob_entry(logits, token)] if req.logprobs else []
-        self.tokens.append(token)
-        self.logprobs.extend(entries)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        stops = req.stop if len(self.tokens) >= req.min_tokens else []  # vLLM: no stop string before min_tokens
-        cut = _first_stop(full, stops, self.sent)
-        if cut is not None:
-            self.text, self.finish = full[:cut], "stop"
-            return TokenEvent(self.index, self._flush(), entries)
-        self.text = full
-        if len(self.tokens) >= req.max_tokens:
-            self.finish = "length"
-            return TokenEvent(self.index, self._flush(), entries)
-        safe = len(full) - _held_back(full, stops)  # a stop string may be starting: hold it back
-        while safe > self.sent and full[safe - 1] == "\ufffd":  # a character whose bytes are still coming
-            safe -= 1
-        delta = full[self.sent : safe]
-        self.sent = max(self.sent, safe)
-        return TokenEvent(self.index, delta, entries)
-
-    def _flush(self) -> str:
-        delta = self.text[self.sent :]
-        self.sent = len(self.text)
-        return delta
-
-    def _logprob_entry(self, logits: torch.Tensor, token: int) -> dict:
-        logprob, top = logprobs_of(logits, token, self.job.request.top_logprobs)
-
-        def piece(tid: int, lp: float) -> dict:
-            return {"token": self.tokenizer.decode([tid]), "logprob": lp, "bytes": token_bytes(self.tokenizer, tid)}
-
-        return {**piece(token, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
-
-    def result(self, strip: bool) -> ChoiceResult:
-        """`strip`: a chat answer loses its leading whitespace, streamed or not (a stream cannot take back a
-        trailing space, so neither answer loses it)."""
-        text = self.text.lstrip() if strip else self.text
-        return ChoiceResult(
-            self.index,
-            text,
-            list(self.tokens),
-            self.finish or "stop",
-            self.logprobs if self.job.request.logprobs else None,
-        )
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
 
 
-def token_bytes(tokenizer: Any, token: int) -> list[int]:
-    """A token's own bytes (OpenAI's logprobs `bytes`: a client joins them to rebuild characters that span
-    tokens, which decode alone to U+FFFD). Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen) spells bytes as
-    printable characters; SentencePiece has <0xNN> byte tokens and ▁ for a space."""
-    text = tokenizer.decode([token])
-    piece = tokenizer.convert_ids_to_tokens(token)
-    if isinstance(piece, str):
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return [int(piece[3:5], 16)]
-        table = _byte_decoder()
-        if piece and all(ch in table for ch in piece):
-            spelled = bytes(table[ch] for ch in piece)
-            if spelled.decode("utf-8", "replace") == text:  # byte-level indeed (not SentencePiece's "é")
-                return list(spelled)
-    return list(text.encode("utf-8"))
+_ids = itertools.count(1)
 
 
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+class Request:
+    """The scheduler's record of one request. `status` and `live` are the scheduler's (under its lock); `steps`,
+    `prepared` and `sequences` are the model thread's working parts (see the module doc)."""
 
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+    def __init__(self, job: Job):
+        self.id = next(_ids)
+        self.job = job
+        self.status = RequestStatus.WAITING
+        self.admitted = 0.0
+        self.live = job.request.n  # sequences not finished: places it holds in the batch
+        self.steps: Steps[Prepared] | None = None  # from admission to the fused prompt
+        self.prepared: Prepared | None = None
+        self.sequences: list[Sequence] = []
 
-
-def _first_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in `text` (searching from a little before `start`), or None."""
-    found = [i for s in stops if (i := text.find(s, max(0, start - len(s)))) != -1]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of `text` could be the start of a stop string (not sent yet)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if s.startswith(text[-n:]):
-                best = n
-                break
-    return best
+    @property
+    def chat(self) -> ChatRequest:
+        return self.job.request
 
 
 @dataclass
-class _Running:
-    """A request from admission to its last token."""
+class SchedulerOutput:
+    """One iteration's decision, for the executor."""
 
-    job: Job
-    steps: Steps[Prepared] | None
-    prepared: Prepared | None = None
-    choices: list[Choice] = field(default_factory=list)
+    dropped: list[Request] = field(default_factory=list)  # aborted: close their steps, free their KV
+    start: list[Request] = field(default_factory=list)  # admitted now: build their steps
+    prefill: list[Request] = field(default_factory=list)  # oldest first: the first that is not waiting runs
+    background: list[Steps[None]] = field(default_factory=list)  # chores, when no request can use the time
+    prefill_budget_s: float = 0.0  # prefill and chores stop at this much time
+    decode: list[Request] = field(default_factory=list)  # one batched step for each unfinished sequence
+
+    @property
+    def empty(self) -> bool:
+        return not (self.dropped or self.start or self.prefill or self.background or self.decode)
+
+
+@dataclass
+class ExecutorOutput:
+    """What the model work did, for `update`."""
+
+    failed: list[tuple[Request, BaseException]] = field(default_factory=list)
+    first_tokens: list[tuple[Request, list[Delta]]] = field(default_factory=list)  # fused: one delta per choice
+    decoded: list[tuple[Request, int, Delta]] = field(default_factory=list)  # (request, choice, what it added)
+    completed: list[tuple[Request, Completed, Steps[None]]] = field(default_factory=list)  # and its bookkeeping
+    chores_done: list[Steps[None]] = field(default_factory=list)
+    decode_s: float = 0.0  # the batched decode step's duration (0: none ran)
+    decode_batch: int = 0  # sequences in it
 
 
 class Scheduler:
-    """The bounded queue in front of the one model thread, which batches every running request."""
+    """The bounded queue, the batch, every request's state, and what to run next."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        max_queue: int,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        rows_per_step: int = ROWS_PER_STEP,
-        after_request: Callable[[Prepared], Steps[None]] | None = None,
-        max_stored_tokens: int | None = None,
-    ):
-        self.engine = engine
-        self.max_queue, self.max_batch, self.rows = max_queue, max_batch, rows_per_step
-        self.max_stored_tokens = max_stored_tokens
-        self.after_request = after_request  # bookkeeping after each request (e.g. keep the archive in its bound)
-        self.stopping = False
-        self.failed = False  # the model thread died (a bug): nothing will be answered any more
-        self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._prefilling: list[_Running] = []
-        self._decoding: list[_Running] = []
-        self._background: deque[Steps[None]] = deque()
+    def __init__(self, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH):
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # PREFILLING and DECODING, in admission order
+        self._background: deque[Steps[None]] = deque()  # bookkeeping after answers
+        self._stopping = False
+        self._cut: ApiError | None = None  # the shutdown grace is over: every running request ends with this
+        self._failed = False  # the model thread died (a bug): nothing will be answered any more
+        self._counts: Counter[str] = Counter()  # submitted, and finished by status
         self._last_decode_s = 0.0
         self._lone_decode_s = 0.0  # a decode step of one sequence (running mean): the ITL streams are held to
-        self._thread = threading.Thread(target=self._run, name="kvblend-model", daemon=True)
-        self._finished = threading.Event()
 
     # ── the event loop's side ──
     @property
     def depth(self) -> int:
         """Requests waiting for admission (not counting the running ones)."""
-        return len(self._waiting)
+        with self._lock:
+            return len(self._waiting)
 
     @property
     def running(self) -> int:
         """Sequences admitted: prefilling or decoding."""
-        return sum(r.job.request.n for r in self._prefilling) + sum(
-            sum(not c.done for c in r.choices) for r in self._decoding
-        )
+        with self._lock:
+            return self._live()
 
     @property
     def busy(self) -> bool:
-        return bool(self._prefilling or self._decoding)
+        with self._lock:
+            return bool(self._running)
 
-    def start(self) -> None:
-        self.engine.runner.step_rows = self.rows  # prefill and fusion yield inside big layers too
-        self._thread.start()
+    @property
+    def failed(self) -> bool:
+        with self._lock:
+            return self._failed
 
-    def submit(self, request: ChatRequest) -> Job:
+    def outcomes(self) -> dict[str, int]:
+        """Requests submitted, and finished by status (stop, length, abort, error): for /metrics."""
+        with self._lock:
+            counts = {"submitted": self._counts["submitted"]}
+            for status in RequestStatus:
+                if status.finished:
+                    counts[status.value] = self._counts[status.value]
+            return counts
+
+    def submit(self, chat: ChatRequest, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request, or refuse it with a 429 when `max_queue` requests already wait."""
-        with self._cond:
-            if self.stopping:
+        with self._lock:
+            if self._stopping:
                 raise shutting_down()
-            if self.failed:
+            if self._failed:
                 raise ApiError(
                     503,
                     "the server's model thread failed; restart it (see its log)",
                     "model_failed",
                     type="server_error",
                 )
-            room = max(0, self.max_batch - self.running)  # places in the batch the model thread is about to fill
+            room = max(0, self.max_batch - self._live())  # places in the batch the model thread is about to fill
             if len(self._waiting) >= self.max_queue + room:
                 raise ApiError(
                     429,
@@ -341,229 +201,131 @@ class Scheduler:
                     "rate_limit_exceeded",
                     type="requests",
                 )
-            job = Job(request, asyncio.get_running_loop())
-            self._waiting.append(job)
-            self._cond.notify()
+            job = Job(chat, loop)
+            self._waiting.append(Request(job))
+            self._counts["submitted"] += 1
+            self._lock.notify()
         return job
 
-    def begin_shutdown(self, grace_s: float) -> None:
-        """SIGTERM / Ctrl-C: refuse what waits now; running requests get `grace_s` to finish."""
-        with self._cond:
-            self.stopping = True
+    def begin_shutdown(self) -> None:
+        """SIGTERM / Ctrl-C: refuse what waits now (503); running requests go on until `cut`."""
+        with self._lock:
+            self._stopping = True
             while self._waiting:
-                self._waiting.popleft().emit("error", shutting_down())
-            self._cond.notify()
-        timer = threading.Timer(grace_s, self._cut_running)
-        timer.daemon = True
-        timer.start()
+                self._finish(self._waiting.popleft(), RequestStatus.FINISHED_ABORTED, shutting_down())
+            self._lock.notify()
 
-    def _cut_running(self) -> None:
-        for r in [*self._prefilling, *self._decoding]:
-            r.job.cancel(shutting_down())
-        with self._cond:
-            self._cond.notify()
+    def cut(self) -> None:
+        """The grace period is over (a timer's thread): every running request ends at the next schedule."""
+        with self._lock:
+            self._cut = shutting_down()
+            self._lock.notify()
 
-    async def stop(self) -> None:
-        """After shutdown: wait for the model thread to finish its step, so no archive write is cut short."""
-        if not self.stopping:
-            self.begin_shutdown(0)
-        self._cut_running()
-        await asyncio.get_running_loop().run_in_executor(None, self._finished.wait)
+    # ── the model thread's side ──
+    def wait_for_work(self) -> bool:
+        """Block until there is something to do; False once stopping with nothing left to finish."""
+        with self._lock:
+            while not (self._waiting or self._running or self._background or self._stopping):
+                self._lock.wait()
+            return not (self._stopping and not self._running and not self._background)
 
-    # ── the model thread ──
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (
-                        self._waiting or self._prefilling or self._decoding or self._background or self.stopping
-                    ):
-                        self._cond.wait()
-                    if self.stopping and not (self._prefilling or self._decoding or self._background):
-                        return
-                    admitted = self._admit()
-                self._drop_cancelled()
-                for running in admitted:
-                    self._start(running)
-                if self._prefilling or self._background:
-                    self._prefill_turn()
-                if self._decoding:
-                    self._decode_turn()
-        except BaseException:  # a bug in the loop itself: fail every request rather than hang them
-            log.exception("the model thread failed")
-            with self._cond:
-                self.failed = True  # /health says so, and new requests get a 503 instead of waiting forever
-                waiting, self._waiting = list(self._waiting), deque()
-            for job in [*(r.job for r in [*self._prefilling, *self._decoding]), *waiting]:
-                job.emit("error", RuntimeError("the model thread failed"))
-        finally:
-            self._finished.set()
+    def schedule(self) -> SchedulerOutput:
+        """Drop what was cancelled, admit what fits, and decide this iteration's prefill and decode work."""
+        with self._lock:
+            out = SchedulerOutput()
+            for req in list(self._running):
+                if req.job.cancelled.is_set() or self._cut is not None:
+                    self._finish(req, RequestStatus.FINISHED_ABORTED, self._cut)
+                    out.dropped.append(req)
+            out.start = self._admit()
+            out.prefill = [r for r in self._running if r.status is RequestStatus.PREFILLING]
+            out.decode = [r for r in self._running if r.status is RequestStatus.DECODING]
+            out.background = list(self._background)
+            if out.decode:
+                lone = self._lone_decode_s or self._last_decode_s
+                out.prefill_budget_s = max(MIN_PREFILL_S, ITL_FACTOR * lone - self._last_decode_s)
+            else:
+                out.prefill_budget_s = IDLE_PREFILL_S
+            return out
 
-    def _admit(self) -> list[_Running]:
-        """Waiting requests the batch has room for (under the lock)."""
+    def _admit(self) -> list[Request]:
+        """Waiting requests the batch has room for, oldest first (under the lock)."""
         admitted = []
-        while self._waiting and not self.stopping:
-            job = self._waiting[0]
-            if self.running and self.running + job.request.n > self.max_batch:
+        while self._waiting and not self._stopping:
+            req = self._waiting[0]
+            live = self._live()
+            if live and live + req.chat.n > self.max_batch:
                 break
             self._waiting.popleft()
-            if job.cancelled.is_set():
-                job.end_cancelled()
+            if req.job.cancelled.is_set():
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
                 continue
-            job.admitted = time.perf_counter()
-            job.queue_wait_s = job.admitted - job.enqueued
-            running = _Running(job, None)
-            self._prefilling.append(running)
-            admitted.append(running)
+            req.admitted = time.perf_counter()
+            req.job.queue_wait_s = req.admitted - req.job.enqueued
+            req.status = RequestStatus.PREFILLING
+            self._running.append(req)
+            admitted.append(req)
         return admitted
 
-    def _start(self, running: _Running) -> None:
-        req = running.job.request
-        self.engine.refresh()  # documents another process ingested since the last request
-        question = question_with_history(req.history, req.question)
-        running.steps = prepare_steps(
-            self.engine, question, query_options(req, self.max_stored_tokens), lambda msg: log.warning("%s", msg)
-        )
+    def update(self, out: ExecutorOutput) -> None:
+        """Apply what the executor did: state transitions, each client's events, the next chores."""
+        with self._lock:
+            for req, exc in out.failed:
+                if not req.status.finished:
+                    self._finish(req, RequestStatus.FINISHED_ERROR, exc)
+            for req, deltas in out.first_tokens:
+                if req.status is RequestStatus.PREFILLING:
+                    req.status = RequestStatus.DECODING
+                    for choice, delta in enumerate(deltas):
+                        _send(req, choice, delta)
+            for req, choice, delta in out.decoded:
+                if req.status is RequestStatus.DECODING:
+                    _send(req, choice, delta)
+            for req in self._running:
+                req.live = sum(not s.finished for s in req.sequences) if req.sequences else req.chat.n
+            for req, done, chore in out.completed:
+                if req.status is RequestStatus.DECODING:
+                    length = any(c.finish_reason == "length" for c in done.choices)
+                    self._finish(req, RequestStatus.FINISHED_LENGTH if length else RequestStatus.FINISHED_STOPPED)
+                    req.job.emit("done", done)
+                    self._background.append(chore)
+            for chore in out.chores_done:
+                self._background.remove(chore)
+            if out.decode_batch:
+                self._last_decode_s = out.decode_s
+                if out.decode_batch == 1:
+                    lone = self._lone_decode_s
+                    self._lone_decode_s = out.decode_s if not lone else 0.8 * lone + 0.2 * out.decode_s
 
-    def _drop_cancelled(self) -> None:
-        for group in (self._prefilling, self._decoding):
-            for r in [r for r in group if r.job.cancelled.is_set()]:
-                group.remove(r)
-                if r.steps is not None:
-                    r.steps.close()  # leaves fuse_steps' `with feed`: the loader stops
-                r.job.end_cancelled()
+    def fail_everything(self, exc: BaseException) -> list[Request]:
+        """The model thread itself failed (a bug): every request ends with an error rather than hanging, and new
+        ones get a 503 (/health says so). Returns the requests that were running, for their resources."""
+        with self._lock:
+            self._failed = True
+            running = list(self._running)
+            for req in [*running, *self._waiting]:
+                self._finish(req, RequestStatus.FINISHED_ERROR, exc)
+            self._waiting.clear()
+            self._background.clear()
+            return running
 
-    def _prefill_turn(self) -> None:
-        """Advance new requests (oldest first), then bookkeeping, for at most the budget.
+    def _finish(self, req: Request, status: RequestStatus, error: BaseException | None = None) -> None:
+        """End a request (under the lock): out of the batch, counted, and its client told unless it finished
+        well (then `update` sends the answer)."""
+        req.status = status
+        req.live = 0
+        if req in self._running:
+            self._running.remove(req)
+        self._counts[status.value] += 1
+        if status is RequestStatus.FINISHED_ERROR:
+            req.job.emit("error", error)
+        elif status is RequestStatus.FINISHED_ABORTED:
+            req.job.emit("error", error) if error is not None else req.job.emit("cancelled")
 
-        A request that is only waiting for another writer (a passage another request or node is prefilling)
-        gives up its turn to the next one, so it never blocks the very request it waits for; when every one is
-        waiting and nothing decodes, the thread sleeps a moment instead of spinning."""
-        if self._decoding:
-            lone = self._lone_decode_s or self._last_decode_s
-            budget = max(MIN_PREFILL_S, ITL_FACTOR * lone - self._last_decode_s)
-        else:
-            budget = IDLE_PREFILL_S
-        deadline = time.perf_counter() + budget
-        waiting: set[int] = set()  # requests and bookkeeping that said WAITING this turn (by id)
-        while time.perf_counter() < deadline and (self._prefilling or self._background):
-            ready = [r for r in self._prefilling if id(r) not in waiting]
-            chores = [s for s in self._background if id(s) not in waiting]
-            if ready:
-                if self._advance(ready[0], deadline) is WAITING:
-                    waiting.add(id(ready[0]))
-            elif chores:
-                if self._advance_background(chores[0], deadline) is WAITING:
-                    waiting.add(id(chores[0]))
-            else:  # everyone waits on someone else's write
-                if self._decoding:
-                    return
-                time.sleep(WAIT_POLL_S)
-                waiting.clear()
+    def _live(self) -> int:
+        return sum(r.live for r in self._running)
 
-    def _advance(self, running: _Running, deadline: float) -> Waiting | None:
-        """Run a request's steps until the deadline, its first token, or it says it is WAITING (returned)."""
-        assert running.steps is not None
-        try:
-            while time.perf_counter() < deadline:
-                if next(running.steps) is WAITING:
-                    return WAITING
-        except StopIteration as done:
-            self._prefilling.remove(running)
-            prepared: Prepared = done.value
-            self._guarded(running, lambda: self._first_tokens(running, prepared))
-        except Exception as exc:
-            self._fail(running, exc)
-        return None
 
-    def _guarded(self, running: _Running, work: Callable[[], None]) -> None:
-        """Run one request's share of a turn; if it fails, that request fails and the others go on."""
-        try:
-            work()
-        except Exception as exc:
-            self._fail(running, exc)
-
-    def _fail(self, running: _Running, exc: Exception) -> None:
-        """End one request with an error (reported to its client by app.error_for, which logs a bug)."""
-        for group in (self._prefilling, self._decoding):
-            if running in group:
-                group.remove(running)
-        running.job.emit("error", exc)
-
-    def _advance_background(self, steps: Steps[None], deadline: float) -> Waiting | None:
-        """Run one piece of bookkeeping until the deadline, its end, or it says it is WAITING (returned)."""
-        try:
-            while time.perf_counter() < deadline:
-                if next(steps) is WAITING:
-                    return WAITING
-        except StopIteration:
-            self._background.remove(steps)
-        except Exception as exc:  # bookkeeping never fails an answered request
-            self._background.remove(steps)
-            log.warning("after a request: %s", exc)
-        return None
-
-    def _first_tokens(self, running: _Running, prepared: Prepared) -> None:
-        """The fused KV is ready: each choice gets its own decode buffers and samples its first token."""
-        job, runner = running.job, self.engine.runner
-        running.prepared = prepared
-        stops = runner.stop_token_ids
-        for i in range(job.request.n):
-            state = DecodeState(runner, prepared.fused, job.request.max_tokens)
-            running.choices.append(Choice(job, i, state, runner.tokenizer, stops))
-        for choice in running.choices:
-            self._send(choice, choice.accept(prepared.fused.last_logits))
-        self._decoding.append(running)
-        self._complete_finished()
-
-    def _decode_turn(self) -> None:
-        """One batched forward pass for every sequence that still decodes."""
-        live = [(r, c) for r in self._decoding for c in r.choices if not c.done]
-        if live:
-            t0 = time.perf_counter()
-            try:
-                logits = decode_step(self.engine.runner, [c.state for _, c in live], [c.tokens[-1] for _, c in live])
-            except Exception as exc:  # the batch's forward pass: its requests fail, the server goes on
-                for running in list(self._decoding):
-                    self._fail(running, exc)
-                return
-            self._last_decode_s = time.perf_counter() - t0
-            if len(live) == 1:
-                lone = self._lone_decode_s
-                self._lone_decode_s = self._last_decode_s if not lone else 0.8 * lone + 0.2 * self._last_decode_s
-            for (running, choice), row in zip(live, logits):
-                if running in self._decoding:  # not failed by an earlier choice of its own
-                    self._guarded(running, lambda: self._send(choice, choice.accept(row)))  # noqa: B023 (run now)
-        self._complete_finished()
-
-    def _send(self, choice: Choice, event: TokenEvent) -> None:
-        if event.text or event.logprobs:
-            choice.job.emit("token", event)
-
-    def _complete_finished(self) -> None:
-        for running in [r for r in self._decoding if all(c.done for c in r.choices)]:
-            self._decoding.remove(running)
-            job, prepared = running.job, running.prepared
-            assert prepared is not None
-            first = running.choices[0]
-            ttft = first.started - job.admitted + first.first_token_s
-            gen = Generation(
-                first.tokens,
-                first.result(strip=not job.request.legacy).text,
-                first.first_token_s,
-                time.perf_counter() - first.started,
-                first.hit_eos,
-            )
-            result = answered(prepared, gen, ttft)
-            job.emit("done", Completed(result, [c.result(strip=not job.request.legacy) for c in running.choices]))
-            for choice in running.choices:
-                choice.state.k, choice.state.v = [], []  # free the KV buffers now, not when the GC gets to them
-            self._background.append(self._after(prepared))
-
-    def _after(self, prepared: Prepared) -> Steps[None]:
-        """Bookkeeping once the client has its answer: the pipeline's (archive the instruction prefix, touch
-        what was used, store again what could not be read), then the server's (keep the archive in its bound)."""
-        yield from finish_steps(self.engine, prepared)
-        prepared.fused.kv = []  # the prefix is archived: the prompt's KV can go
-        if self.after_request is not None:
-            yield from self.after_request(prepared)
+def _send(req: Request, choice: int, delta: Delta) -> None:
+    if delta.text or delta.logprobs:
+        req.job.emit("token", TokenEvent(choice, delta.text, delta.logprobs))

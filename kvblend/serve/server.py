@@ -25,8 +25,8 @@ from kvblend.errors import UsageError
 from kvblend.pipeline import Engine
 from kvblend.pipeline.query import Prepared
 from kvblend.serve.app import create_app
+from kvblend.serve.engine_core import EngineCore
 from kvblend.serve.metrics import Metrics
-from kvblend.serve.scheduler import Scheduler
 from kvblend.types import Steps
 
 GRACE_S = 10  # seconds the request in flight gets to finish after SIGTERM / Ctrl-C
@@ -38,7 +38,7 @@ class Server(uvicorn.Server):
     refused and running ones are cut after GRACE_S with an error event, so every stream ends
     well-formed before uvicorn's own (later) deadline would drop the connection."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+    def __init__(self, config: uvicorn.Config, scheduler: EngineCore):
         super().__init__(config)
         self.scheduler = scheduler
 
@@ -110,7 +110,7 @@ def run_server(options: ServeOptions) -> None:
                 options.port,
             )
         bound = archive_bound(engine, options.max_archive_bytes) if options.max_archive_bytes else None
-        scheduler = Scheduler(
+        scheduler = EngineCore(
             engine,
             options.max_queue,
             options.max_batch,

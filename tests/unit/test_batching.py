@@ -81,11 +81,7 @@ def test_prefill_in_row_chunks_matches_prefill_whole(arch):
     runner = tiny_runner(arch)
     batch = [list(range(5, 75)), list(range(100, 140))]
     whole = runner.prefill_batch(batch)
-    runner.step_rows = 16
-    try:
-        chunked = drain(runner.prefill_steps(batch))
-    finally:
-        runner.step_rows = None
+    chunked = drain(runner.prefill_steps(batch, rows_per_step=16))
     for row_whole, row_chunked in zip(whole, chunked):
         for (k1, v1), (k2, v2) in zip(row_whole, row_chunked):
             assert torch.allclose(k1, k2, atol=ATOL) and torch.allclose(v1, v2, atol=ATOL)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from support import ARCHS, tiny_runner
-from kvblend.model.prefill import MAX_PAD_FRACTION, batches_by_tokens, precompute_kv
+from kvblend.model.prefill import MAX_PAD_FRACTION, batches_by_tokens, precompute_kv, precompute_kv_steps
+from kvblend.types import drain
 
 
 def test_a_short_tail_segment_is_not_padded_to_the_long_ones():
@@ -59,9 +60,7 @@ def test_segments_prefilled_after_a_sink_prefilled_once_have_their_kv_in_the_who
     vocab = runner.model.config.vocab_size
     sink = [rng.randrange(vocab) for _ in range(11)]
     segments = [[rng.randrange(vocab) for _ in range(n)] for n in (30, 27, 9)]
-    runner.step_rows = step_rows
-    after_sink = precompute_kv(runner, segments, sink_prefix=sink)
-    runner.step_rows = None
+    after_sink = drain(precompute_kv_steps(runner, segments, sink_prefix=sink, rows_per_step=step_rows))
     for tokens, layers in zip(segments, after_sink):
         (whole,) = runner.prefill_batch([sink + tokens])
         for (k, v), (k_whole, v_whole) in zip(layers, whole):

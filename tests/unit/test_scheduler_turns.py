@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import threading
 
-from kvblend.serve.scheduler import Scheduler, _Running
+from kvblend.serve.async_bridge import Job
+from kvblend.serve.executor import Executor
+from kvblend.serve.scheduler import ExecutorOutput, Request, SchedulerOutput
+from kvblend.serve.schema import ChatRequest
 from kvblend.types import WAITING, Steps
+
+
+def _request(steps: Steps) -> Request:
+    """A request already admitted, its steps built: the prefill turn runs them and nothing else."""
+    req = Request(Job(ChatRequest(question="Q"), loop=None))  # type: ignore[arg-type]  # sends no event
+    req.steps = steps
+    return req
 
 
 def _waits_for(stored: threading.Event, polls: list[int]) -> Steps[None]:
@@ -32,11 +42,9 @@ def test_a_request_waiting_on_another_writer_gives_its_turn_to_the_next():
     within one turn the younger one runs and stores it. Before, the oldest kept the turn until its 60 s wait
     ran out, so two concurrent requests sharing a new passage cost a minute."""
     stored, polls, layers = threading.Event(), [], []
-    scheduler = Scheduler(engine=None, max_queue=4)  # type: ignore[arg-type]  # the turn never touches the model
-    older = _Running(job=None, steps=_waits_for(stored, polls))  # type: ignore[arg-type]
-    younger = _Running(job=None, steps=_prefills(stored, layers))  # type: ignore[arg-type]
-    scheduler._prefilling = [older, younger]
-    scheduler._prefill_turn()
+    executor = Executor(engine=None)  # type: ignore[arg-type]  # the turn never touches the model
+    older, younger = _request(_waits_for(stored, polls)), _request(_prefills(stored, layers))
+    executor.prefill(SchedulerOutput(prefill=[older, younger], prefill_budget_s=0.25), ExecutorOutput())
     assert stored.is_set() and layers == [0, 1, 2, 3, 4]
     assert polls  # the oldest was asked first, and said it was waiting
 
@@ -52,9 +60,11 @@ def test_bookkeeping_waiting_on_another_writer_lets_the_next_bookkeeping_run():
                 return
             yield step
 
-    scheduler = Scheduler(engine=None, max_queue=4)  # type: ignore[arg-type]
-    scheduler._background.extend([finishes(_waits_for(stored, polls)), _prefills(stored, layers)])
-    scheduler._prefill_turn()
-    assert stored.is_set() and layers == [0, 1, 2, 3, 4] and polls
-    scheduler._prefill_turn()
-    assert len(scheduler._background) == 1  # the waiting one ended once the write was there; the other idles on
+    executor = Executor(engine=None)  # type: ignore[arg-type]
+    chores = [finishes(_waits_for(stored, polls)), _prefills(stored, layers)]
+    first = ExecutorOutput()
+    executor.prefill(SchedulerOutput(background=list(chores), prefill_budget_s=0.25), first)
+    assert stored.is_set() and layers == [0, 1, 2, 3, 4] and polls and not first.chores_done
+    second = ExecutorOutput()
+    executor.prefill(SchedulerOutput(background=list(chores), prefill_budget_s=0.25), second)
+    assert second.chores_done == [chores[0]]  # the waiting one ended once the write was there; the other idles on

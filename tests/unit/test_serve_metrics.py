@@ -13,9 +13,9 @@ from kvblend.pipeline.query import ContextLengthError
 from kvblend.serve.app import error_for
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.responses import chunk_body, completion_body, request_share
-from kvblend.serve.scheduler import ChoiceResult, Completed
+from kvblend.serve.async_bridge import ChoiceResult, Completed
 from kvblend.serve.schema import ApiError, ChatRequest
-from kvblend.serve.scheduler import query_options
+from kvblend.serve.mapping import query_options
 
 SAMPLE = re.compile(r'^[a-z_]+(\{[a-z]+="[^"]*"\})? -?[0-9.e+-]+$')
 

@@ -1,0 +1,60 @@
+"""The scheduler's request states without a model: admission into the batch, a 429 past the queue, a client that
+leaves, a failure, shutdown, and counts that add up (what /metrics reports)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvblend.serve.async_bridge import Job
+from kvblend.serve.scheduler import ExecutorOutput, RequestStatus, Scheduler
+from kvblend.serve.schema import ApiError, ChatRequest
+
+
+def events(loop: asyncio.AbstractEventLoop, job: Job) -> list[str]:
+    """The kinds of the events the model thread sent `job` so far."""
+    loop.run_until_complete(asyncio.sleep(0))  # run the call_soon_threadsafe callbacks
+    kinds = []
+    while not job.events.empty():
+        kinds.append(job.events.get_nowait()[0])
+    return kinds
+
+
+def test_requests_move_through_their_states_and_the_counts_add_up():
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(max_queue=1, max_batch=2)
+        jobs = [scheduler.submit(ChatRequest(question=f"Q{i}"), loop) for i in range(3)]
+        with pytest.raises(ApiError) as busy:  # two places in the batch and one in the queue: full
+            scheduler.submit(ChatRequest(question="Q3"), loop)
+        assert busy.value.status == 429 and scheduler.depth == 3
+
+        first = scheduler.schedule()
+        assert [r.job for r in first.start] == jobs[:2] and first.prefill == first.start and not first.decode
+        assert all(r.status is RequestStatus.PREFILLING for r in first.start)
+        assert scheduler.running == 2 and scheduler.depth == 1 and scheduler.busy
+
+        jobs[0].cancel()  # its client went away
+        second = scheduler.schedule()
+        assert [r.job for r in second.dropped] == [jobs[0]] and [r.job for r in second.start] == [jobs[2]]
+        assert second.dropped[0].status is RequestStatus.FINISHED_ABORTED
+        assert events(loop, jobs[0]) == ["cancelled"]
+
+        scheduler.update(ExecutorOutput(failed=[(second.start[0], RuntimeError("boom"))]))
+        assert second.start[0].status is RequestStatus.FINISHED_ERROR and events(loop, jobs[2]) == ["error"]
+
+        scheduler.begin_shutdown()
+        with pytest.raises(ApiError) as closing:
+            scheduler.submit(ChatRequest(question="late"), loop)
+        assert closing.value.status == 503
+        scheduler.cut()  # the grace period is over: the one still running ends with an error event
+        third = scheduler.schedule()
+        assert [r.job for r in third.dropped] == [jobs[1]] and events(loop, jobs[1]) == ["error"]
+        assert not scheduler.wait_for_work()  # stopping, nothing left: the model thread ends
+
+        counts = scheduler.outcomes()
+        assert counts == {"submitted": 3, "stop": 0, "length": 0, "abort": 2, "error": 1}
+        assert counts["submitted"] == sum(n for status, n in counts.items() if status != "submitted")
+    finally:
+        loop.close()
