@@ -57,5 +57,17 @@ class Engine(Resources):
         on_token: Callable[[str], None] | None = None,
         on_warning: Callable[[str], None] | None = None,
     ) -> QueryResult:
-        """Answer `question` from archived segments with the chosen mode."""
-        return query_workflow.run_query(self, question, opts or QueryOptions(), on_token, on_warning)
+        """Answer `question` from archived segments with the chosen mode, then run the writes it queued (archive
+        the prefix, touch, restore) before returning, so the next query finds them, as when they ran inline;
+        a failed write is a warning in the result, never a lost answer."""
+        result = query_workflow.run_query(self, question, opts or QueryOptions(), on_token, on_warning)
+        self.writes.drain(result.warnings.append if on_warning is None else _both(result.warnings.append, on_warning))
+        return result
+
+
+def _both(first: Callable[[str], None], second: Callable[[str], None]) -> Callable[[str], None]:
+    def warn(msg: str) -> None:
+        first(msg)
+        second(msg)
+
+    return warn

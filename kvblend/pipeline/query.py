@@ -3,7 +3,8 @@
     select_records      pinned documents / segments, else top-k retrieval
     build_prompt        instruction prefix + passages + question, prefix cache, length check
     fuse_streaming      fuse over the archive feed; a blob that fails is recomputed instead
-    (bookkeeping)       archive the instruction prefix on first use, touch what was used
+    finish_steps        the writes, queued behind the answer (writebehind.py): archive the instruction
+                        prefix on first use, touch what was used, restore what could not be read
 
 Damaged blobs never fail a query: a missing or short blob is caught by a stat
 before fusing, a bit flip by its checksum while streaming; either way the
@@ -66,7 +67,7 @@ def run_query(
         keep_logits=opts.keep_step_logits,
         forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None,
     )
-    drain(finish_steps(res, prepared))
+    res.writes.put(finish_steps(res, prepared))  # after the answer, by the queue's owner (writebehind.py)
     result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s)
     result.timings["model_load_s"] = res.model_load_s
     return result
@@ -139,7 +140,8 @@ def prepare_steps(
 
 
 def finish_steps(res: Resources, prepared: Prepared, rows_per_step: int | None = None) -> Steps[None]:
-    """After the answer: archive a freshly computed instruction prefix, touch the segments used (for gc), and
+    """The write job a query leaves in the engine's write-behind queue (query code never runs it itself): after
+    the answer, archive a freshly computed instruction prefix, touch the segments used (for gc), and
     store again the passages whose KV could not be read (yielding every `rows_per_step` tokens of a layer)."""
     _record_use(res, prepared.prompt, prepared.fused, prepared.opts, prepared.warn)
     if prepared.unreadable and prepared.opts.restore_missing:

@@ -30,6 +30,7 @@ from kvblend.model.prefill import storage_dtype
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.options import QueryOptions, Sink, choice
+from kvblend.pipeline.writebehind import WriteBehind
 from kvblend.prompt import template_sink
 from kvblend.retrieval import get_embedder
 
@@ -56,6 +57,7 @@ class Resources:
         self._keys: KeyScheme | None = None
         self._doc_index: dict[str, tuple[str, dict]] | None = None  # segment key -> (document name, its source)
         self.model_load_s = 0.0
+        self.writes = WriteBehind()  # every write a query causes, run after its answer (writebehind.py)
         if runner is not None:
             self.model_name, self.fingerprint = runner.name, runner.fingerprint
         else:
@@ -85,6 +87,9 @@ class Resources:
         return self._archive
 
     def close(self) -> None:
+        """Run the writes still queued behind answers (nothing a query meant to write is lost), then close."""
+        if self.writes:
+            self.writes.drain()
         if self._archive is not None:
             self._archive.close()
             self._archive = None

@@ -42,7 +42,7 @@ class EngineCore:
         max_stored_tokens: int | None = None,
     ):
         self.engine = engine
-        self.scheduler = Scheduler(max_queue, max_batch)
+        self.scheduler = Scheduler(max_queue, max_batch, engine.writes)
         self.executor = Executor(engine, rows_per_step, after_request, max_stored_tokens)
         self._thread = threading.Thread(target=self._run, name="kvblend-model", daemon=True)
         self._finished = threading.Event()

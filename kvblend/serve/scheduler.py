@@ -32,7 +32,7 @@ Threads and what they may touch. Three threads meet here: the event loop
 (submit, shutdown, the /health and /metrics gauges), a timer (the end of the
 shutdown grace period) and the model thread (schedule, update, and the
 executor between them). Everything this class holds (the queue, the running
-list, every Request's status and live-sequence count, the chores, the
+list, every Request's status and live-sequence count, the chores (the engine's write-behind queue), the
 counters and flags) is guarded by its one lock, `_lock`; no method reads or
 writes it outside the lock. A Request's working parts (its steps, its
 Prepared, its Sequences and their KV) are the model thread's alone: the
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvblend.defaults import DEFAULT_MAX_BATCH
+from kvblend.pipeline.writebehind import WriteBehind
 from kvblend.serve.async_bridge import Completed, Job, TokenEvent, shutting_down
 from kvblend.serve.schema import ApiError, ChatRequest
 from kvblend.types import Steps
@@ -136,12 +137,13 @@ class ExecutorOutput:
 class Scheduler:
     """The bounded queue, the batch, every request's state, and what to run next."""
 
-    def __init__(self, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH, writes: WriteBehind | None = None):
         self.max_queue, self.max_batch = max_queue, max_batch
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # PREFILLING and DECODING, in admission order
-        self._background: deque[Steps[None]] = deque()  # bookkeeping after answers
+        # the engine's write-behind queue: the writes after answers, run when no request can use the time
+        self._background = writes if writes is not None else WriteBehind()
         self._stopping = False
         self._cut: ApiError | None = None  # the shutdown grace is over: every running request ends with this
         self._failed = False  # the model thread died (a bug): nothing will be answered any more
@@ -240,7 +242,7 @@ class Scheduler:
             out.start = self._admit()
             out.prefill = [r for r in self._running if r.status is RequestStatus.PREFILLING]
             out.decode = [r for r in self._running if r.status is RequestStatus.DECODING]
-            out.background = list(self._background)
+            out.background = self._background.pending()
             if out.decode:
                 lone = self._lone_decode_s or self._last_decode_s
                 out.prefill_budget_s = max(MIN_PREFILL_S, ITL_FACTOR * lone - self._last_decode_s)
@@ -288,7 +290,7 @@ class Scheduler:
                     length = any(c.finish_reason == "length" for c in done.choices)
                     self._finish(req, RequestStatus.FINISHED_LENGTH if length else RequestStatus.FINISHED_STOPPED)
                     req.job.emit("done", done)
-                    self._background.append(chore)
+                    self._background.put(chore)
             for chore in out.chores_done:
                 self._background.remove(chore)
             if out.decode_batch:

@@ -1,0 +1,73 @@
+"""The write-behind queue (issue 35 point 4): a query only reads; its writes run after the answer, in order,
+through the engine's one queue, and a write that fails is a warning, never a lost answer."""
+
+from __future__ import annotations
+
+from test_fusor_fixes import PASSAGES, engine_for
+
+from kvblend.pipeline.writebehind import WriteBehind
+from kvblend.types import WAITING, Steps
+
+
+def test_jobs_run_in_order_and_a_failing_one_is_a_warning_that_stops_nothing():
+    queue, ran, warnings = WriteBehind(), [], []
+
+    def stepwise(name: str) -> Steps[None]:
+        ran.append(f"{name}:start")
+        yield WAITING  # another writer holds it a moment: drain waits, then goes on
+        ran.append(f"{name}:end")
+
+    def fails() -> None:
+        raise OSError("disk full")
+
+    queue.put(stepwise("a"))
+    queue.put_call(fails)
+    queue.put_call(lambda: ran.append("c"))
+    assert ran == [] and len(queue) == 3  # nothing runs when it is queued
+    assert queue.drain(warnings.append) == 3
+    assert ran == ["a:start", "a:end", "c"] and not queue
+    assert warnings == ["could not write after the answer: disk full"]
+
+
+def test_a_query_writes_nothing_before_its_answer_and_the_engine_writes_it_after(tmp_path):
+    """At the first token (and when run_query returns) the archive holds only what was there before: the
+    instruction prefix is not archived, no segment touched. Engine.query drains the queue after the answer, so
+    the next query finds the prefix archived, as when the writes ran inline."""
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+    from kvblend.pipeline.query import run_query
+
+    with engine_for(tmp_path, "a") as engine:
+        keys = [r.key for r in engine.store_texts(PASSAGES)]
+        archive = engine.archive()
+        before = {r.key: r.hits for r in archive.iter_segments()}
+        seen: list[dict[str, int]] = []
+
+        def on_token(_: str) -> None:
+            seen.append({r.key: r.hits for r in archive.iter_segments()})
+
+        opts = QueryOptions(segment_keys=keys, sampling=SamplingConfig(max_new_tokens=3))
+        first = run_query(engine, "what is alpha one", opts, on_token)
+        assert seen and seen[0] == before  # nothing written before the first token
+        assert {r.key: r.hits for r in archive.iter_segments()} == before and len(engine.writes) == 1
+        assert not first.prefix_cached
+        engine.writes.drain()
+        after = {r.key: r.hits for r in archive.iter_segments()}
+        assert len(after) == len(before) + 1  # the instruction prefix, archived after the answer
+        assert all(after[k] == before[k] + 1 for k in keys)  # and the passages used, touched
+        second = engine.query("what is alpha two", opts)
+        assert second.prefix_cached and not engine.writes  # Engine.query drained its own writes
+
+
+def test_closing_the_engine_runs_the_writes_still_queued(tmp_path):
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+    from kvblend.pipeline.query import run_query
+
+    with engine_for(tmp_path, "a") as engine:
+        keys = [r.key for r in engine.store_texts(PASSAGES)]
+        opts = QueryOptions(segment_keys=keys, sampling=SamplingConfig(max_new_tokens=3))
+        run_query(engine, "what is alpha one", opts)
+        assert engine.writes
+    with engine_for(tmp_path, "a") as reopened:
+        assert reopened.archive().count_segments() == len(PASSAGES) + 1  # the prefix, written on close
