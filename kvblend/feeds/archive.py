@@ -23,7 +23,9 @@ Where the build stage runs depends on whether it can overlap compute for free:
 
 A blob that is missing, truncated or fails its checksum raises
 SegmentUnavailable in the fusor's thread, naming the segment: the query pipeline
-then recomputes that segment instead of trusting bad data.
+then recomputes that segment instead of trusting bad data (RecoveringFeed: the
+segment's KV prefilled alone, fed from memory from the failed layer on, the
+fusion going on where it was). A segment whose `kv` is in memory is never read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -205,7 +207,8 @@ class ArchiveFeed:
     def _fetch_layer(self, index: int) -> dict[int, bytes]:
         """Checksummed encoded payloads of the segments this layer needs: one batched read (a pread each from
         local blobs; one pipelined round trip from Redis)."""
-        needed = [i for i, flag in enumerate(self.schedule[index]) if flag]
+        # a segment whose KV is already in memory (recomputed after its blob failed) is not read again
+        needed = [i for i, flag in enumerate(self.schedule[index]) if flag and self.segments[i].kv is None]
         records = [self.records[str(self.segments[i].key)] for i in needed]
         t0 = time.perf_counter()
         try:
@@ -248,8 +251,70 @@ class ArchiveFeed:
             decoded = dict(zip(raw, self._pool.map(lambda i: self._decode(self.segments[i], index, raw[i]), raw)))
         else:
             decoded = {i: self._decode(self.segments[i], index, data) for i, data in raw.items()}
-        layer = assemble_layer(
-            self.runner, self.segments, self.offsets, self.total, index, lambda i, _seg, _layer: decoded.get(i)
-        )
+        wanted = self.schedule[index]
+
+        def layer_of(i: int, seg: Segment, layer: int) -> LayerKV | None:
+            if i in decoded:
+                return decoded[i]
+            return seg.kv[layer] if seg.kv is not None and wanted[i] else None
+
+        layer = assemble_layer(self.runner, self.segments, self.offsets, self.total, index, layer_of)
         self.stats.build_s += time.perf_counter() - t0
         return layer
+
+
+class RecoveringFeed:
+    """An archive feed that survives a segment failing mid-stream without restarting the fusion.
+
+    When layer l of segment S cannot be read, `recompute(S)` computes S's KV the way ingest stored it
+    (prefilled alone, after the same sink: for a lossless codec exactly the archive's bytes), S is fed
+    from memory from then on, and a fresh archive feed over layers l.. takes over the stream, so the
+    fusor receives layer l as if nothing had happened: no second plan, no layer computed twice. The
+    layers before l already came from the archive and equal what S's recomputation gives, so nothing the
+    fusion decided there (a selection at a check layer) changes. `recompute` returns None where the
+    archive's KV cannot be reproduced (a lossy codec, another sink): the failure is raised, and the
+    caller restarts the fusion without S as before. A failure of the store itself (`every`) is raised too.
+    """
+
+    def __init__(
+        self,
+        open_feed: Callable[[dict[int, list[bool]]], ArchiveFeed],
+        schedule: dict[int, list[bool]],
+        segments: Sequence[Segment],
+        recompute: Callable[[Segment], list[LayerKV] | None],
+        on_recovered: Callable[[SegmentUnavailable], None] | None = None,
+    ):
+        self._open, self._schedule, self._segments = open_feed, schedule, list(segments)
+        self._recompute, self._on_recovered = recompute, on_recovered
+        self.feed = open_feed(schedule)
+        self.stats = self.feed.stats
+        self.recovered: list[str] = []  # keys of the segments recomputed in place
+
+    @property
+    def wait_s(self) -> float:
+        return self.stats.wait_s
+
+    def layer(self, index: int) -> LayerKV:
+        while True:
+            try:
+                return self.feed.layer(index)
+            except SegmentUnavailable as exc:
+                seg = next((s for s in self._segments if s.key == exc.key and s.kv is None), None)
+                kv = None if exc.every or seg is None else self._recompute(seg)
+                if seg is None or kv is None:
+                    raise
+                seg.kv = kv
+                self.recovered.append(str(seg.key))
+                if self._on_recovered is not None:
+                    self._on_recovered(exc)
+                self.feed.close()
+                self.feed = self._open({layer: need for layer, need in self._schedule.items() if layer >= index})
+                self.feed.stats = self.stats  # one account of what loading cost, across the feeds
+                self.feed.start()
+
+    def __enter__(self) -> RecoveringFeed:
+        self.feed.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.feed.close()

@@ -2,7 +2,8 @@
 
     select_records      pinned documents / segments, else top-k retrieval
     build_prompt        instruction prefix + passages + question, prefix cache, length check
-    fuse_streaming      fuse over the archive feed; a blob that fails is recomputed instead
+    fuse_streaming      fuse over the archive feed; a blob that fails mid-stream is prefilled alone and fed
+                        from memory from that layer on (planned once), or else recomputed in the prompt
     finish_steps        the writes, queued behind the answer (writebehind.py): archive the instruction
                         prefix on first use, touch what was used, restore what could not be read
 
@@ -13,24 +14,26 @@ segment is recomputed and a warning names it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvblend.archive import SegmentRecord
+from kvblend.archive.codec import is_lossless
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
-from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
+from kvblend.feeds.archive import ArchiveFeed, RecoveringFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
-from kvblend.model.prefill import storage_dtype
+from kvblend.model.prefill import precompute_kv, storage_dtype
 from kvblend.pipeline.ingest import new_record, store_texts_steps
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
 from kvblend.prompt import assemble_prompt, segment_text_for_kv
 from kvblend.retrieval import get_embedder, top_k
-from kvblend.types import Segment, Steps, drain
+from kvblend.types import LayerKV, Segment, Steps, drain
 
 Warn = Callable[[str], None]
 
@@ -88,6 +91,7 @@ class Prepared:
     retrieval_s: float
     fusion_s: float  # from the start to the fused KV (retrieval, stored misses, streaming, fusion)
     warn: Warn
+    recovered: list[str] = field(default_factory=list)  # recomputed alone mid-fusion (in the prompt's seg.kv)
 
     @property
     def prefix_cached(self) -> bool:
@@ -120,7 +124,10 @@ def prepare_steps(
     passages, infos, record_by_key = yield from _passages(res, question, opts, warn, rows_per_step)
     t_retrieved = time.perf_counter()
     prompt = build_prompt(res, question, passages, record_by_key, opts, warn)
-    fused, unreadable = yield from fuse_streaming(res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step)
+    recovered: list[str] = []
+    fused, unreadable = yield from fuse_streaming(
+        res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step, recovered
+    )
     cached_flags = {s.key: bool(s.cached) for s in prompt}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
@@ -136,6 +143,7 @@ def prepare_steps(
         t_retrieved - t0,
         time.perf_counter() - t0,
         warn,
+        recovered,
     )
 
 
@@ -144,6 +152,11 @@ def finish_steps(res: Resources, prepared: Prepared, rows_per_step: int | None =
     the answer, archive a freshly computed instruction prefix, touch the segments used (for gc), and
     store again the passages whose KV could not be read (yielding every `rows_per_step` tokens of a layer)."""
     _record_use(res, prepared.prompt, prepared.fused, prepared.opts, prepared.warn)
+    if prepared.opts.restore_missing:
+        for seg in prepared.prompt:  # recomputed alone mid-fusion: their KV is at hand, written as is
+            if seg.key in prepared.recovered and seg.kv is not None and seg.key in prepared.record_by_key:
+                write_back(res, prepared.record_by_key[seg.key], seg.kv, prepared.warn)
+                seg.kv = None
     if prepared.unreadable and prepared.opts.restore_missing:
         records = [prepared.record_by_key[k] for k in prepared.unreadable if k in prepared.record_by_key]
         yield from restore_segments(res, records, prepared.warn, rows_per_step)
@@ -423,6 +436,40 @@ def restore_segments(
         warn(f"could not store the recomputed segments again: {exc}")
 
 
+def recompute_alone(res: Resources, rec: SegmentRecord | None) -> list[LayerKV] | None:
+    """A segment's KV as the archive held it, computed again: prefilled alone after the sink it was stored
+    under (an instruction prefix at position 0, where it was computed), in the storage dtype. None where the
+    archive's values cannot be reproduced exactly: a lossy codec (its rounding is not this), another sink."""
+    if rec is None or not is_lossless(rec.codec):
+        return None
+    if rec.extra.get("role") == "prefix":
+        sink: list[int] = []
+    elif res.prefilled_under_sink(rec.extra):
+        sink = res.sink_ids()
+    else:
+        return None
+    if len(sink) != rec.base_position:
+        return None
+    return precompute_kv(res.runner, [list(rec.token_ids)], sink or None)[0]
+
+
+def write_back(res: Resources, rec: SegmentRecord, kv: list[LayerKV], warn: Warn) -> None:
+    """Store a segment's recomputed KV again under its key and codec (a write job, run after the answer), so
+    the next query reads it; skipped while another writer holds the lock or the archive is read-only."""
+    archive = res.archive()
+    if archive.readonly:
+        return
+    fresh = new_record(
+        res.runner, rec.key, rec.text, list(rec.token_ids), res.kv_settings(rec.codec), rec.base_position
+    )
+    fresh.extra = dict(rec.extra)
+    try:
+        with archive.writer(wait=30.0):
+            archive.put_segments([(fresh, kv)], codec=rec.codec)
+    except (ArchiveBusyError, ArchiveError) as exc:  # bookkeeping: the answer stands
+        warn(f"could not store the recomputed segment {rec.key[:12]} again: {exc}")
+
+
 # ── fusion over the archive ──
 def fuse_streaming(
     res: Resources,
@@ -432,30 +479,44 @@ def fuse_streaming(
     blend_cfg: BlendConfig,
     warn: Warn,
     rows_per_step: int | None = None,
+    recovered: list[str] | None = None,
 ) -> Steps[tuple[FusionResult, list[str]]]:
-    """Fuse with the archive feed, in steps (fuse_steps); a segment whose KV fails mid-stream is recomputed
-    instead. Returns the fusion and the keys of the segments that could not be read."""
+    """Fuse with the archive feed, in steps (fuse_steps). A segment whose KV fails mid-stream is prefilled
+    alone, as ingest stored it, and fed from memory from the failed layer on (RecoveringFeed: the fusion goes
+    on, planned once); only where that cannot reproduce the archive's KV (a lossy codec, another sink) or the
+    store itself failed does the fusion start again with the segment recomputed in the prompt. Returns the
+    fusion and the keys of the segments that could not be read (those restarted without it)."""
     runner = res.runner
     unreadable: list[str] = []
     while True:
         plan = plan_prompt(prompt, opts.mode)
         schedule = feed_schedule(prompt, plan, opts.mode, blend_cfg, runner.n_layers)
-        feed = ArchiveFeed(
-            runner,
-            res.archive(),
-            prompt,
-            record_by_key,
-            plan.offsets,
+        feed = RecoveringFeed(
+            functools.partial(
+                ArchiveFeed,
+                runner,
+                res.archive(),
+                prompt,
+                record_by_key,
+                plan.offsets,
+                depth=opts.prefetch_depth,
+                overlap=opts.loader_overlap,
+            ),
             schedule,
-            depth=opts.prefetch_depth,
-            overlap=opts.loader_overlap,
+            prompt,
+            lambda seg: recompute_alone(res, record_by_key.get(str(seg.key))),
+            lambda exc: warn(f"{exc}; recomputed that segment alone and went on (run `kvblend verify --repair`)"),
         )
         try:
             with feed:
                 fused = yield from fuse_steps(runner, prompt, opts.mode, blend_cfg, feed, rows_per_step)
             fused.stream = feed.stats
+            if recovered is not None:
+                recovered.extend(feed.recovered)
             return fused, unreadable
-        except SegmentUnavailable as exc:
+        except SegmentUnavailable as exc:  # recompute_alone could not reproduce it, or the store went away
+            if recovered is not None:
+                recovered.extend(feed.recovered)
             if exc.every:
                 warn(f"{exc}; recomputing every passage")
             else:

@@ -71,3 +71,48 @@ def test_closing_the_engine_runs_the_writes_still_queued(tmp_path):
         assert engine.writes
     with engine_for(tmp_path, "a") as reopened:
         assert reopened.archive().count_segments() == len(PASSAGES) + 1  # the prefix, written on close
+
+
+def _flip_byte(archive, key: str, layer: int) -> None:
+    rec = archive.get_segment(key)
+    entry = rec.layers[layer]
+    blob = archive.path / rec.blob
+    data = bytearray(blob.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+
+def test_a_blob_damaged_at_a_middle_layer_is_recomputed_in_place_and_restored_after_the_answer(tmp_path):
+    """Layer l of a passage fails its checksum mid-fusion: the passage is prefilled alone (what ingest stored)
+    and fed from memory from layer l on. The answer is the undamaged archive's, the fusion ran once (the same
+    token-layers recomputed and layers loaded as the clean run: a restart recomputes the passage in the prompt),
+    and the passage's KV is written back after the answer, so the next query reads it from the archive."""
+    import torch
+
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+
+    def ask(engine, keys, on_warning=None):
+        opts = QueryOptions(segment_keys=keys, sampling=SamplingConfig(max_new_tokens=3))
+        return engine.query("what is alpha one", opts, on_warning=on_warning)
+
+    with engine_for(tmp_path, "a") as engine:
+        keys = [r.key for r in engine.store_texts(PASSAGES)]
+        ask(engine, keys)  # the instruction prefix is archived: both runs below read it
+        clean = ask(engine, keys)
+        archive = engine.archive()
+        middle = engine.runner.n_layers // 2
+        before = [archive.read_layer(keys[1], i) for i in range(engine.runner.n_layers)]
+        _flip_byte(archive, keys[1], middle)
+        warnings: list[str] = []
+        damaged = ask(engine, keys, on_warning=warnings.append)
+        assert [w for w in warnings if keys[1][:12] in w and "went on" in w], warnings
+        assert not any("recomputing" in w for w in warnings), warnings
+        assert damaged.generation.token_ids == clean.generation.token_ids
+        assert all(s.cached for s in damaged.segments)
+        assert damaged.fusion.recomputed_token_layers == clean.fusion.recomputed_token_layers
+        assert damaged.fusion.stream.layers_loaded == clean.fusion.stream.layers_loaded
+        restored = [archive.read_layer(keys[1], i) for i in range(engine.runner.n_layers)]  # checksums pass again
+        assert all(torch.allclose(a.float(), b.float(), atol=1e-2) for (a, _), (b, _) in zip(before, restored))
+        again = ask(engine, keys, on_warning=warnings.append)
+        assert again.generation.token_ids == clean.generation.token_ids and len(warnings) == 1
