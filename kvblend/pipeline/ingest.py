@@ -32,6 +32,7 @@ from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import IngestReport
+from kvblend.pipeline.writebehind import StagedSegment
 from kvblend.prompt import segment_text_for_kv
 from kvblend.provenance import segment_sources
 from kvblend.retrieval import get_embedder
@@ -432,3 +433,25 @@ def store_texts_steps(
             )
     stored = [archive.get_segment(k) for k, _, _ in items]
     return [rec for rec in stored if rec is not None]
+
+
+def prefill_text_steps(res: Resources, text: str, rows_per_step: int | None = None) -> Steps[StagedSegment]:
+    """One exact text prefilled alone and its record, exactly as :func:`store_texts` stores it (same key, sink,
+    KV in the storage dtype) but not stored: a query's stored miss answers from this KV and leaves the write to
+    :func:`store_prefilled`, queued behind its answer."""
+    ids = res.runner.tokenize(segment_text_for_kv(text))
+    sink = res.sink_ids()
+    kvs = yield from precompute_kv_steps(res.runner, [ids], sink_prefix=sink or None, rows_per_step=rows_per_step)
+    rec = new_record(res.runner, res.key_of(ids), text, ids, res.kv_settings(), len(sink), res.sink.value)
+    return rec, kvs[0]
+
+
+def store_prefilled(res: Resources, rec: SegmentRecord, kv: list[LayerKV]) -> SegmentRecord | None:
+    """Write a segment :func:`prefill_text_steps` computed, with its retrieval embedding (as store_texts does),
+    unless another writer stored it meanwhile; waits for the writer lock as store_texts does."""
+    archive = res.archive(create=True)
+    with archive.writer(wait=30.0):
+        if archive.has_segment(rec.key):
+            return None
+        vector = get_embedder().embed([rec.text])[0]
+        return archive.put_segments([(rec, kv)], embeddings={rec.key: vector})[0]

@@ -28,7 +28,7 @@ from kvblend.feeds.archive import ArchiveFeed, RecoveringFeed, SegmentUnavailabl
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import precompute_kv, storage_dtype
-from kvblend.pipeline.ingest import new_record, store_texts_steps
+from kvblend.pipeline.ingest import new_record, prefill_text_steps, store_prefilled, store_texts_steps
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
 from kvblend.prompt import assemble_prompt, segment_text_for_kv
@@ -300,15 +300,28 @@ def context_segment_steps(
     """A --context-file text (or a client's passage): cached if already archived, stored with --store, else
     computed.
 
+    Stored write-behind: the passage is prefilled alone (exactly what ingest would store), the answer reads
+    that KV from memory (the same values the archive would hand back, for the lossless default codec: the
+    same answer), and the write (encode, blob, index, embedding) is queued on the engine's write-behind queue,
+    after the answer. The prefill stays on the time to first token as before; the write no longer is.
+
     Storing is skipped (the text is computed in the prompt instead) while another process holds the writer
     lock past store_texts' wait, or while the store cannot be reached: an answer never fails for it.
     """
     ids = res.runner.tokenize(segment_text_for_kv(text))
     key = res.key_of(ids)
     stored = False
+    kv: list[LayerKV] | None = None
     try:
-        rec = res.archive().get_segment(key)
-        if rec is None and store:
+        archive = res.archive()
+        rec = archive.get_segment(key)
+        if rec is None and (staged := res.writes.staged(key)) is not None:
+            rec, kv = staged  # another query's stored miss, still queued to be written: a hit all the same
+        elif rec is None and store and not archive.readonly:
+            rec, kv = yield from prefill_text_steps(res, text, rows_per_step)  # what ingest would store
+            res.writes.stage(rec, kv, functools.partial(_store_miss, res, rec, kv, warn))
+            stored = True
+        elif rec is None and store:
             rec = (yield from store_texts_steps(res, [text], rows_per_step=rows_per_step))[0]
             stored = rec is not None
     except ArchiveBusyError:
@@ -318,7 +331,7 @@ def context_segment_steps(
             warn(f"{exc}; computing the passage in the prompt")
         rec = None
     cached = rec is not None
-    seg = Segment(ids, cached=cached, key=key, base_position=rec.base_position if rec else 0)
+    seg = Segment(ids, kv=kv, cached=cached, key=key, base_position=rec.base_position if rec else 0)
     return seg, SegmentInfo(key, None, len(ids), cached, stored=stored), rec
 
 
@@ -337,8 +350,8 @@ def build_prompt(
     if opts.cache_prefix:
         use_archived_prefix(res, prompt[0], record_by_key)
     check_length(res, sum(len(s.token_ids) for s in prompt), opts)
-    for seg in prompt:
-        if seg.cached and not res.archive().payload_intact(record_by_key[str(seg.key)]):
+    for seg in prompt:  # (a passage computed for this query, its KV in memory, has no blob yet)
+        if seg.cached and seg.kv is None and not res.archive().payload_intact(record_by_key[str(seg.key)]):
             seg.cached = False
             warn(
                 f"segment {str(seg.key)[:12]}: blob missing or truncated; recomputing it (run `kvblend verify "
@@ -451,6 +464,17 @@ def recompute_alone(res: Resources, rec: SegmentRecord | None) -> list[LayerKV] 
     if len(sink) != rec.base_position:
         return None
     return precompute_kv(res.runner, [list(rec.token_ids)], sink or None)[0]
+
+
+def _store_miss(res: Resources, rec: SegmentRecord, kv: list[LayerKV], warn: Warn | None) -> None:
+    """The queued write of a stored miss (see context_segment_steps); a failure is a warning (the query's, or
+    else the one whoever drains the queue gives)."""
+    try:
+        store_prefilled(res, rec, kv)
+    except (ArchiveBusyError, ArchiveError) as exc:  # the answer stands; the next query computes it again
+        if warn is None:
+            raise
+        warn(f"could not store the passage {rec.key[:12]}: {exc}")
 
 
 def write_back(res: Resources, rec: SegmentRecord, kv: list[LayerKV], warn: Warn) -> None:

@@ -19,11 +19,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from kvblend.types import Steps, drain
+from kvblend.archive import SegmentRecord
+from kvblend.types import LayerKV, Steps, drain
 
 log = logging.getLogger(__name__)
 
 Write = Steps[None]
+StagedSegment = tuple[SegmentRecord, list[LayerKV]]  # a segment's record and KV, computed, not yet written
 
 
 def closure_job(fn: Callable[[], None]) -> Write:
@@ -39,6 +41,29 @@ class WriteBehind:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: deque[Write] = deque()
+        self._staged: dict[str, StagedSegment] = {}  # segments queued to be written, readable meanwhile
+
+    def stage(self, rec: SegmentRecord, kv: list[LayerKV], write: Callable[[], None]) -> None:
+        """Queue the write of a segment computed for an answer (a stored miss), and let later queries read its
+        KV from here until it is written (a client's second request hits, as when it was written at once)."""
+        with self._lock:
+            self._staged[rec.key] = (rec, kv)
+
+        def job() -> Write:
+            try:
+                write()
+            finally:
+                with self._lock:
+                    self._staged.pop(rec.key, None)
+            return
+            yield
+
+        self.put(job())
+
+    def staged(self, key: str) -> StagedSegment | None:
+        """A segment queued to be written, with its KV, if any."""
+        with self._lock:
+            return self._staged.get(key)
 
     def put(self, job: Write) -> None:
         """Queue a job (a Steps[None]); it runs after everything queued before it."""

@@ -116,3 +116,35 @@ def test_a_blob_damaged_at_a_middle_layer_is_recomputed_in_place_and_restored_af
         assert all(torch.allclose(a.float(), b.float(), atol=1e-2) for (a, _), (b, _) in zip(before, restored))
         again = ask(engine, keys, on_warning=warnings.append)
         assert again.generation.token_ids == clean.generation.token_ids and len(warnings) == 1
+
+
+def test_a_stored_miss_answers_from_its_kv_and_is_written_after_the_answer(tmp_path):
+    """`query --context-file --store`: the passage is prefilled alone and answers from that KV; the archive
+    holds nothing new at the first token, and after the answer holds exactly what store_texts would have
+    stored (same key, same KV). The answer equals one over the passage stored beforehand."""
+    import torch
+
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+    from kvblend.pipeline.query import run_query
+
+    text = PASSAGES[1]
+    opts = QueryOptions(context_texts=[text], store_context=True, top_k=0, sampling=SamplingConfig(max_new_tokens=3))
+    with engine_for(tmp_path, "ahead") as ahead:
+        (expected_rec,) = ahead.store_texts([text])
+        expected = ahead.query("what is alpha one", opts)
+        assert [s.cached for s in expected.segments] == [True] and not expected.segments[0].stored
+        expected_kv = [ahead.archive().read_layer(expected_rec, i) for i in range(ahead.runner.n_layers)]
+    with engine_for(tmp_path, "behind") as engine:
+        archive = engine.archive()
+        counts: list[int] = []
+        result = run_query(engine, "what is alpha one", opts, lambda _: counts.append(archive.count_segments()))
+        assert counts[0] == 0 and archive.count_segments() == 0  # nothing written at the first token
+        assert [(s.cached, s.stored) for s in result.segments] == [(True, True)]
+        assert result.generation.token_ids == expected.generation.token_ids
+        engine.writes.drain()
+        rec = archive.get_segment(expected_rec.key)
+        assert rec is not None and archive.has_embedding(rec.key) and archive.count_segments() == 2  # and the prefix
+        kv = [archive.read_layer(rec, i) for i in range(engine.runner.n_layers)]
+        assert all(torch.equal(a, b) for layer, other in zip(kv, expected_kv) for a, b in zip(layer, other))
+        assert [s.cached for s in engine.query("what is alpha one", opts).segments] == [True]
