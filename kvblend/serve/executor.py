@@ -169,8 +169,10 @@ class Executor:
         out.completed.append((req, Completed(result, choices), self._after(prepared)))
 
     def _after(self, prepared: Prepared) -> Steps[None]:
-        """Bookkeeping once the client has its answer: the pipeline's (archive the instruction prefix, touch
-        what was used, store again what could not be read), then the server's (keep the archive in its bound)."""
+        """Bookkeeping once the client has its answer, a job for the engine's write-behind queue (the
+        scheduler queues it there; it runs in idle time beside the request's stored passages, queued when they
+        were prefilled): the pipeline's writes (archive the instruction prefix, touch what was used, store again
+        what could not be read), then the server's (keep the archive in its bound)."""
         yield from finish_steps(self.engine, prepared, self.rows)
         prepared.fused.kv = []  # the prefix is archived: the prompt's KV can go
         if self.after_request is not None:
