@@ -1,5 +1,5 @@
-"""A stub engine for `kvblend serve`'s app: what the routes drive (the scheduler's event-loop side: submit,
-depth, running, busy, failed), answering every request at once with scripted text instead of a model.
+"""A stub engine for `kvblend serve`'s app: what the routes drive (EngineCore's event-loop side: submit,
+depth, running, busy, failed, outcomes), answering every request at once with scripted text instead of a model.
 
 Issue 35 asks for it: what the HTTP edge decides (validation, 400/401/413/429, the error shape, the response
 and stream shapes, /metrics) needs no model, so its tests run in milliseconds over FastAPI's TestClient (or an
@@ -15,7 +15,7 @@ import openai
 from starlette.testclient import TestClient
 
 from kvblend.pipeline.results import QueryResult, SegmentInfo
-from kvblend.serve.scheduler import ChoiceResult, Completed, Job, TokenEvent
+from kvblend.serve.async_bridge import ChoiceResult, Completed, Job, TokenEvent
 from kvblend.serve.schema import ApiError, ChatRequest
 
 ANSWER = ("Hal", "ifax")  # the tokens every choice streams
@@ -45,6 +45,11 @@ class StubEngine:
     @property
     def busy(self) -> bool:
         return False
+
+    def outcomes(self) -> dict[str, int]:
+        """What the scheduler counts for /metrics: every request it took finished at once, with "stop"."""
+        done = len(self.requests)
+        return {"submitted": done, "stop": done, "length": 0, "abort": 0, "error": 0}
 
     def start(self) -> None:
         self.started = True

@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from kvblend.serve.app import create_app
 from kvblend.serve.metrics import Metrics
-from kvblend.serve.scheduler import Scheduler
+from kvblend.serve.engine_core import EngineCore
 from kvblend.serve.schema import ApiError, ChatRequest
 from serve_support import PASSAGES, ask, free_port
 
@@ -151,7 +151,7 @@ def test_the_scheduler_refuses_past_its_queue_and_batch_room_with_a_429():
     fill; one more is a 429 (no model thread runs: nothing is admitted)."""
 
     async def fill() -> ApiError:
-        scheduler = Scheduler(engine=None, max_queue=2, max_batch=1)  # type: ignore[arg-type]
+        scheduler = EngineCore(engine=None, max_queue=2, max_batch=1)  # type: ignore[arg-type]
         for _ in range(3):
             scheduler.submit(ChatRequest(question="q"))
         assert scheduler.depth == 3
@@ -234,6 +234,8 @@ def test_metrics_are_prometheus_text_and_each_app_counts_its_own():
         assert 'kvblend_requests_total{status="200"} 1.0' in reply.text
         assert 'kvblend_segments_total{source="computed"} 1.0' in reply.text
         assert "kvblend_ttft_seconds_count 1.0" in reply.text and "_created" not in reply.text
+        assert "kvblend_scheduler_submitted_total 1.0" in reply.text  # the scheduler's counts, sampled
+        assert 'kvblend_scheduler_finished_total{status="stop"} 1.0' in reply.text
         assert "kvblend_requests_total{" not in second.get("/metrics").text
 
 

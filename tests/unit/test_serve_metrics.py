@@ -25,7 +25,8 @@ def test_metrics_text_is_prometheus_exposition():
     m.request(200), m.request(200), m.request(429)
     m.answered(0.3, 0.25, ["hit", "computed", "hit"])
     m.answered(4.0, 1.1, ["computed"])
-    text = m.render(queue_depth=3, busy=True)
+    outcomes = {"submitted": 7, "stop": 3, "length": 1, "abort": 2, "error": 0}
+    text = m.render(queue_depth=3, busy=True, outcomes=outcomes)
     for line in text.splitlines():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or SAMPLE.match(line), line
     assert 'kvblend_requests_total{status="200"} 2' in text
@@ -37,6 +38,10 @@ def test_metrics_text_is_prometheus_exposition():
     assert 'kvblend_segments_total{source="computed"} 2' in text
     assert "kvblend_queue_depth 3" in text and "kvblend_busy 1" in text
     assert "# TYPE kvblend_recompute_share histogram" in text
+    assert "# TYPE kvblend_scheduler_submitted_total counter" in text and "kvblend_scheduler_submitted_total 7" in text
+    assert 'kvblend_scheduler_finished_total{status="abort"} 2' in text
+    assert 'kvblend_scheduler_finished_total{status="error"} 0' in text
+    assert "kvblend_scheduler" not in Metrics().render(queue_depth=0, busy=False)  # only once sampled
 
 
 def fake_result(stored_tokens=0, eos=False, n_tokens=4):
