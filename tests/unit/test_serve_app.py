@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from contextlib import contextmanager
 
 import openai
@@ -19,6 +20,7 @@ import uvicorn
 from serve_stub import ANSWER, StubEngine, openai_client
 from starlette.testclient import TestClient
 
+from kvblend.pipeline.writebehind import WriteBehind
 from kvblend.serve.app import create_app
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.engine_core import EngineCore
@@ -151,7 +153,8 @@ def test_the_scheduler_refuses_past_its_queue_and_batch_room_with_a_429():
     fill; one more is a 429 (no model thread runs: nothing is admitted)."""
 
     async def fill() -> ApiError:
-        scheduler = EngineCore(engine=None, max_queue=2, max_batch=1)  # type: ignore[arg-type]
+        engine = SimpleNamespace(writes=WriteBehind())  # no model: nothing is admitted, so nothing runs
+        scheduler = EngineCore(engine=engine, max_queue=2, max_batch=1)  # type: ignore[arg-type]
         for _ in range(3):
             scheduler.submit(ChatRequest(question="q"))
         assert scheduler.depth == 3
