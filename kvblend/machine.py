@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,8 +53,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# Device nodes a CUDA (NVIDIA), ROCm (AMD) or WSL GPU shows on Linux: torch.cuda sees no device without one.
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def _no_gpu_device() -> bool:
+    """True when this machine surely has no GPU torch could use: macOS, or Linux without any GPU device node.
+
+    Answering that from /dev spares commands that only read profiles (`profile --show`) importing torch,
+    which takes seconds; anywhere else torch is asked, as before.
+    """
+    if sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not any(os.path.exists(node) for node in _GPU_DEVICE_NODES)
+
+
 def gpu_name() -> str | None:
     """The first CUDA device's name, or None (no torch, no driver, or a broken CUDA install)."""
+    if _no_gpu_device():
+        return None
     try:
         import torch
 

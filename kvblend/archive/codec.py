@@ -74,7 +74,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zstandard
 
 from kvblend.archive import quant
@@ -397,6 +396,7 @@ def shuffle(t: torch.Tensor) -> torch.Tensor:
     strided copies are ~10x faster than a torch transpose of a ``[n, 2]`` uint8
     tensor, and bf16 goes through a uint8 view because numpy has no bf16.
     """
+    import numpy as np
     import torch
 
     size = t.element_size()
@@ -409,6 +409,7 @@ def shuffle(t: torch.Tensor) -> torch.Tensor:
 
 def unshuffle(planes: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """Inverse of :func:`shuffle`."""
+    import numpy as np
     import torch
 
     size = torch.empty((), dtype=dtype).element_size()

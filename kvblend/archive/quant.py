@@ -34,8 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvblend.errors import CorruptBlobError
 
 if TYPE_CHECKING:
@@ -95,6 +93,7 @@ class Quantized:
 
     def unpacked(self) -> torch.Tensor:
         """The codes as uint8 [H, n, D], one per value (int4: two contiguous uint8 passes)."""
+        import numpy as np
         import torch
 
         if self.bits == 8:

@@ -25,9 +25,7 @@ import time
 import zlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvblend.archive.codec import (
     check_codec,
@@ -38,6 +36,9 @@ from kvblend.archive.location import Location
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import ArchiveDamagedError, ArchiveError
 from kvblend.types import LayerKV
+
+if TYPE_CHECKING:
+    import numpy as np
 
 T = TypeVar("T")
 
@@ -285,6 +286,8 @@ class TunedRatio:
 
 def segment_key(fingerprint: str, token_ids: Sequence[int], settings: dict) -> str:
     """Key = hash(model fingerprint, token ids, KV-producing settings): no collisions across models."""
+    import numpy as np
+
     h = hashlib.blake2b(digest_size=20)
     h.update(fingerprint.encode())
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -398,6 +401,8 @@ def describe(record: SegmentRecord, layers: Sequence[LayerKV], codec: str) -> Se
 
 def blob_metadata(rec: SegmentRecord, model: Model, embedding: Any = None) -> dict[str, Any]:
     """What layer 0 of a blob says about its segment: every record field that is not about the tensors."""
+    import numpy as np
+
     about: dict[str, Any] = {
         "key": rec.key,
         "token_ids": rec.token_ids,
@@ -423,6 +428,8 @@ def record_from_blob(
     the payload header (``codec.describe_payload``). Raises ValueError when
     the two disagree, e.g. token ids for another number of tokens.
     """
+    import numpy as np
+
     kv_heads, n_tokens, head_dim = (int(x) for x in tensors["shape"])
     token_ids = [int(t) for t in about.get("token_ids") or []]
     if token_ids and len(token_ids) != n_tokens:

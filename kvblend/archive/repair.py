@@ -30,10 +30,9 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
-import numpy as np
 
 from kvblend.archive.blobs import (
     BLOB_DIR,
@@ -73,6 +72,9 @@ from kvblend.archive.records import (
 )
 from kvblend.archive.store import dump_json
 from kvblend.errors import ArchiveDamagedError, ArchiveError, CorruptBlobError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LOST_AND_FOUND = "lost+found"
 

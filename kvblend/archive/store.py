@@ -41,12 +41,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvblend.archive.records import SegmentRecord, load_record
 from kvblend.errors import ArchiveDamagedError, ArchiveError, CorruptBlobError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 T = TypeVar("T")
 
@@ -67,11 +68,15 @@ def load_json(raw: bytes | memoryview | None) -> Any:
 
 def embedding_bytes(vector: Any) -> bytes:
     """A retrieval embedding as stored: float32 little-endian raw bytes."""
+    import numpy as np
+
     return np.ascontiguousarray(np.asarray(vector, dtype="<f4").reshape(-1)).tobytes()
 
 
 def embedding_matrix(rows: Sequence[tuple[str, bytes]]) -> tuple[list[str], np.ndarray]:
     """(keys, [n, dim] float32) from stored rows; one embedder per archive."""
+    import numpy as np
+
     if not rows:
         return [], np.zeros((0, 0), dtype=np.float32)
     if len({len(v) for _, v in rows}) != 1:

@@ -29,8 +29,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvblend.defaults import DEFAULT_RATIO
 
 MB = 1e6
@@ -65,6 +63,8 @@ def fit_cost_model(lengths: Sequence[float], seconds: Sequence[float]) -> CostMo
     Rows are divided by the measured time so short and long contexts count
     equally; a negative coefficient (noise) is dropped and the other refitted.
     """
+    import numpy as np
+
     if len(lengths) != len(seconds) or not lengths:
         raise ValueError("need matching, non-empty lengths and timings")
     L = np.asarray(lengths, dtype=np.float64)

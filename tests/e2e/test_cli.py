@@ -68,7 +68,10 @@ def test_reingest_unchanged_never_loads_the_model(archive, tmp_path):
 
 def test_query_json_and_the_prefix_cache(archive, tmp_path):
     """`query --json` carries every documented field; the instruction prefix is archived by the
-    first query and reused by the next, unless `--no-prefix-cache`; `-v` adds the timing table."""
+    first query and reused by the next, unless `--no-prefix-cache`; `-v` adds the timing table.
+    Then `--dtype bf16` over the same archive (ingested in fp32, KV stored fp16): the passages' KV is reused
+    (converted), while the instruction prefix, exact KV, is not fp32's: bf16 archives one under its own key and
+    reuses that. (One archive, one test: each query is a model load.)"""
     arc = tmp_path / "arc"
     shutil.copytree(archive / "arc", arc)
     question = "Who manages the plant where the Tern-4 sonar is built?"
@@ -89,22 +92,11 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     off = json.loads(run(*base, "--no-prefix-cache", check=True).stdout)
     assert not off["prefix_cached"] and off["recomputed_tokens"] == first["recomputed_tokens"]
 
-
-def test_bf16_queries_reuse_fp16_segments_and_key_their_own_prefix(archive, tmp_path):
-    """`--dtype bf16` over an archive ingested in fp32 (KV stored fp16): the passages' KV is reused (converted),
-    while the instruction prefix, exact KV, is archived under a bf16 key of its own and left alone by fp32."""
-    arc = tmp_path / "arc"
-    shutil.copytree(archive / "arc", arc)
-    question = "Who manages the plant where the Tern-4 sonar is built?"
-    # hkvd selects the same tokens with the prefix cached or not; the probe's budget moves with it (test_query.py)
-    base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--select", "hkvd", "--json")
-    first = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
-    assert first["answer"].strip() and all(s["cached"] for s in first["segments"])
-    assert not first["prefix_cached"]
-    again = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
-    assert again["prefix_cached"] and again["answer"] == first["answer"]
-    fp32 = json.loads(run(*base, "--dtype", "fp32", check=True).stdout)
-    assert not fp32["prefix_cached"]  # the bf16 prefix is not fp32's: it computes (and archives) its own
+    bf16 = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
+    assert bf16["answer"].strip() and all(s["cached"] for s in bf16["segments"])
+    assert not bf16["prefix_cached"]  # the fp32 prefix is not bf16's: it computes (and archives) its own
+    bf16_again = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)
+    assert bf16_again["prefix_cached"] and bf16_again["answer"] == bf16["answer"]
 
 
 def test_ls_stats_show_json(archive):
@@ -213,7 +205,7 @@ def test_kill_9_during_real_ingest_loses_nothing_committed(tmp_path):
 
     docs = tmp_path / "docs"
     docs.mkdir()
-    for name in sorted(p.name for p in DOCS.glob("*.md"))[:6]:  # ~3,000 tokens: 8 batches, 3 of them killed
+    for name in sorted(p.name for p in DOCS.glob("*.md"))[:6]:  # ~3,000 tokens: 8 batches, 2 of them killed
         shutil.copy(DOCS / name, docs / name)
     arc = tmp_path / "arc"
     args = [*kvblend_script(), "ingest", str(docs), "--archive", str(arc), "--chunk-tokens", "96",
@@ -227,7 +219,8 @@ def test_kill_9_during_real_ingest_loses_nothing_committed(tmp_path):
             return set()
 
     seen: set[str] = set()
-    for extra_delay in (0.0, 0.4, 1.1):  # right after a commit, then somewhere inside the next batch
+    # right after a commit, then inside the next batch (each kill costs a model load: two points, not more)
+    for extra_delay in (0.0, 0.6):
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240
         while len(committed()) <= len(seen) and proc.poll() is None and time.monotonic() < deadline:

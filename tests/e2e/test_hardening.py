@@ -34,6 +34,15 @@ def built(tmp_path_factory) -> Path:
     return root / "arc"
 
 
+@pytest.fixture(scope="module")
+def first_answer(built, tmp_path_factory) -> dict:
+    """`query --no-prefix-cache` on an untouched copy of `built`: the answer the damaged copies must give again
+    once rebuilt (computed once for the module; each model load costs seconds)."""
+    arc = tmp_path_factory.mktemp("hard-first") / "arc"
+    shutil.copytree(built, arc)
+    return json.loads(_query(arc, "--no-prefix-cache").stdout)
+
+
 def _query(arc, *extra, runner=run_cli):
     return runner("query", QUESTION, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json", *extra)
 
@@ -52,10 +61,10 @@ def test_query_on_an_archive_the_user_cannot_write(built):
             assert snapshot(arc) == before  # no usage counts, no prefix stored: nothing written
 
 
-def test_lost_index_rebuilt_then_query_answers_the_same(built, tmp_path):
+def test_lost_index_rebuilt_then_query_answers_the_same(built, first_answer, tmp_path):
     arc = tmp_path / "arc"
     shutil.copytree(built, arc)
-    first = json.loads(_query(arc, "--no-prefix-cache").stdout)
+    first = first_answer
     (arc / "index" / "data.mdb").unlink()
     line = one_line_error(_query(arc))
     assert "damaged" in line and "--rebuild-index" in line
@@ -69,13 +78,13 @@ def test_lost_index_rebuilt_then_query_answers_the_same(built, tmp_path):
     assert all(s["cached"] for s in result["segments"])  # embeddings and KV came back from the blobs
 
 
-def test_garbled_index_pages_are_one_line_for_query_and_the_rebuild_answers_again(built, tmp_path):
+def test_garbled_index_pages_are_one_line_for_query_and_the_rebuild_answers_again(built, first_answer, tmp_path):
     """The corruption users hit: bytes 16..4095 of index pages overwritten. LMDB followed the garbage and `query`
     died of SIGBUS after its first token (the usage-count write); now it stops at once in one line, names the
     repair, and after `verify --rebuild-index` answers as before."""
     arc = tmp_path / "arc"
     shutil.copytree(built, arc)
-    first = json.loads(_query(arc, "--no-prefix-cache").stdout)
+    first = first_answer
     data = arc / "index" / "data.mdb"
     with open(data, "r+b") as f:
         for page in index_pages(data)[0][1:]:  # every tree page but the main tree's root
