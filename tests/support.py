@@ -166,3 +166,14 @@ def cached_prompt(runner, chunk_lengths: list[int]) -> list:
     segs = [Segment(random_tokens(6, 1), key="prefix")]
     segs += [Segment(c, kv=kv, key=f"chunk{i}") for i, (c, kv) in enumerate(zip(chunks, kvs))]
     return segs + [Segment(random_tokens(8, 2), key="question")]
+
+
+def flip_layer_byte(archive, key_or_record, layer: int) -> None:
+    """Flip one byte in the middle of a segment's stored layer, as a bit rot or a torn write would: the layer's
+    checksum then fails when it is read (the archive's blob file is edited in place, its record left as it was)."""
+    rec = archive.get_segment(key_or_record) if isinstance(key_or_record, str) else key_or_record
+    entry = rec.layers[layer]
+    blob = archive.path / rec.blob
+    data = bytearray(blob.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))

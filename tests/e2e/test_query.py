@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support import flip_layer_byte
 
 from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
@@ -104,14 +105,6 @@ def test_streamed_blend_equals_in_memory_blend(engine, overlap):
         assert torch.equal(local.last_logits, streamed.fusion.last_logits)
 
 
-def _flip_byte(archive, key: str, layer: int) -> None:
-    rec = archive.get_segment(key)
-    entry = rec.layers[layer]
-    blob = archive.path / rec.blob
-    data = bytearray(blob.read_bytes())
-    data[entry.offset + entry.length // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-
 
 def test_corrupt_blob_mid_fusion_is_recomputed_in_place_answering_as_the_undamaged_archive(engine):
     """A bit flip in a middle layer is caught by its checksum while streaming: the segment is prefilled alone
@@ -122,7 +115,7 @@ def test_corrupt_blob_mid_fusion_is_recomputed_in_place_answering_as_the_undamag
     engine.query(QUESTION, opts)  # the instruction prefix is archived: both runs below read it
     clean = engine.query(QUESTION, opts)
     victim = clean.segments[1].key
-    _flip_byte(engine.archive(), victim, engine.runner.n_layers // 2)
+    flip_layer_byte(engine.archive(), victim, engine.runner.n_layers // 2)
     warnings: list[str] = []
     damaged = engine.query(QUESTION, opts, on_warning=warnings.append)
     assert [w for w in warnings if victim[:12] in w and "went on" in w] and len(warnings) == 1, warnings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import cached_prompt, tiny_runner
+from support import cached_prompt, flip_layer_byte, tiny_runner
 from kvblend.archive import Archive, SegmentRecord
 from kvblend.feeds.archive import ArchiveFeed, SegmentUnavailable
 from kvblend.feeds.memory import InMemoryFeed
@@ -124,13 +124,6 @@ def test_archive_feed_streams_exactly_the_in_memory_layers(runner, prompt, archi
     assert torch.equal(local.last_logits, remote.last_logits)
 
 
-def _flip_byte(archive: Archive, rec: SegmentRecord, layer: int) -> None:
-    entry = rec.layers[layer]
-    blob = archive.path / rec.blob
-    data = bytearray(blob.read_bytes())
-    data[entry.offset + entry.length // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["built-ahead", "built-on-demand"])
 @pytest.mark.parametrize("damage", ["bitflip", "missing"])
@@ -138,7 +131,7 @@ def test_a_damaged_blob_raises_segment_unavailable_naming_it(runner, prompt, arc
     records = store(runner, archive, prompt)
     victim = records["chunk1"]
     if damage == "bitflip":
-        _flip_byte(archive, victim, 2)
+        flip_layer_byte(archive, victim, 2)
     else:
         (archive.path / victim.blob).unlink()
     plan = plan_prompt(prompt, "reuse")

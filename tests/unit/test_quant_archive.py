@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from support import cached_prompt, one_line_error, random_tokens, run_cli, tiny_runner
+from support import cached_prompt, flip_layer_byte, one_line_error, random_tokens, run_cli, tiny_runner
 from kvblend.archive import SegmentRecord
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.feeds.archive import ArchiveFeed
@@ -99,20 +99,13 @@ def test_lossy_codecs_get_keys_of_their_own(engine):
     assert len({keys["lossless"], keys["int8"], keys["int4"]}) == 3
 
 
-def _flip_byte(archive, rec: SegmentRecord, layer: int) -> None:
-    entry = rec.layers[layer]
-    blob = archive.path / rec.blob
-    data = bytearray(blob.read_bytes())
-    data[entry.offset + entry.length // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-
 
 def test_corrupt_quantized_blob_is_found_by_verify_and_recomputed_by_query(runner, prompt, engine):
     archive = engine.archive()
     records = store_mixed(runner, archive, prompt)
     report = archive.verify(deep=True)
     assert report.ok and report.codecs == {"zstd-shuffle": 1, "int8": 1, "int4": 1}
-    _flip_byte(archive, records["chunk2"], 2)
+    flip_layer_byte(archive, records["chunk2"], 2)
     for deep in (False, True):
         report = archive.verify(deep=deep)
         assert [(p.key, p.layer) for p in report.problems] == [("chunk2", 2)]

@@ -3,6 +3,7 @@ through the engine's one queue, and a write that fails is a warning, never a los
 
 from __future__ import annotations
 
+from support import flip_layer_byte
 from test_fusor_fixes import PASSAGES, engine_for
 
 from kvblend.pipeline.writebehind import WriteBehind
@@ -73,14 +74,6 @@ def test_closing_the_engine_runs_the_writes_still_queued(tmp_path):
         assert reopened.archive().count_segments() == len(PASSAGES) + 1  # the prefix, written on close
 
 
-def _flip_byte(archive, key: str, layer: int) -> None:
-    rec = archive.get_segment(key)
-    entry = rec.layers[layer]
-    blob = archive.path / rec.blob
-    data = bytearray(blob.read_bytes())
-    data[entry.offset + entry.length // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-
 
 def test_a_blob_damaged_at_a_middle_layer_is_recomputed_in_place_and_restored_after_the_answer(tmp_path):
     """Layer l of a passage fails its checksum mid-fusion: the passage is prefilled alone (what ingest stored)
@@ -103,7 +96,7 @@ def test_a_blob_damaged_at_a_middle_layer_is_recomputed_in_place_and_restored_af
         archive = engine.archive()
         middle = engine.runner.n_layers // 2
         before = [archive.read_layer(keys[1], i) for i in range(engine.runner.n_layers)]
-        _flip_byte(archive, keys[1], middle)
+        flip_layer_byte(archive, keys[1], middle)
         warnings: list[str] = []
         damaged = ask(engine, keys, on_warning=warnings.append)
         assert [w for w in warnings if keys[1][:12] in w and "went on" in w], warnings
