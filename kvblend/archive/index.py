@@ -250,21 +250,22 @@ class Index:
     def refuse_unclean(self) -> None:
         """At open, before LMDB reads a page: walk the file (ArchiveDamagedError naming the first problem) unless
         it is in a state a kvblend writer stamped after its commit, or this process already checked."""
-        now = identity(self.data)
-        if now is not None and now != self._known and now != read_stamp(self.path):
-            problems = self.problems()
-            if problems:
-                raise damaged(self.root, f"its index is corrupted ({problems[0]})")
-        self._known = now
+        self._walk_unless_known(self.problems)
 
     def _refuse_unchecked_changes(self) -> dict[str, Any] | None:
         """Inside a write transaction, before ``fn`` touches a page: a file changed since this process last knew
         it sound, and not by a stamped kvblend commit, is walked first (LMDB would follow a garbage pointer and
         kill the process mid-commit). The transaction is held, so no writer moves the snapshot meanwhile; a
-        damaged page aborts it and nothing is written. The usual case costs one stat."""
+        damaged page aborts it and nothing is written."""
+        return self._walk_unless_known(lambda: file_problems(self.data))
+
+    def _walk_unless_known(self, walk: Callable[[], list[str]]) -> dict[str, Any] | None:
+        """The file's identity now, after walking it (ArchiveDamagedError naming the first problem) unless this
+        process already knew this state sound or a kvblend writer stamped it after its commit. The usual case
+        costs one stat."""
         now = identity(self.data)
         if now is not None and now != self._known and now != read_stamp(self.path):
-            problems = file_problems(self.data)
+            problems = walk()
             if problems:
                 raise damaged(self.root, f"its index is corrupted ({problems[0]})")
         self._known = now
