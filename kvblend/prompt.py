@@ -48,7 +48,7 @@ def split_template(runner: ModelRunner, template: PromptTemplate, question: str)
         messages.insert(0, {"role": "system", "content": template.system})
     tok = runner.tokenizer
     if getattr(tok, "chat_template", None):
-        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
     else:  # base models: plain text, after the BOS their tokenizer would add (Gemma is lost without it)
         rendered = _bos_text(tok) + (template.system + "\n\n" if template.system else "") + user
         # a completion to continue: the answer comes after "Answer:" (and ends at its line, see stop_token_ids)
@@ -66,7 +66,7 @@ def _bos_text(tokenizer) -> str:
     bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
     if not bos or bos_id is None:
         return ""
-    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    ids = tokenizer.encode("x", add_special_tokens=True)
     return bos if ids and ids[0] == bos_id else ""
 
 

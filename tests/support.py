@@ -77,12 +77,10 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def tiny_runner(arch: str, seed: int = 0):
-    """A layer-by-layer runner over a tiny random-weight model of `arch` (no download)."""
+def tiny_reference(arch: str, seed: int = 0):
+    """transformers' own model of `arch` with random weights: what `tiny_runner(arch, seed)` must compute."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from kvblend.model import ModelRunner
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
@@ -91,7 +89,41 @@ def tiny_runner(arch: str, seed: int = 0):
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
-    return ModelRunner(model, None, name=f"tiny-{arch}")
+    return model
+
+
+def native_model(hf_model):
+    """kvblend's Transformer holding a transformers model's weights and config (as a checkpoint would)."""
+    from kvblend.model.config import ModelConfig
+    from kvblend.model.transformer import Transformer
+
+    config = ModelConfig.from_dict(hf_model.config.to_dict())
+    tensors = {name: t.detach().clone() for name, t in hf_model.state_dict().items()}
+    return Transformer.from_state_dict(config, tensors).to(next(hf_model.parameters()).dtype)
+
+
+def tiny_runner(arch: str, seed: int = 0):
+    """A layer-by-layer runner over a tiny random-weight model of `arch` (no download)."""
+    from kvblend.model import ModelRunner
+
+    reference = tiny_reference(arch, seed)
+    runner = ModelRunner(native_model(reference), None, name=f"tiny-{arch}")
+    runner.reference = reference  # type: ignore[attr-defined]  # the same weights in transformers, to compare with
+    return runner
+
+
+def reference_checkpoint(runner):
+    """transformers' own model of a runner loaded by load_model (the converted GGUF, for the bundled model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvblend.model.loading import _cache_candidates
+
+    for base in _cache_candidates():
+        directory = base / f"{runner.name}-{runner.fingerprint}"
+        if (directory / "config.json").is_file():
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    raise FileNotFoundError(f"no converted checkpoint of {runner.name}")
 
 
 def kvblend_script() -> list[str]:

@@ -147,8 +147,6 @@ def fuse_steps(
     device = runner.device
     cached_mask = plan.cached_mask.to(device)
     n_cached = int(cached_mask.sum())
-    if n_cached:
-        runner.check_reusable_rope()
     schedule = feed_schedule(segments, plan, mode, blend, runner.n_layers)
     if n_cached and feed is None:
         feed = InMemoryFeed(runner, segments, plan.offsets, schedule)

@@ -236,9 +236,11 @@ def token_bytes(tokenizer: Any, token: int) -> list[int]:
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]  # the rest stand for themselves + 256, in order
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -1,7 +1,10 @@
-"""The model layer: a Hugging Face causal LM run one decoder layer at a time.
+"""The model layer: a causal LM run one decoder layer at a time, with no transformers at run time.
 
     source.py     where the weights are and what identifies them (no torch)
-    loading.py    device/dtype choice, GGUF conversion, load_model
+    config.py     config.json → ModelConfig (no torch)
+    transformer.py  the decoder's modules, loaded from safetensors under the checkpoint's names
+    tokenizer.py  tokenizer.json + the chat template
+    loading.py    device/dtype choice, GGUF conversion (the only use of transformers), load_model
     runner.py     ModelRunner: embed → (project_qkv → attend → finish_layer)* → logits
     attention.py  the attention kernels the runner chooses between
     rope.py       RoPE, and re-rotating archived K to a new position

@@ -1,7 +1,8 @@
 """Loading a checkpoint as a ModelRunner: device and dtype choice, GGUF conversion, architecture check.
 
-transformers is imported inside the functions that load weights: picking a device
-or a dtype (the tune and bench commands do) must not pay for its import.
+transformers is imported only to de-quantise a GGUF into a safetensors checkpoint,
+once per file (the result is kept in the model cache); every later load reads
+that checkpoint without it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from kvblend.errors import ModelNotFoundError, UsageError
+from kvblend.model.config import ModelConfig
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import (
     SUPPORTED_ARCHITECTURES,
@@ -27,6 +29,8 @@ from kvblend.model.source import (
     resolve_model_source,
     source_fingerprint,
 )
+from kvblend.model.tokenizer import TextTokenizer
+from kvblend.model.transformer import Transformer, read_safetensors
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -60,27 +64,25 @@ def pick_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
 
 
 def load_model(model: str | None = None, compute: str | None = None, dtype: str | None = None) -> ModelRunner:
-    """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner.
 
-    hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
-    hf_logging.set_verbosity_error()
+    config.json, safetensors and tokenizer.json are read directly (kvblend.model.config,
+    .transformer, .tokenizer); transformers is imported only to convert a GGUF the first time.
+    """
     source = resolve_model_source(model)
     if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
         check_gguf_architecture(source.directory / source.gguf_file)
     fingerprint = source_fingerprint(source)
     with _unreadable_checkpoint(source):
         directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory
-        config = AutoConfig.from_pretrained(directory)
-    check_architecture(config)
+        config = ModelConfig.read(directory)  # refuses an architecture or RoPE we cannot run, before any weights
     device = pick_compute_device(compute)
     torch_dtype = pick_dtype(device, dtype)
     with _unreadable_checkpoint(source):
-        hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    hf_model.to(device).eval()
-    return ModelRunner(hf_model, tokenizer, name=source.name, fingerprint=fingerprint)
+        tokenizer = TextTokenizer.read(directory)
+        weights = Transformer.from_state_dict(config, read_safetensors(directory))
+    weights.to(device=device, dtype=torch_dtype)
+    return ModelRunner(weights, tokenizer, name=source.name, fingerprint=fingerprint)
 
 
 @contextmanager
@@ -132,7 +134,10 @@ def _own_or_configured(base: Path) -> bool:
 def _convert_gguf(source: ModelSource, target: Path) -> Path:
     """De-quantise the GGUF into an HF checkpoint at `target` (staged, then renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
+    hf_logging.set_verbosity_error()
     with _gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)

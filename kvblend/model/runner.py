@@ -1,10 +1,10 @@
-"""Run a Hugging Face causal LM one decoder layer at a time.
+"""Run a causal LM one decoder layer at a time: this file is the forward pass.
 
 CacheBlend needs to stop between layers (to pick HKVD tokens, to patch cached
 KV, to wait for the next layer's KV from disk), which `model.forward` cannot do.
-So the runner re-expresses a decoder layer as three steps, all built from the
-model's *own* modules so that weights, norms, biases and the rotary embedding
-(rope scaling included) are exactly the checkpoint's:
+So the runner expresses a decoder layer as three steps over the checkpoint's
+modules (kvblend.model.transformer: weights, norms, biases and rotary tables
+under the checkpoint's own names):
 
     h ─► input_layernorm ─► q/k/v proj (+q_norm/k_norm) ─► RoPE     = project_qkv
       ─► attention of the chosen queries over the layer's full KV   = attend
@@ -48,8 +48,8 @@ from kvblend.model.attention import (
     last_query,
     sparse_queries,
 )
+from kvblend.model.config import ModelConfig
 from kvblend.model.rope import Rotations, apply_rope, rotate_k
-from kvblend.model.source import check_architecture
 from kvblend.types import LayerKV, Steps, drain
 
 
@@ -57,7 +57,7 @@ from kvblend.types import LayerKV, Steps, drain
 class ModelRunner:
     """A causal LM, exposed as embed → per-layer (project_qkv, attend, finish_layer) → logits."""
 
-    model: Any  # a transformers *ForCausalLM: its submodules are reached by name, so typed loosely
+    model: Any  # a kvblend.model.transformer.Transformer: its submodules are reached by the checkpoint's names
     tokenizer: Any = None  # optional for pure-tensor use (tests); needed to tokenize and decode
     name: str = "model"
     fingerprint: str = ""
@@ -65,19 +65,19 @@ class ModelRunner:
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.arch = check_architecture(self.model.config, type(self.model).__name__)
-        cfg = self.model.config
-        self.config: Any = cfg
+        cfg: ModelConfig = self.model.config
+        self.arch = cfg.architecture
+        self.config = cfg
         self.decoder: Any = self.model.model
         self.layers: list[Any] = list(self.decoder.layers)
         self.n_layers = len(self.layers)
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-        self._windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        self.max_positions = cfg.max_position_embeddings
+        self._windows = [cfg.window(i) for i in range(self.n_layers)]
         # Short local windows between global layers (Gemma 2/3): a passage past the first window never sees
         # the prompt's start in a local layer. A uniform window (Mistral's 4,096) covers whole prompts.
         self._mixes_windows = len(set(self._windows)) > 1 and None in self._windows
@@ -85,32 +85,17 @@ class ModelRunner:
         self._blocks = QueryBlockPlanner(self.dtype)
         self._bias_memo: dict = {}
         rotary = self.decoder.rotary_emb
-        # RoPE kinds: one per distinct layer type in models whose rotary embedding takes one (Gemma 3's local
-        # layers rotate with base 10k, its global ones with 1M), else a single kind for every layer.
-        layer_types = list(getattr(cfg, "layer_types", None) or [])
-        if getattr(rotary, "layer_types", None) and layer_types:
-            self._rope_kinds: list[str | None] = list(rotary.layer_types)
-            self._layer_kind = [self._rope_kinds.index(t) for t in layer_types]
-            scales = [float(getattr(rotary, f"{t}_attention_scaling", 1.0) or 1.0) for t in self._rope_kinds]
-        else:
-            self._rope_kinds = [None]
-            self._layer_kind = [0] * self.n_layers
-            scales = [float(getattr(rotary, "attention_scaling", 1.0) or 1.0)]
+        # RoPE kinds: one per layer type (Gemma 3's local layers rotate with base 10k, its global ones with 1M).
+        self._n_kinds = len(rotary.kinds)
+        self._layer_kind: list[int] = list(rotary.layer_kind)
         # Re-rotation tables come from fp32 cos/sin: taken in a 16-bit compute dtype they would be
         # rounded before the fp32 rotation (bf16 keeps 8 bits: errors of 1e-2 on K).
-        self._rotations = Rotations(lambda positions: self.rope(positions, torch.float32), scales, self.head_dim)
-        self.rope_type = _rope_type(rotary)
+        self._rotations = Rotations(
+            lambda positions: self.rope(positions, torch.float32), rotary.attention_scaling, self.head_dim
+        )
         # Gemma's sandwich norms around attention and MLP (finish_layer); Gemma 2-style logit soft-capping.
         self._sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
-        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
-
-    def _sliding_window(self, layer: int) -> int | None:
-        attn = self.layers[layer].self_attn
-        if hasattr(attn, "sliding_window"):
-            return attn.sliding_window
-        if self.arch == "MistralForCausalLM":
-            return getattr(self.config, "sliding_window", None)
-        return None
+        self._final_softcap = cfg.final_logit_softcapping
 
     @property
     def dtype_name(self) -> str:
@@ -122,14 +107,12 @@ class ModelRunner:
     def stop_token_ids(self) -> set[int]:
         """EOS and end-of-turn ids: generation stops on any of them."""
         ids: set[int] = set()
-        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
+        ids.update(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
         for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<end_of_turn>"):
             tid = self.tokenizer.convert_tokens_to_ids(marker)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+            if tid is not None and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)
         if not getattr(self.tokenizer, "chat_template", None):
             # A base model answers a completion prompt ("...Answer:") on one line, then goes on to write
@@ -143,7 +126,7 @@ class ModelRunner:
 
     def tokenize(self, text: str) -> list[int]:
         """Tokens of a text fragment, no special tokens added (fragments are concatenated)."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))
@@ -161,30 +144,17 @@ class ModelRunner:
         [B, T, kinds·head_dim]: callers index and slice positions as for one kind, and the layer's own
         kind is picked where it is applied (project_qkv)."""
         probe = torch.empty(0, device=self.device, dtype=dtype or self.dtype)
-        if self._rope_kinds == [None]:  # a rotary embedding that takes no layer type
-            return self.decoder.rotary_emb(probe, positions)
-        tables = [self.decoder.rotary_emb(probe, positions, kind) for kind in self._rope_kinds]
+        tables = [self.decoder.rotary_emb(probe, positions, kind) for kind in range(self._n_kinds)]
+        if len(tables) == 1:
+            return tables[0]
         return torch.cat([c for c, _ in tables], dim=-1), torch.cat([s for _, s in tables], dim=-1)
 
     def _layer_rope(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's part of a `rope()` table (the whole table for a one-kind model)."""
-        if len(self._rope_kinds) == 1:
+        if self._n_kinds == 1:
             return cos, sin
         part = slice(self._layer_kind[layer] * self.head_dim, (self._layer_kind[layer] + 1) * self.head_dim)
         return cos[..., part], sin[..., part]
-
-    def check_reusable_rope(self) -> None:
-        """Refuse RoPE whose frequencies depend on the sequence length (dynamic NTK, longrope).
-
-        A segment prefilled alone is short; in the prompt it is part of a long sequence, where
-        such RoPE uses other frequencies: no rotation by Δ turns one into the other, so reused
-        K would be silently wrong. Only `full` (which reuses nothing) can run such models.
-        """
-        if any("dynamic" in t or t == "longrope" for t in self.rope_type):
-            raise UsageError(
-                f"{self.name}: its RoPE ({', '.join(sorted(set(self.rope_type)))}) changes frequencies with the "
-                "sequence length, so KV prefilled alone cannot be re-positioned exactly; use --mode full"
-            )
 
     def project_qkv(
         self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -387,12 +357,6 @@ def _after_past(past: list[LayerKV] | None, layer: int, k: torch.Tensor, v: torc
         torch.cat([past_k.unsqueeze(0).expand(rows, -1, -1, -1), k], dim=2),
         torch.cat([past_v.unsqueeze(0).expand(rows, -1, -1, -1), v], dim=2),
     )
-
-
-def _rope_type(rotary_emb: torch.nn.Module) -> tuple[str, ...]:
-    """The rotary embedding's rope type(s) (per layer type in models that mix them)."""
-    kind = getattr(rotary_emb, "rope_type", "default") or "default"
-    return tuple(kind.values()) if isinstance(kind, dict) else (str(kind),)
 
 
 def row_chunks(n: int, rows: int | None) -> list[slice]:

@@ -26,17 +26,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib.resources import as_file, files
 from importlib.resources.abc import Traversable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvblend.defaults import DEFAULT_SELECT
 from kvblend.errors import UsageError
-from kvblend.evaluation.harness import MemoryKV, PromptTooLong, RecordRunner, Reference
-from kvblend.evaluation.metrics import f1_score
 from kvblend.evaluation.records import QARecord, load_records
 from kvblend.evaluation.specs import RunRecord, RunSpec
 from kvblend.prompt import MUSIQUE_TEMPLATE
 from kvblend.tuning.delay import RatioQuality, passes_bounds
 from kvblend.types import Segment
+
+if TYPE_CHECKING:  # the harness imports torch: `tune`'s option checks and stored settings must not wait for it
+    from kvblend.evaluation.harness import MemoryKV, RecordRunner, Reference
 
 SWEEP_MAX_NEW_TOKENS = 16
 
@@ -120,6 +121,9 @@ def _references(
     rr: RecordRunner, records: Sequence[QARecord], log: Log, archived: ArchivedPassage | None = None
 ) -> tuple[list[_Case], list[float]]:
     """Full (the reference) and reuse on every record that fits; the cases and reuse's KLs."""
+    from kvblend.evaluation.harness import PromptTooLong
+    from kvblend.evaluation.metrics import f1_score
+
     cases, reuse_kls = [], []
     for n, rec in enumerate(records):
         memory = _archived_memory(rec, archived)
@@ -137,6 +141,8 @@ def _references(
 
 
 def _ratio_quality(cases: list[_Case], runs: list[RunRecord], full_f1: float) -> RatioQuality:
+    from kvblend.evaluation.metrics import f1_score
+
     mean = statistics.fmean
     kls = [r.kl_vs_full for r in runs]
     f1s = [f1_score(r.answer, r.golds) for r in runs]
@@ -168,6 +174,8 @@ def measure_quality(
     from the largest down and stop after the first that fails (no smaller ratio
     can be the floor then). Ratios never run are listed in ``skipped``.
     """
+    from kvblend.evaluation.harness import RecordRunner
+
     log = log or (lambda _msg: None)
     started = time.perf_counter()
     rr = RecordRunner(runner, MUSIQUE_TEMPLATE, max_new_tokens, answer_kl_tokens=0, reference_spec=FULL_IN_MEMORY)

@@ -22,8 +22,6 @@ from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_RATIO, DEFAULT_SELECT
 from kvblend.errors import CorruptBlobError, UsageError
 from kvblend.evaluation.records import QARecord
 from kvblend.machine import machine_info
-from kvblend.model import load_model
-from kvblend.model.loading import pick_compute_device
 from kvblend.model.source import resolve_model_source, source_fingerprint
 from kvblend.options import Select, choice
 from kvblend.tuning.archive_prompts import archive_calibration
@@ -305,6 +303,8 @@ def _quality_floor(
     records = calibration.records
     ratios = ", ".join(f"{r:g}" for r in req.ratios)
     log(f"calibration ({calibration.source}): {len(records)} prompts × ratios {ratios} vs full")
+    from kvblend.model import load_model  # torch: only once the options and the archive have been checked
+
     runner = load_model(req.model, req.compute)
     quality = measure_quality(
         runner,
@@ -380,6 +380,8 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
         raise UsageError(f"no archive at {path}: run `kvblend profile` first")
     source = resolve_model_source(req.model)
     fingerprint = source_fingerprint(source)
+    from kvblend.model.loading import pick_compute_device  # torch: after the checks above, which need none
+
     compute = pick_compute_device(req.compute).type
     with Archive.open(path, create=False, model_name=source.name, model_fingerprint=fingerprint) as ar:
         stored = [Profile.from_dict(p, name) for name, p in ar.iter_profiles()]

@@ -84,7 +84,12 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     assert first["mode"] == "blend" and first["ratio"] == DEFAULT_RATIO and not first["prefix_cached"]
     assert len(first["segments"]) == 3 and all(s["cached"] for s in first["segments"])
     assert {"key", "document", "tokens", "cached"} <= set(first["segments"][0])
-    second = run(*base, "-v", check=True)
+    # A query runs on kvblend's own forward pass, tokenizer and embedder: transformers (~5 s to import) is
+    # needed only to convert a GGUF the first time, so here a transformers that refuses to import changes nothing.
+    poisoned = tmp_path / "poisoned"
+    (poisoned / "transformers").mkdir(parents=True)
+    (poisoned / "transformers" / "__init__.py").write_text('raise ImportError("transformers was imported")\n')
+    second = run(*base, "-v", check=True, env={"PYTHONPATH": str(poisoned)})
     again = json.loads(second.stdout)
     assert again["prefix_cached"] and again["answer"] == first["answer"]
     assert again["recomputed_tokens"] < first["recomputed_tokens"]

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from support import DOCS, QUESTIONS, kvblend_script
+from support import DOCS, QUESTIONS, kvblend_script, reference_checkpoint
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import SamplingConfig, generate
@@ -44,7 +44,7 @@ def test_greedy_generation_after_full_equals_model_generate(default_runner):
     ours = generate(runner, fused, SamplingConfig(max_new_tokens=24))
     ids = torch.tensor([fused.token_ids])
     with torch.inference_mode():
-        ref = runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        ref = reference_checkpoint(runner).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     ref_tokens = ref[0, ids.shape[1]:].tolist()
     stops = runner.stop_token_ids
     expected = []

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from support import flip_layer_byte
+from support import flip_layer_byte, reference_checkpoint
 
 from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
@@ -39,7 +39,7 @@ def test_full_answers_exactly_as_model_generate(engine, default_runner):
     result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=2))
     ids = torch.tensor([result.fusion.token_ids])
     with torch.inference_mode():
-        ref = default_runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SHORT.max_new_tokens, do_sample=False)
+        ref = reference_checkpoint(default_runner).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SHORT.max_new_tokens, do_sample=False)
     expected = []
     for t in ref[0, ids.shape[1]:].tolist():
         if t in default_runner.stop_token_ids:

@@ -99,6 +99,8 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         (("query", "q?", "--archive", tmp_path / "nowhere"), "no archive"),
         (("query", "q?", "--archive", arc, "--doc", "nope.md"), "no such document"),
         (("query", "q?", "--archive", arc, "--segment", "feedface"), "no such segment"),
+        (("tune", "--archive", arc, "--limit", "0"), "--limit"),
+        (("tune", "--archive", tmp_path / "nowhere"), "no archive"),
     ]
     for args, expected in cases:
         line = one_line_error(run_cli(*args, env={"PYTHONPATH": str(poisoned)}))

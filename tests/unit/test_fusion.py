@@ -11,6 +11,7 @@ import transformers as tf
 from support import ARCHS, random_tokens, tiny_runner
 from kvblend.errors import UnsupportedModelError, UsageError
 from kvblend.fusion import BlendConfig, feed_schedule, fuse, plan_prompt
+from kvblend.model.config import ModelConfig
 from kvblend.model.runner import ModelRunner
 from kvblend.types import Segment
 
@@ -48,7 +49,7 @@ def test_full_matches_model_forward(runner):
     segs = rag_prompt(runner)
     ids = prompt_ids(segs)
     with torch.inference_mode():
-        out = runner.model(ids, use_cache=True)
+        out = runner.reference(ids, use_cache=True)
     fused = fuse(runner, segs, "full")
     assert torch.allclose(fused.last_logits, out.logits[0, -1], atol=ATOL)
     for layer, (k, v) in enumerate(fused.kv):
@@ -207,6 +208,6 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_unsupported_architecture_is_refused_by_name():
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    config = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
-        ModelRunner(model, None)
+        ModelConfig.from_dict(config.to_dict())

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from transformers import AutoModelForCausalLM
 
 from support import TINY, tiny_runner
-from kvblend.errors import UsageError
+from kvblend.errors import UnsupportedModelError, UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.fusion.policies import Check, select
+from kvblend.model.config import ModelConfig
 from kvblend.model.runner import ModelRunner
 from kvblend.types import Segment
 
@@ -26,8 +26,8 @@ class WordTokenizer:
     chat_template = None
     pad_token_id, eos_token_id, unk_token_id, bos_token_id = 0, 1, 2, None
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [3 + sum(map(ord, w)) * 7 % 280 for w in text.split()]}
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + sum(map(ord, w)) * 7 % 280 for w in text.split()]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return " ".join(f"w{i}" for i in ids)
@@ -156,13 +156,10 @@ def test_check_layer_zero_is_refused_for_scores_read_off_a_layer():
     {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
      "original_max_position_embeddings": 64},
 ])
-def test_length_dependent_rope_is_refused_for_cached_modes(rope):
-    torch.manual_seed(0)
+def test_length_dependent_rope_is_refused_from_the_config(rope):
+    """Dynamic NTK and longrope change their frequencies with the sequence length: no rotation by Δ moves
+    KV prefilled alone to its place in a prompt, so such a model is refused when its config is read,
+    naming why, before any weights load."""
     config = tf.LlamaConfig(**TINY, rope_parameters=rope, architectures=["LlamaForCausalLM"])
-    runner = ModelRunner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), None)
-    chunk = list(range(3, 40))
-    segs = [Segment([5, 6]), Segment(chunk, kv=runner.prefill_batch([chunk])[0]), Segment([7, 8, 9])]
-    assert fuse(runner, segs, "full").recompute_share == 1.0  # nothing reused: fine
-    for mode in ("reuse", "blend", "prefix"):
-        with pytest.raises(UsageError, match="sequence length"):
-            fuse(runner, [Segment(chunk, kv=segs[1].kv), *segs[2:]] if mode == "prefix" else segs, mode)
+    with pytest.raises(UnsupportedModelError, match="sequence length"):
+        ModelConfig.from_dict(config.to_dict())

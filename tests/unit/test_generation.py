@@ -3,6 +3,8 @@ extended sequence, greedy decoding is the argmax chain, and teacher forcing retu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ class StubTokenizer:
 def runner(request):
     r = tiny_runner(request.param)
     r.tokenizer = StubTokenizer()
-    r.model.generation_config.eos_token_id = None
+    r.config = dataclasses.replace(r.config, eos_token_ids=())  # the tiny configs' EOS would stop decoding
     return r
 
 
@@ -45,7 +47,7 @@ def prompt_of(runner) -> list[Segment]:
 
 def hf_last_logits(runner, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return runner.model(torch.tensor([ids])).logits[0, -1].float()
+        return runner.reference(torch.tensor([ids])).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("mode", ["full", "blend"])
@@ -100,3 +102,12 @@ def test_bad_sampling_settings_are_refused():
     for bad in (SamplingConfig(max_new_tokens=0), SamplingConfig(temperature=-1), SamplingConfig(top_p=0)):
         with pytest.raises(UsageError):
             bad.validate()
+
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    """logprobs' `bytes` read byte-level BPE pieces through GPT-2's alphabet, kept here without transformers."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from kvblend.generation.sequence import _byte_decoder
+
+    assert _byte_decoder() == {char: byte for byte, char in bytes_to_unicode().items()}

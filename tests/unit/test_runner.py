@@ -44,7 +44,7 @@ def layer_by_layer_logits(runner, ids: torch.Tensor) -> torch.Tensor:
 def test_step_chain_equals_the_models_own_forward(runner):
     ids = random_ids(70, 1)  # longer than the tiny Mistral's 24-token window: its mask is exercised
     with torch.inference_mode():
-        expected = runner.model(ids).logits[0].float()
+        expected = runner.reference(ids).logits[0].float()
     assert torch.allclose(layer_by_layer_logits(runner, ids), expected, atol=ATOL)
 
 

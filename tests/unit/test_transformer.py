@@ -1,0 +1,109 @@
+"""kvblend's own modules and config reader against transformers', on tiny random models of every family.
+
+The runner runs kvblend.model.transformer's modules, not transformers'; these tests hold them to
+transformers op for op (norms, projections, MLP, rotary tables, Gemma's scaled embedding), and hold
+the config reader to both spellings transformers has written (v5 `rope_parameters`, v4 `rope_theta` +
+`rope_scaling`). The whole forward pass is compared in test_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from support import ARCHS, native_model, tiny_reference
+from kvblend.errors import ModelNotFoundError, UnsupportedModelError
+from kvblend.model.config import FULL, SLIDING, ModelConfig
+from kvblend.model.transformer import Transformer, read_safetensors
+
+
+@pytest.fixture(params=ARCHS)
+def pair(request):
+    reference = tiny_reference(request.param, seed=3)
+    return native_model(reference), reference
+
+
+@torch.inference_mode()
+def test_every_module_computes_what_transformers_computes(pair):
+    ours, theirs = pair
+    x = torch.randn(2, 9, ours.config.hidden_size)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 9))
+    assert torch.equal(ours.model.embed_tokens(ids), theirs.model.embed_tokens(ids))
+    for mine, ref in zip(ours.model.layers, theirs.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp"):
+            if hasattr(ref, name):
+                assert torch.equal(getattr(mine, name)(x), getattr(ref, name)(x)), name
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(mine.self_attn, proj)(x), getattr(ref.self_attn, proj)(x)), proj
+        assert mine.self_attn.scaling == pytest.approx(ref.self_attn.scaling)
+    assert torch.equal(ours.lm_head(ours.model.norm(x)), theirs.lm_head(theirs.model.norm(x)))
+
+
+@torch.inference_mode()
+def test_rotary_tables_equal_transformers_for_every_layer_type(pair):
+    ours, theirs = pair
+    positions = torch.tensor([[0, 1, 7, 63, 64, 500, 1023]])
+    probe = torch.empty(0)
+    rotary = ours.model.rotary_emb
+    for kind, layer_type in enumerate(rotary.kinds):
+        if getattr(theirs.model.rotary_emb, "layer_types", None):
+            expected = theirs.model.rotary_emb(probe, positions, layer_type)
+        else:
+            expected = theirs.model.rotary_emb(probe, positions)
+        cos, sin = rotary(probe, positions, kind)
+        assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1]), layer_type
+
+
+def test_layer_windows_follow_the_config():
+    gemma = ModelConfig.from_dict(tiny_reference("gemma3").config.to_dict())
+    assert [gemma.window(i) for i in range(4)] == [24, None, 24, 24]
+    mistral = ModelConfig.from_dict(tiny_reference("mistral").config.to_dict())
+    assert {mistral.window(i) for i in range(4)} == {24}
+    assert {ModelConfig.from_dict(tiny_reference("qwen2").config.to_dict()).window(i) for i in range(4)} == {None}
+
+
+def test_a_v4_config_reads_as_its_v5_spelling():
+    """Checkpoints on disk were written by transformers 4 (rope_theta, rope_scaling, rope_local_base_freq)."""
+    v5 = ModelConfig.from_dict(tiny_reference("llama").config.to_dict())
+    v4 = {k: v for k, v in v5.raw.items() if k != "rope_parameters"}
+    v4 |= {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+    assert ModelConfig.from_dict(v4).rope == v5.rope
+    gemma5 = ModelConfig.from_dict(tiny_reference("gemma3").config.to_dict())
+    gemma4 = {k: v for k, v in gemma5.raw.items() if k not in ("rope_parameters", "layer_types")}
+    gemma4 |= {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2}
+    read = ModelConfig.from_dict(gemma4)
+    assert read.rope[FULL].theta == 1e6 and read.rope[SLIDING].theta == 1e4
+    assert read.layer_types == (SLIDING, FULL, SLIDING, FULL)
+
+
+def test_a_checkpoint_round_trips_through_safetensors_and_refuses_missing_or_pickled_weights(tmp_path):
+    reference = tiny_reference("qwen2")
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(reference.config.to_dict()))
+    config = ModelConfig.read(tmp_path)
+    loaded = Transformer.from_state_dict(config, read_safetensors(tmp_path))
+    assert loaded.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v bias came with the file
+    assert loaded.model.layers[0].self_attn.o_proj.bias is None
+    ids = torch.randint(0, config.vocab_size, (1, 5))
+    assert torch.equal(loaded.model.embed_tokens(ids), reference.model.embed_tokens(ids))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ModelNotFoundError, match="model.layers.1.mlp.up_proj.weight"):
+        Transformer.from_state_dict(config, state)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelNotFoundError, match="pickled weights"):
+        read_safetensors(tmp_path)
+
+
+def test_configs_we_cannot_run_are_refused_in_words():
+    llama = tiny_reference("llama").config.to_dict()
+    with pytest.raises(UnsupportedModelError, match="yarn RoPE"):
+        ModelConfig.from_dict({**llama, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ModelNotFoundError, match="incomplete"):
+        ModelConfig.from_dict({k: v for k, v in llama.items() if k != "hidden_size"})
+    with pytest.raises(UnsupportedModelError, match="activation"):
+        Transformer.from_state_dict(ModelConfig.from_dict({**llama, "hidden_act": "relu"}), {})
