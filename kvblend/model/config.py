@@ -60,7 +60,6 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
     hidden_act: str
     layer_types: tuple[str, ...]  # FULL or SLIDING per layer
     sliding_window: int | None  # the window of SLIDING layers (every layer's, for Mistral)
@@ -88,7 +87,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         """Read a config dict (config.json, or transformers' `config.to_dict()`), refusing what we cannot run."""
         archs = list(cfg.get("architectures") or [])
-        arch = archs[0] if archs else _MODEL_TYPES.get(str(cfg.get("model_type")), str(cfg.get("model_type")))
+        if not archs and not cfg.get("model_type"):
+            raise UnsupportedModelError("config.json names no architecture (neither `architectures` nor `model_type`)")
+        arch = archs[0] if archs else _MODEL_TYPES.get(str(cfg["model_type"]), str(cfg["model_type"]))
         check_architecture(_Named(arch))
         try:
             heads = int(cfg["num_attention_heads"])
@@ -113,7 +114,6 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
                 layer_types=layer_types,
                 sliding_window=int(window) if window else None,
@@ -186,9 +186,13 @@ def _rope(cfg: dict[str, Any], arch: str, layer_types: tuple[str, ...]) -> dict[
 def _rope_spec(arch: str, p: dict[str, Any]) -> RopeSpec:
     kind = str(p.get("rope_type") or p.get("type") or "default")
     if kind not in ROPE_TYPES:
+        why = (
+            ": its frequencies change with the sequence length, so KV prefilled alone cannot be re-positioned exactly"
+            if "dynamic" in kind or kind == "longrope"
+            else ""
+        )
         raise UnsupportedModelError(
-            f"{arch} with {kind} RoPE is not supported (kvblend runs {', '.join(ROPE_TYPES)} RoPE): its frequencies "
-            "change with the sequence length, so KV prefilled alone cannot be re-positioned exactly"
+            f"{arch} with {kind} RoPE is not supported (kvblend runs {', '.join(ROPE_TYPES)} RoPE){why}"
         )
     return RopeSpec(
         theta=float(p.get("rope_theta") or 10000.0),

@@ -101,9 +101,47 @@ def test_a_checkpoint_round_trips_through_safetensors_and_refuses_missing_or_pic
 
 def test_configs_we_cannot_run_are_refused_in_words():
     llama = tiny_reference("llama").config.to_dict()
-    with pytest.raises(UnsupportedModelError, match="yarn RoPE"):
+    with pytest.raises(UnsupportedModelError, match="yarn RoPE is not supported") as refused:
         ModelConfig.from_dict({**llama, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    assert "sequence length" not in str(refused.value)  # YaRN's frequencies are fixed: it is merely not implemented
+    with pytest.raises(UnsupportedModelError, match="names no architecture"):
+        ModelConfig.from_dict({k: v for k, v in llama.items() if k not in ("architectures", "model_type")})
     with pytest.raises(ModelNotFoundError, match="incomplete"):
         ModelConfig.from_dict({k: v for k, v in llama.items() if k != "hidden_size"})
     with pytest.raises(UnsupportedModelError, match="activation"):
         Transformer.from_state_dict(ModelConfig.from_dict({**llama, "hidden_act": "relu"}), {})
+
+
+def test_a_checkpoint_directory_loads_with_its_tokenizer_and_chat_template(tmp_path):
+    """`--model DIR`: transformers' save_pretrained output (safetensors, config.json) plus a fast tokenizer and a
+    chat template in tokenizer_config.json load through load_model into a runner computing transformers' logits."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvblend.model.loading import load_model
+    from kvblend.prompt import PromptTemplate, split_template
+
+    reference = tiny_reference("qwen3", seed=5)
+    reference.save_pretrained(tmp_path)
+    words = ["<unk>", "<|im_end|>", *(f"w{i}" for i in range(60))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    template += "{% if add_generation_prompt %}assistant:{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": template})
+    )
+    runner = load_model(str(tmp_path), compute="cpu")
+    assert runner.tokenize("w3 w7 nope") == [5, 9, 0]
+    assert runner.tokenizer.eos_token_id == 1 and 1 in runner.stop_token_ids
+    before, after = split_template(runner, PromptTemplate(system="", before_passages="", after_passages=" {question}"), "w1")
+    assert before == "user: " and after == " w1<|im_end|>\nassistant:"
+    ids = torch.randint(0, 62, (1, 11))
+    with torch.inference_mode():
+        positions = torch.arange(11)[None]
+        cos, sin = runner.rope(positions)
+        hidden = runner.embed(ids)
+        for layer in range(runner.n_layers):
+            q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+            hidden = runner.finish_layer(layer, hidden, runner.attend(layer, q, k, v))
+        assert torch.allclose(runner.logits(hidden), reference(ids).logits.float(), atol=1e-5)
