@@ -88,7 +88,11 @@ def bench(
     modes: str = typer.Option(
         ",".join(DEFAULT_BENCH_MODES), "--modes", help="Comma-separated modes; full always runs (it is the reference)."
     ),
-    ratios: str = typer.Option(BENCH_RATIOS_TEXT, "--ratios", help="Blend recompute ratios, each in (0, 1]."),
+    ratios: str = typer.Option(
+        BENCH_RATIOS_TEXT,
+        "--ratios",
+        help="Blend recompute ratios, each in (0, 1]; `default` is the ratio queries use.",
+    ),
     codecs: str = typer.Option(
         "lossless",
         "--codecs",
@@ -131,6 +135,12 @@ def bench(
     variant_ratio: float = typer.Option(DEFAULT_VARIANT_RATIO, "--variant-ratio", help="Blend ratio for --variants."),
     answers: bool = typer.Option(
         False, "--answers", help="Include every run's answer, per record, in the JSON (per_record)."
+    ),
+    drift: bool = typer.Option(
+        False,
+        "--drift",
+        help="Show where each mode's answer drifts from full's: KL per position of full's answer (teacher-forced) "
+        "and the first position whose greedy token differs (always in the JSON).",
     ),
     plot: Optional[Path] = typer.Option(
         None,
@@ -212,7 +222,7 @@ def bench(
     if as_json:
         print_json(data)
     else:
-        _print_human(data)
+        _print_human(data, drift)
     if not as_json:
         for what, path in written:
             err.print(f"wrote {what} to {path}")
@@ -257,7 +267,7 @@ def _f(x, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def _print_human(data: dict) -> None:
+def _print_human(data: dict, drift: bool = False) -> None:
     from rich.console import Console
 
     # Piped output: a fixed wide console, so the tables are not squeezed to 80 columns.
@@ -297,6 +307,8 @@ def _print_human(data: dict) -> None:
         )
     if len(s.get("codecs", [])) > 1:
         _print_codecs(con, data["results"])
+    if drift and data["results"]:
+        _print_drift(con, data["results"])
     for rec in data.get("per_record", []):
         con.print(
             f"[bold]#{rec['record']}[/] {escape(rec['question'])}  [dim]gold: {escape(' | '.join(rec['gold']))}[/]"
@@ -373,6 +385,34 @@ def _print_codecs(con, results: list[dict]) -> None:
                 "built into the prompt's layers (decompress, dequantize, re-position).",
             )
         )
+
+
+DRIFT_POSITIONS = (0, 1, 2, 4, 8, 15)  # positions of full's answer the drift table shows
+
+
+def _print_drift(con, results: list[dict]) -> None:
+    """KL from full along full's answer, and where greedy decoding would first leave it, per mode."""
+    shown = [i for i in DRIFT_POSITIONS if any(i < len(r["kl_by_position"]) for r in results)]
+    rows = [
+        [
+            r["mode"],
+            "—" if r["ratio"] is None else f"{r['ratio']:g}",
+            *(_f(r["kl_by_position"][i], 4) if i < len(r["kl_by_position"]) else "—" for i in shown),
+            f"{r['diverged_share']:.0%}",
+            _f(r["first_divergence_median"], 1),
+        ]
+        for r in results
+    ]
+    con.print(
+        _table(
+            "drift along full's answer (teacher-forced on full's tokens)",
+            ["mode", "ratio", *(f"KL @{i}" for i in shown), "diverged", "1st div. p50"],
+            rows,
+            caption="KL @i: mean KL(full ‖ mode) in nats before full's i-th answer token. diverged: records where "
+            "the mode's greedy token differs from full's at some forced position; 1st div. p50: the median first "
+            "such position among them.",
+        )
+    )
 
 
 def _table(title: str, headers: list[str], rows: list[list[str]], caption: str = "", text_cols: int = 1) -> Table:

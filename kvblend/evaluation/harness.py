@@ -46,7 +46,7 @@ import torch
 from kvblend.archive import SegmentRecord
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import UsageError
-from kvblend.evaluation.metrics import kl_divergence, mean_token_kl
+from kvblend.evaluation.metrics import first_divergence, kl_divergence, mean_token_kl, token_kls
 from kvblend.evaluation.records import (
     ANSWER_KL_TOKENS,
     DEFAULT_BENCH_MAX_NEW_TOKENS,
@@ -242,12 +242,14 @@ class RecordRunner:
                 f"{spec.label} ran on a different prompt than full ({ans.prompt_tokens} vs {len(ref.ids)} tokens)"
             )
         kl = kl_divergence(ref.first, ans.fusion.last_logits.detach().float().cpu())
+        position_kls, diverges_at = [kl], None
         if ref.steps is None:  # full stopped at once (or no forcing asked): the first position is all there is
             answer_kl = kl
         else:
-            answer_kl = mean_token_kl(
-                ref.steps, steps if steps is not None else self.forced_logits(ans.fusion, ref.forced)
-            )
+            forced = steps if steps is not None else self.forced_logits(ans.fusion, ref.forced)
+            answer_kl = mean_token_kl(ref.steps, forced)
+            position_kls = token_kls(ref.steps, forced)
+            diverges_at = first_divergence(ref.forced, forced)
         reads = spec.mode in ("reuse", "blend") and spec.source == "archive"  # the passages' KV came from disk
         return RunRecord(
             index,
@@ -262,6 +264,8 @@ class RecordRunner:
             sum(r.stored_bytes for r in stored) if reads else 0,
             sum(r.n_tokens for r in stored) if reads else 0,
             ans.stream if reads else None,
+            position_kls,
+            diverges_at,
         )
 
     def run(

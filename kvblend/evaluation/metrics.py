@@ -139,6 +139,22 @@ def mean_token_kl(ref_logits, cand_logits) -> float:
     return float(rows.mean())
 
 
+def token_kls(ref_logits, cand_logits) -> list[float]:
+    """KL(ref || cand) at each position, in order (``[n, vocab]`` each): where along an answer a mode drifts."""
+    return [float(x) for x in _row_kl(ref_logits, cand_logits)]
+
+
+def first_divergence(ref_tokens: Sequence[int], cand_logits) -> int | None:
+    """The first position whose greedy choice under teacher forcing is not the reference's token (None: none).
+
+    ``cand_logits[i]`` are the logits before ``ref_tokens[i]``, the candidate having been fed the reference's
+    tokens before it: position i is where a greedy answer would first leave the reference's, all else equal."""
+    if not ref_tokens:
+        return None
+    chosen = _as_rows(cand_logits)[: len(ref_tokens)].argmax(dim=-1).tolist()
+    return next((i for i, (a, b) in enumerate(zip(chosen, ref_tokens)) if a != b), None)
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation, like numpy's default.
 

@@ -127,12 +127,15 @@ def parse_codecs(text: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def parse_ratios(text: str | Sequence[float], flag: str = "--ratios") -> tuple[float, ...]:
-    """'0.05,0.15' → (0.05, 0.15), in the order given, repeats dropped; each in (0, 1]."""
+    """'0.05,0.15' → (0.05, 0.15), in the order given, repeats dropped; each in (0, 1].
+
+    `default` stands for the ratio a query uses when none is given or tuned (issue 33: a benchmark of
+    "the default" follows the default when it changes)."""
     if isinstance(text, str):
         try:
-            values = [float(x) for x in text.split(",") if x.strip()]
+            values = [DEFAULT_RATIO if x.strip() == "default" else float(x) for x in text.split(",") if x.strip()]
         except ValueError:
-            raise UsageError(f"{flag} takes comma-separated numbers in (0, 1], not {text!r}") from None
+            raise UsageError(f"{flag} takes comma-separated numbers in (0, 1] or `default`, not {text!r}") from None
     else:
         values = [float(x) for x in text]
     if not values:

@@ -8,7 +8,7 @@ variants) run once and are reported under each name. No torch here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvblend.archive.codec import check_codec
@@ -104,6 +104,10 @@ class RunRecord:
     stored_bytes: int = 0  # the record's passages as archived with the spec's codec (0: none read)
     stored_tokens: int = 0
     stream: Any = None  # the archive feed's StreamStats (bytes read, read / build seconds), if it streamed
+    # drift along full's answer, teacher-forced (issue 33): KL(full ‖ run) per position, and the first position
+    # where the run's greedy token is not full's (None: it agrees through every forced token)
+    position_kls: list[float] = field(default_factory=list)
+    diverges_at: int | None = None
 
 
 def main_specs(

@@ -57,6 +57,8 @@ class BenchReport:
                     "answer_kl_vs_full": round(r.answer_kl_vs_full, 6),
                     "ttft_s": round(r.ttft_s, 4),
                     "recompute_share": round(r.recompute_share, 4),
+                    "position_kls": [round(x, 6) for x in r.position_kls],
+                    "diverges_at": r.diverges_at,
                 }
                 for r in mine
             ],
@@ -106,7 +108,25 @@ def summarize_spec(runs: Sequence[RunRecord], full_answers: dict[int, str]) -> d
         "ttft_p90_s": percentile(ttfts, 90),
         "recompute_share": mean([r.recompute_share for r in runs]),
         "codec": spec.codec,
+        **drift_summary(runs),
         **storage_summary(runs),
+    }
+
+
+def drift_summary(runs: Sequence[RunRecord]) -> dict:
+    """Where along full's answer a spec drifts (teacher-forced on full's first tokens, issue 33).
+
+    ``diverged_share``: the share of records where the spec's greedy token differs from full's at some forced
+    position; ``first_divergence_median``: the median first such position over those records (None if none);
+    ``kl_by_position``: the mean KL(full ‖ spec) at each position, over the records whose answers reach it.
+    """
+    diverged = [r.diverges_at for r in runs if r.diverges_at is not None]
+    width = max((len(r.position_kls) for r in runs), default=0)
+    by_position = [mean([r.position_kls[i] for r in runs if i < len(r.position_kls)]) for i in range(width)]
+    return {
+        "diverged_share": len(diverged) / len(runs) if runs else math.nan,
+        "first_divergence_median": percentile(diverged, 50) if diverged else None,
+        "kl_by_position": [round(x, 6) for x in by_position],
     }
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from support import CALIBRATION, run_cli
 
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
                "ttft_median_s", "ttft_p90_s", "recompute_share"}
 CODEC_KEYS = {"codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps"}  # storage side of each row
+DRIFT_KEYS = {"diverged_share", "first_divergence_median", "kl_by_position"}  # where answers leave full's (issue 33)
 
 
 def test_bench_end_to_end_on_two_calibration_records(tmp_path):
@@ -28,7 +31,7 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     rows = {(r["mode"], r["ratio"]): r for r in report["results"]}
     assert list(rows) == [("full", None), ("reuse", None), ("blend", 0.15)]
     for r in report["results"]:
-        assert set(r) == RESULT_KEYS | CODEC_KEYS
+        assert set(r) == RESULT_KEYS | CODEC_KEYS | DRIFT_KEYS
         for k in RESULT_KEYS - {"mode", "ratio"}:
             assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (r["mode"], k, r[k])
         assert r["ttft_median_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"]
@@ -39,6 +42,12 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     assert blend["recompute_share"] < 0.5
     assert reuse["recompute_share"] < blend["recompute_share"]
     assert blend["kl_vs_full"] > 0 and reuse["kl_vs_full"] > 0
+    # drift along full's answer (issue 33): position 0 is the first token; full never leaves its own answer
+    assert full["diverged_share"] == 0 and full["first_divergence_median"] is None
+    assert set(full["kl_by_position"]) == {0.0} and len(full["kl_by_position"]) >= 1
+    for r in (reuse, blend):
+        assert r["kl_by_position"][0] == pytest.approx(r["kl_vs_full"], abs=1e-5)
+        assert 0 <= r["diverged_share"] <= 1
 
 
 def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):

@@ -17,7 +17,8 @@ from support import CALIBRATION, one_line_error, run_cli
 
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
                "ttft_median_s", "ttft_p90_s", "recompute_share",
-               "codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps"}
+               "codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps",
+               "diverged_share", "first_divergence_median", "kl_by_position"}
 
 
 def _run(record: int, spec: RunSpec, answer: str, golds, ttft: float, share: float, kl: float, akl: float):
@@ -181,3 +182,30 @@ def test_answers_carry_each_records_sources_as_a_query_reports_them():
     (rec,) = report.to_dict(answers=True)["per_record"]
     assert rec["sources"] == sources and rec["runs"][0]["answer"] == "x" and cite(rec["sources"]) == "Harbour"
     assert "per_record" not in report.to_dict()
+
+
+def test_drift_is_kl_per_position_and_the_first_token_greedy_decoding_would_change():
+    """Issue 33: where along full's answer a mode drifts. Teacher-forced logits before each of full's tokens:
+    the first position whose argmax is not full's token is the divergence; KL is taken per position."""
+    import torch
+
+    from kvblend.evaluation.metrics import first_divergence, token_kls
+
+    full_tokens = [3, 1, 4, 1]
+    agree = torch.full((4, 6), -5.0)
+    agree[torch.arange(4), torch.tensor(full_tokens)] = 5.0
+    drifts = agree.clone()
+    drifts[2] = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 9.0])  # position 2 prefers 5 over full's 4
+    assert first_divergence(full_tokens, agree) is None
+    assert first_divergence(full_tokens, drifts) == 2
+    assert first_divergence([], drifts) is None
+    kls = token_kls(agree, drifts)
+    assert kls[:2] == [0.0, 0.0] and kls[3] == 0.0 and kls[2] > 1.0
+
+    blend = RunSpec("blend", 0.15)
+    runs = [_run(i, blend, "x", ["x"], 0.1, 0.2, 0.0, 0.0) for i in range(3)]
+    for run, kls_, at in zip(runs, ([0.1, 0.3, 0.5], [0.3, 0.1], [0.2, 0.2, 0.2]), (None, 1, 3)):
+        run.position_kls, run.diverges_at = kls_, at
+    (row,) = summarize(runs, {i: "x" for i in range(3)}, [blend])
+    assert row["kl_by_position"] == pytest.approx([0.2, 0.2, 0.35])  # position 2: the two answers that reach it
+    assert row["diverged_share"] == pytest.approx(2 / 3) and row["first_divergence_median"] == pytest.approx(2.0)

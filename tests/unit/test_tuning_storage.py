@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvblend.errors import UsageError
+from kvblend.defaults import DEFAULT_RATIO
 from kvblend.evaluation.records import parse_ratios
 from kvblend.tuning.delay import CostModel
 from kvblend.tuning.storage import cheapest_storage, parse_costs
@@ -59,6 +60,7 @@ def test_parse_costs_and_ratios():
         with pytest.raises(UsageError):
             parse_costs(bad)
     assert parse_ratios("0.3,0.05,0.15") == (0.3, 0.05, 0.15)  # as given; tune sorts them
-    for bad in ("0", "1.5", "a,b", ""):
+    assert parse_ratios("default, 0.3") == (DEFAULT_RATIO, 0.3)  # bench --ratios default: whatever queries use
+    for bad in ("0", "1.5", "a,b", "", "defaults"):
         with pytest.raises(UsageError):
             parse_ratios(bad)
