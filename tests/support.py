@@ -117,13 +117,12 @@ def reference_checkpoint(runner):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvblend.model.loading import _cache_candidates
+    from kvblend.model.loading import cached_conversion
 
-    for base in _cache_candidates():
-        directory = base / f"{runner.name}-{runner.fingerprint}"
-        if (directory / "config.json").is_file():
-            return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    raise FileNotFoundError(f"no converted checkpoint of {runner.name}")
+    directory = cached_conversion(runner.name, runner.fingerprint)
+    if directory is None:
+        raise FileNotFoundError(f"no converted checkpoint of {runner.name}")
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def kvblend_script() -> list[str]:

@@ -46,7 +46,7 @@ import torch
 from kvblend.archive import SegmentRecord
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import UsageError
-from kvblend.evaluation.metrics import first_divergence, kl_divergence, mean_token_kl, token_kls
+from kvblend.evaluation.metrics import first_divergence, kl_divergence, token_kls
 from kvblend.evaluation.records import (
     ANSWER_KL_TOKENS,
     DEFAULT_BENCH_MAX_NEW_TOKENS,
@@ -247,8 +247,8 @@ class RecordRunner:
             answer_kl = kl
         else:
             forced = steps if steps is not None else self.forced_logits(ans.fusion, ref.forced)
-            answer_kl = mean_token_kl(ref.steps, forced)
-            position_kls = token_kls(ref.steps, forced)
+            position_kls = token_kls(ref.steps, forced)  # computed once: answer KL is their mean
+            answer_kl = float(torch.tensor(position_kls, dtype=torch.float64).mean())
             diverges_at = first_divergence(ref.forced, forced)
         reads = spec.mode in ("reuse", "blend") and spec.source == "archive"  # the passages' KV came from disk
         return RunRecord(

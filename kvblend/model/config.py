@@ -11,7 +11,7 @@ weights. Both spellings transformers has written are read: v5's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +66,7 @@ class ModelConfig:
     rope: dict[str, RopeSpec]  # per layer type
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
     final_logit_softcapping: float | None = None
-    pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def architectures(self) -> list[str]:
-        """transformers' spelling, for check_architecture."""
-        return [self.architecture]
 
     @property
     def is_gemma(self) -> bool:
@@ -90,7 +83,7 @@ class ModelConfig:
         if not archs and not cfg.get("model_type"):
             raise UnsupportedModelError("config.json names no architecture (neither `architectures` nor `model_type`)")
         arch = archs[0] if archs else _MODEL_TYPES.get(str(cfg["model_type"]), str(cfg["model_type"]))
-        check_architecture(_Named(arch))
+        check_architecture(None, arch)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -120,9 +113,7 @@ class ModelConfig:
                 rope=_rope(cfg, arch, layer_types),
                 query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
                 final_logit_softcapping=cfg.get("final_logit_softcapping"),
-                pad_token_id=cfg.get("pad_token_id"),
                 eos_token_ids=tuple(int(i) for i in ([eos] if isinstance(eos, int) else (eos or []))),
-                raw=cfg,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelNotFoundError(
@@ -133,21 +124,13 @@ class ModelConfig:
     def read(cls, directory: Path) -> ModelConfig:
         """config.json (+ generation_config.json, which names the end-of-turn ids) of a checkpoint directory."""
         generation = directory / "generation_config.json"
-        return cls.from_dict(_json(directory / "config.json"), _json(generation) if generation.is_file() else None)
+        return cls.from_dict(
+            read_json_object(directory / "config.json"), read_json_object(generation) if generation.is_file() else None
+        )
 
 
-@dataclass(frozen=True)
-class _Named:
-    """check_architecture reads `architectures` off a config object."""
-
-    name: str
-
-    @property
-    def architectures(self) -> list[str]:
-        return [self.name]
-
-
-def _json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; anything else (unreadable, not JSON, not an object) is one line."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -106,11 +106,10 @@ def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
     The copy goes to the model cache; a user whose cache cannot be written (no home, a
     read-only home) gets it under the system temp directory instead of an error.
     """
+    converted = cached_conversion(source.name, fingerprint)
+    if converted is not None:
+        return converted
     name = f"{source.name}-{fingerprint}"
-    for base in _cache_candidates():
-        target = base / name
-        if (target / "config.json").is_file() and (target / "model.safetensors").is_file() and _own_or_configured(base):
-            return target
     for base in _cache_candidates():
         try:
             base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -119,6 +118,15 @@ def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
         if os.access(base, os.W_OK | os.X_OK) and _own_or_configured(base):
             return _convert_gguf(source, base / name)
     raise ModelNotFoundError(f"no writable directory for the converted model (tried {model_cache_dir()})")
+
+
+def cached_conversion(name: str, fingerprint: str) -> Path | None:
+    """The checkpoint a GGUF was converted into, if the model cache (or its temp fallback) holds it."""
+    for base in _cache_candidates():
+        target = base / f"{name}-{fingerprint}"
+        if (target / "config.json").is_file() and (target / "model.safetensors").is_file() and _own_or_configured(base):
+            return target
+    return None
 
 
 def _cache_candidates() -> list[Path]:

@@ -31,15 +31,14 @@ class Rotations:
     """fp32 cos/sin [head_dim] that move post-RoPE K by `delta` positions; memoised.
 
     `rope` may return several RoPE kinds side by side ([.., kinds·head_dim], see
-    ModelRunner.rope); `kind` picks one. Each kind's attention_scaling (YaRN/longrope
-    mscale) is divided out: K already carries it once and must not get it twice.
+    ModelRunner.rope); `kind` picks one. The RoPE kinds kvblend runs (default, linear,
+    llama3; kvblend.model.config) scale neither cos nor sin, so the tables are the rotation.
     """
 
     MAX_ENTRIES = 4096  # offsets repeat across queries; keep the memo bounded
 
-    def __init__(self, rope: RopeFn, attention_scaling: list[float], head_dim: int):
+    def __init__(self, rope: RopeFn, head_dim: int):
         self.rope = rope
-        self.scaling = attention_scaling  # one per kind
         self.head_dim = head_dim
         self._memo: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -49,8 +48,7 @@ class Rotations:
         if cached is None:
             cos, sin = self.rope(torch.tensor([[delta]], device=device))
             part = slice(kind * self.head_dim, (kind + 1) * self.head_dim)  # the whole table for one kind
-            cos, sin = cos.float().reshape(-1)[part], sin.float().reshape(-1)[part]
-            cached = (cos / self.scaling[kind], sin / self.scaling[kind])
+            cached = (cos.float().reshape(-1)[part].clone(), sin.float().reshape(-1)[part].clone())
             if len(self._memo) > self.MAX_ENTRIES:
                 self._memo.clear()
             self._memo[key] = cached

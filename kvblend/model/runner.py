@@ -90,9 +90,7 @@ class ModelRunner:
         self._layer_kind: list[int] = list(rotary.layer_kind)
         # Re-rotation tables come from fp32 cos/sin: taken in a 16-bit compute dtype they would be
         # rounded before the fp32 rotation (bf16 keeps 8 bits: errors of 1e-2 on K).
-        self._rotations = Rotations(
-            lambda positions: self.rope(positions, torch.float32), rotary.attention_scaling, self.head_dim
-        )
+        self._rotations = Rotations(lambda positions: self.rope(positions, torch.float32), self.head_dim)
         # Gemma's sandwich norms around attention and MLP (finish_layer); Gemma 2-style logit soft-capping.
         self._sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
         self._final_softcap = cfg.final_logit_softcapping
@@ -221,8 +219,8 @@ class ModelRunner:
         return attention_probs(q, k, memo[window], scale)
 
     def _scale(self, layer: int) -> float:
-        """The layer's attention softmax scale (the module's own, else 1/sqrt(head_dim))."""
-        return float(getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5))
+        """The layer's attention softmax scale (Gemma: query_pre_attn_scalar ** -0.5, else 1/sqrt(head_dim))."""
+        return float(self.layers[layer].self_attn.scaling)
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual.

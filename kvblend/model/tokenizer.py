@@ -23,6 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from kvblend.errors import ModelNotFoundError
+from kvblend.model.config import read_json_object
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -53,12 +54,7 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise ModelNotFoundError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else e}") from None
         config_path = directory / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelNotFoundError(f"cannot read {config_path}: {e}") from None
+        config = read_json_object(config_path) if config_path.is_file() else {}
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one

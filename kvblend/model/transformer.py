@@ -140,8 +140,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.kinds: list[str] = list(dict.fromkeys(config.layer_types))
         self.layer_kind = [self.kinds.index(t) for t in config.layer_types]
-        self.rope_types = tuple(config.rope[t].rope_type for t in self.kinds)
-        self.attention_scaling = [1.0 for _ in self.kinds]  # default, linear and llama3 RoPE scale nothing
         # Plain fp32 tensors, not buffers: a model cast to bf16 must not round its RoPE frequencies.
         self.inv_freqs = [_inv_freq(config.rope[kind], config.head_dim) for kind in self.kinds]
         self._on_device: dict[tuple[int, torch.device], torch.Tensor] = {}

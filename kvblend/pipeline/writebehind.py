@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from kvblend.archive import SegmentRecord
 from kvblend.types import LayerKV, Steps, drain
@@ -49,16 +49,14 @@ class WriteBehind:
         with self._lock:
             self._staged[rec.key] = (rec, kv)
 
-        def job() -> Write:
+        def write_then_unstage() -> None:
             try:
                 write()
             finally:
                 with self._lock:
                     self._staged.pop(rec.key, None)
-            return
-            yield
 
-        self.put(job())
+        self.put_call(write_then_unstage)
 
     def staged(self, key: str) -> StagedSegment | None:
         """A segment queued to be written, with its KV, if any."""
@@ -95,9 +93,6 @@ class WriteBehind:
 
     def __bool__(self) -> bool:
         return len(self) > 0
-
-    def __iter__(self) -> Iterator[Write]:
-        return iter(self.pending())
 
     def drain(self, warn: Callable[[str], None] | None = None) -> int:
         """Run every queued job to its end, oldest first (jobs queued meanwhile too); returns how many ran.

@@ -67,13 +67,14 @@ def test_layer_windows_follow_the_config():
 
 def test_a_v4_config_reads_as_its_v5_spelling():
     """Checkpoints on disk were written by transformers 4 (rope_theta, rope_scaling, rope_local_base_freq)."""
-    v5 = ModelConfig.from_dict(tiny_reference("llama").config.to_dict())
-    v4 = {k: v for k, v in v5.raw.items() if k != "rope_parameters"}
+    llama = tiny_reference("llama").config.to_dict()
+    v5 = ModelConfig.from_dict(llama)
+    v4 = {k: v for k, v in llama.items() if k != "rope_parameters"}
     v4 |= {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
     assert ModelConfig.from_dict(v4).rope == v5.rope
-    gemma5 = ModelConfig.from_dict(tiny_reference("gemma3").config.to_dict())
-    gemma4 = {k: v for k, v in gemma5.raw.items() if k not in ("rope_parameters", "layer_types")}
+    gemma = tiny_reference("gemma3").config.to_dict()
+    gemma4 = {k: v for k, v in gemma.items() if k not in ("rope_parameters", "layer_types")}
     gemma4 |= {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2}
     read = ModelConfig.from_dict(gemma4)
     assert read.rope[FULL].theta == 1e6 and read.rope[SLIDING].theta == 1e4
