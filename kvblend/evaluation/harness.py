@@ -46,6 +46,7 @@ import torch
 from kvblend.archive import SegmentRecord
 from kvblend.defaults import DEFAULT_CODEC
 from kvblend.errors import UsageError
+from kvblend.evaluation.drift import stale_reading
 from kvblend.evaluation.metrics import first_divergence, kl_divergence, token_kls
 from kvblend.evaluation.records import (
     ANSWER_KL_TOKENS,
@@ -242,7 +243,7 @@ class RecordRunner:
                 f"{spec.label} ran on a different prompt than full ({ans.prompt_tokens} vs {len(ref.ids)} tokens)"
             )
         kl = kl_divergence(ref.first, ans.fusion.last_logits.detach().float().cpu())
-        position_kls, diverges_at = [kl], None
+        position_kls, diverges_at, stale = [kl], None, None
         if ref.steps is None:  # full stopped at once (or no forcing asked): the first position is all there is
             answer_kl = kl
         else:
@@ -250,6 +251,8 @@ class RecordRunner:
             position_kls = token_kls(ref.steps, forced)  # computed once: answer KL is their mean
             answer_kl = float(torch.tensor(position_kls, dtype=torch.float64).mean())
             diverges_at = first_divergence(ref.forced, forced)
+            if diverges_at is not None:  # what the step that left full's answer read (stale KV or not)
+                stale = stale_reading(self.runner, ans.fusion, ref.forced, diverges_at)
         reads = spec.mode in ("reuse", "blend") and spec.source == "archive"  # the passages' KV came from disk
         return RunRecord(
             index,
@@ -266,6 +269,7 @@ class RecordRunner:
             ans.stream if reads else None,
             position_kls,
             diverges_at,
+            stale,
         )
 
     def run(

@@ -108,6 +108,7 @@ class RunRecord:
     # where the run's greedy token is not full's (None: it agrees through every forced token)
     position_kls: list[float] = field(default_factory=list)
     diverges_at: int | None = None
+    stale: Any = None  # kvblend.evaluation.drift.StaleReading at the diverging step (None: no divergence)
 
 
 def main_specs(

@@ -59,6 +59,7 @@ class BenchReport:
                     "recompute_share": round(r.recompute_share, 4),
                     "position_kls": [round(x, 6) for x in r.position_kls],
                     "diverges_at": r.diverges_at,
+                    "stale_reading": r.stale.to_dict() if r.stale is not None else None,
                 }
                 for r in mine
             ],
@@ -119,14 +120,33 @@ def drift_summary(runs: Sequence[RunRecord]) -> dict:
     ``diverged_share``: the share of records where the spec's greedy token differs from full's at some forced
     position; ``first_divergence_median``: the median first such position over those records (None if none);
     ``kl_by_position``: the mean KL(full ‖ spec) at each position, over the records whose answers reach it.
+    Over the diverging runs (kvblend.evaluation.drift): ``stale_mass_diverging`` and ``stale_mass_first``, the
+    attention on stale KV at the diverging step and at the answer's first step; ``top_stale_share``, the share
+    of the diverging step's most-read cached tokens left stale; ``top_overlap_first``, their overlap with the
+    first step's (None where no run diverged or nothing was stale).
     """
     diverged = [r.diverges_at for r in runs if r.diverges_at is not None]
     width = max((len(r.position_kls) for r in runs), default=0)
     by_position = [mean([r.position_kls[i] for r in runs if i < len(r.position_kls)]) for i in range(width)]
+    readings = [r.stale for r in runs if r.stale is not None]
+
+    def over_readings(field: str) -> float | None:
+        return mean([getattr(x, field) for x in readings]) if readings else None
+
     return {
         "diverged_share": len(diverged) / len(runs) if runs else math.nan,
         "first_divergence_median": percentile(diverged, 50) if diverged else None,
         "kl_by_position": [round(x, 6) for x in by_position],
+        **{
+            name: over_readings(field)
+            for name, field in (
+                ("stale_mass_diverging", "stale_mass"),
+                ("stale_mass_first", "stale_mass_first"),
+                ("top_stale_share", "top_stale_share"),
+                ("top_overlap_first", "top_overlap_first"),
+                ("stale_share", "stale_share"),
+            )
+        },
     }
 
 

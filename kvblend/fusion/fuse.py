@@ -107,6 +107,7 @@ class FusionResult:
     select: str | None = None  # blend's selection policy
     probe_token_layers: int = 0  # the probe pass's share of recomputed_token_layers
     stages: dict[str, float] = field(default_factory=dict)  # StageClock: seconds per stage
+    approximate_mask: torch.Tensor | None = None  # [T] bool: cached positions whose KV is not exact here
 
     @property
     def recompute_share(self) -> float:
@@ -182,6 +183,7 @@ def fuse_steps(
         select=blend.select if mode == "blend" else None,
         probe_token_layers=loop.probe_cost,
         stages=dict(loop.clock.seconds),
+        approximate_mask=_approximate_positions(plan),
     )
 
 
@@ -192,6 +194,14 @@ def _first_active(mode: str, cached_mask: torch.Tensor, exact: int, T: int) -> t
     if exact:  # blend never recomputes the exact prefix, not even before the check layer
         return torch.arange(exact, T, device=cached_mask.device)
     return None
+
+
+def _approximate_positions(plan: Plan) -> torch.Tensor:
+    """[T] bool (CPU): the cached positions after the exact prefix, whose KV came from a chunk prefilled
+    alone (the drift analysis asks which of them a step reads, kvblend.evaluation.drift)."""
+    mask = plan.cached_mask.clone()
+    mask[: plan.exact] = False
+    return mask
 
 
 def _approximate(segments: Sequence[Segment], mode: str, exact: int) -> list[bool]:

@@ -79,7 +79,7 @@ def probe_pass(
             probs = runner.attention_weights(layer, q, layer_k, rows)  # [1, heads, rows, T]
             per_token = probs[0, :, score_from:].mean(dim=1).amax(dim=0)  # [T]: the most attentive head
             total += per_token / per_token.dot(weights).clamp_min(1e-12)
-            hidden = runner.finish_layer(layer, hidden, _attention_output(runner, probs, layer_v, hidden.dtype))
+            hidden = runner.finish_layer(layer, hidden, attention_output(runner, probs, layer_v, hidden.dtype))
         if pause is not None:
             yield from pause()
     return total / runner.n_layers, kept
@@ -89,7 +89,7 @@ def _untimed(stage: str) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-def _attention_output(runner: ModelRunner, probs: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def attention_output(runner: ModelRunner, probs: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """probs @ V with grouped query heads → [1, rows, heads·hd], reusing the scoring probabilities."""
     b, heads, n, t = probs.shape
     kv_heads = v.shape[1]

@@ -12,7 +12,8 @@ from support import CALIBRATION, run_cli
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
                "ttft_median_s", "ttft_p90_s", "recompute_share"}
 CODEC_KEYS = {"codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps"}  # storage side of each row
-DRIFT_KEYS = {"diverged_share", "first_divergence_median", "kl_by_position"}  # where answers leave full's (issue 33)
+DRIFT_KEYS = {"diverged_share", "first_divergence_median", "kl_by_position",  # where answers leave full's (issue 33)
+              "stale_mass_first", "stale_mass_diverging", "top_stale_share", "top_overlap_first", "stale_share"}
 
 
 def test_bench_end_to_end_on_two_calibration_records(tmp_path):
@@ -48,6 +49,9 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
     for r in (reuse, blend):
         assert r["kl_by_position"][0] == pytest.approx(r["kl_vs_full"], abs=1e-5)
         assert 0 <= r["diverged_share"] <= 1
+        if r["diverged_share"]:  # what the diverging steps read is measured (else None)
+            assert 0 < r["stale_mass_diverging"] < 1 and 0 <= r["top_stale_share"] <= 1
+    assert full["stale_mass_diverging"] is None
 
 
 def test_bench_pareto_measures_kl_share_and_ttft_from_the_archive(tmp_path):

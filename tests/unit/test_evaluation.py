@@ -18,7 +18,8 @@ from support import CALIBRATION, one_line_error, run_cli
 RESULT_KEYS = {"mode", "ratio", "f1", "em_vs_full", "rouge_l_vs_full", "kl_vs_full", "answer_kl_vs_full",
                "ttft_median_s", "ttft_p90_s", "recompute_share",
                "codec", "bytes_per_token", "read_MBps", "decode_MBps", "load_MBps",
-               "diverged_share", "first_divergence_median", "kl_by_position"}
+               "diverged_share", "first_divergence_median", "kl_by_position",
+               "stale_mass_first", "stale_mass_diverging", "top_stale_share", "top_overlap_first", "stale_share"}
 
 
 def _run(record: int, spec: RunSpec, answer: str, golds, ttft: float, share: float, kl: float, akl: float):
@@ -181,6 +182,7 @@ def test_answers_carry_each_records_sources_as_a_query_reports_them():
                          questions=["Who?"], sources=[sources])
     (rec,) = report.to_dict(answers=True)["per_record"]
     assert rec["sources"] == sources and rec["runs"][0]["answer"] == "x" and cite(rec["sources"]) == "Harbour"
+    assert rec["runs"][0]["diverges_at"] is None and rec["runs"][0]["stale_reading"] is None
     assert "per_record" not in report.to_dict()
 
 
@@ -209,3 +211,11 @@ def test_drift_is_kl_per_position_and_the_first_token_greedy_decoding_would_chan
     (row,) = summarize(runs, {i: "x" for i in range(3)}, [blend])
     assert row["kl_by_position"] == pytest.approx([0.2, 0.2, 0.35])  # position 2: the two answers that reach it
     assert row["diverged_share"] == pytest.approx(2 / 3) and row["first_divergence_median"] == pytest.approx(2.0)
+    assert row["stale_mass_diverging"] is None  # no diverging run was read
+    from kvblend.evaluation.drift import StaleReading
+
+    for run, mass in zip(runs[1:], (0.2, 0.4)):  # what the two diverging steps read: averaged over them
+        run.stale = StaleReading(run.diverges_at, 0.8, mass, mass / 2, 1.0, 0.5, [7], [(0, 1, mass)])
+    (row,) = summarize(runs, {i: "x" for i in range(3)}, [blend])
+    assert row["stale_mass_diverging"] == pytest.approx(0.3) and row["stale_mass_first"] == pytest.approx(0.15)
+    assert row["top_stale_share"] == 1.0 and row["top_overlap_first"] == 0.5 and row["stale_share"] == 0.8
