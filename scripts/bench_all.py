@@ -12,6 +12,11 @@ restructure_ab is written by scripts/bench_ab.py against an old checkout. Each
 section writes bench-out/<name>.json; this script renders them all into
 BENCHMARKS.md with the command, machine and date. `--only a,b` reruns some
 sections and keeps the others' last results; `--render-only` re-renders.
+Sections measured by scripts outside SECTIONS or by several runs of `kvblend
+bench` (document extraction, Gemma 3, bad documents, commit latency, start-up,
+stale KV, drift) live in docs/benchmark-sections.md, each with its own command,
+machine and date, and are rendered after the generated ones, so a re-render
+keeps them; docs/benchmark-notes*.md hold the commentary.
 Running needs ../shared/data (the MuSiQue records); rendering does not.
 """
 
@@ -149,7 +154,8 @@ def render() -> str:
         "machines are noisy. Each section names its machine and date. Raw JSON: `bench-out/`.",
         "",
     ]
-    notes = (ROOT / "docs" / "benchmark-notes.md")
+    notes = ROOT / "docs" / "benchmark-notes.md"
+    manual = ROOT / "docs" / "benchmark-sections.md"
     sections = [
         ("startup", "Startup: commands that need no model (issue 12)",
          "`python scripts/bench_startup.py` — each command run 10 times as a fresh process through the installed "
@@ -211,6 +217,8 @@ def render() -> str:
         extra = ROOT / "docs" / f"benchmark-notes-{name}.md"  # per-section commentary, kept across re-runs
         if extra.exists():
             parts += [extra.read_text(), ""]
+    if manual.exists():  # sections measured by hand or by scripts outside SECTIONS, each with its command
+        parts += [manual.read_text()]
     if notes.exists():
         parts += [notes.read_text()]
     return "\n".join(parts) + "\n"
