@@ -404,8 +404,10 @@ def _print_drift(con, results: list[dict]) -> None:
             *(_f(r["kl_by_position"][i], 4) if i < len(r["kl_by_position"]) else "—" for i in shown),
             f"{r['diverged_share']:.0%}",
             _f(r["first_divergence_median"], 1),
-            *(_share(r.get(k)) for k in ("stale_mass_first", "stale_mass_diverging", "top_stale_share")),
-            _share(r.get("top_overlap_first")),
+            *(
+                _share(r.get(k))
+                for k in ("stale_mass_first", "stale_mass_diverging", "top_stale_share", "top_overlap_first")
+            ),
         ]
         for r in results
     ]
@@ -427,9 +429,10 @@ def _print_drift(con, results: list[dict]) -> None:
             caption="KL @i: mean KL(full ‖ mode) in nats before full's i-th answer token. diverged: records where "
             "the mode's greedy token differs from full's at some forced position; 1st div. p50: the median first "
             "such position among them. Over those records: stale attn, the attention on KV neither recomputed nor "
-            "exact (mean over heads and every layer but the first, whose cached KV is exact) at the answer's first step and at the diverging step; top-20 stale, "
-            "the share of the diverging step's 20 most-read cached tokens left stale; top-20 ∩ @0, how many of "
-            "them the first step (the one the selection serves) also read most.",
+            "exact (mean over heads and every layer but the first, whose cached KV is exact) at the answer's first "
+            "step and at the diverging step; top-20 stale, the share of the diverging step's 20 most-read cached "
+            "tokens left stale; top-20 ∩ @0, how many of them the first step (the one the selection serves) also "
+            "read most.",
         )
     )
 

@@ -36,6 +36,7 @@ they change what was measured.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ class RecordRunner:
         else:
             forced = steps if steps is not None else self.forced_logits(ans.fusion, ref.forced)
             position_kls = token_kls(ref.steps, forced)  # computed once: answer KL is their mean
-            answer_kl = float(torch.tensor(position_kls, dtype=torch.float64).mean())
+            answer_kl = statistics.fmean(position_kls)
             diverges_at = first_divergence(ref.forced, forced)
             if diverges_at is not None:  # what the step that left full's answer read (stale KV or not)
                 stale = stale_reading(self.runner, ans.fusion, ref.forced, diverges_at)

@@ -5,7 +5,7 @@
   (LCS-based F1 on normalised tokens).
 * Logits: :func:`kl_divergence` KL(P || Q) with P the reference (full
   prefill) and Q the candidate (blended), in float64 via log-softmax, and
-  :func:`mean_token_kl` over a sequence of positions.
+  :func:`token_kls` at each position of a sequence.
 * :func:`percentile` for p50/p90 summaries.
 """
 
@@ -25,7 +25,7 @@ __all__ = [
     "f1_score",
     "rouge_l",
     "kl_divergence",
-    "mean_token_kl",
+    "token_kls",
     "percentile",
 ]
 
@@ -129,14 +129,6 @@ def kl_divergence(p_logits, q_logits) -> float:
     Q gives zero probability where P does not.
     """
     return float(_row_kl(p_logits, q_logits).mean())
-
-
-def mean_token_kl(ref_logits, cand_logits) -> float:
-    """Mean over positions of KL(ref || cand); both ``[n, vocab]`` (leading dims are flattened)."""
-    rows = _row_kl(ref_logits, cand_logits)
-    if rows.numel() == 0:
-        raise ValueError("no positions to compare")
-    return float(rows.mean())
 
 
 def token_kls(ref_logits, cand_logits) -> list[float]:
