@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo lint test test-unit test-e2e bench lock clean
+.PHONY: install demo lint test test-unit test-e2e bench bench-venv lock clean
 # Tests run in parallel, one process per core (pytest-xdist), each torch on one thread: the CLI and server
 # subprocesses the tests start overlap with the other worker's compute instead of fighting it for cores.
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadscope
@@ -52,8 +52,17 @@ test-unit: install
 test-e2e: install
 	$(PYTEST) tests/e2e
 
-bench: install
+bench: install bench-venv
 	$(BIN)/python scripts/bench_all.py
+
+# llama.cpp for scripts/bench_decode.py, in a venv of its own (pinned; built from source once).
+BENCH_VENV := .bench-venv
+bench-venv: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: scripts/bench-venv.txt
+	@test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BENCH_VENV)/bin/pip install -q -r scripts/bench-venv.txt
+	@touch $@
 
 # Re-pin after a deliberate upgrade (then run `make test` before committing the new lock).
 lock:

@@ -84,6 +84,17 @@ class ComputeDtype(StrEnum):
     fp16 = "fp16"
 
 
+class WeightsFormat(StrEnum):
+    """How decode steps read the linear layers' weights (llama.cpp's and vLLM's quantization choice;
+    kvblend.model.weights). `auto`: what `kvblend profile` measured fastest on this machine."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    int8 = "int8"
+    int4 = "int4"
+
+
 class Codec(StrEnum):
     """How a segment's KV is stored (kvblend.archive.codec); `lossless` names the default lossless codec."""
 

@@ -42,6 +42,7 @@ import bench_serve_bound  # noqa: E402
 import bench_sinks  # noqa: E402
 import bench_stages  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_weights  # noqa: E402
 import bench_startup  # noqa: E402
 from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 
@@ -49,7 +50,7 @@ from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 # sections take 10-60 min each (serve, serve_nodes, serve_bound): these run only when named in --only (their last
 # results are kept and rendered)
 SECTIONS = ["startup", "engine", "archive", "query", "bench", "stages", "pareto", "codecs", "codecs_ttft", "redis",
-            "decode"]
+            "decode", "weights"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
 
 
@@ -121,7 +122,9 @@ def run_section(name: str) -> None:
     elif name == "stages":
         r = bench_stages.main([])
     elif name == "decode":
-        r = bench_decode.main()
+        r = bench_decode.main([])
+    elif name == "weights":
+        r = bench_weights.main([])
     elif name == "sinks":  # 12 bench runs (2 sinks x 3 templates x 2 record sets): about an hour on 2 cores
         r = bench_sinks.main([])
     elif name == "variants":  # the variants alone (full is still run: it is the reference)
@@ -194,8 +197,12 @@ def render() -> str:
          bench_serve_bound.markdown),
         ("redis", "Redis archive vs local archive: TTFT, ingest, bytes per token (issue 22)", "", bench_redis.markdown),
         ("serve_nodes", "Two serving nodes on one Redis: load test (issue 22)", "", bench_serve.markdown),
-        ("decode", "One batched decode step per batch size (issue 21)",
-         "`python scripts/bench_decode.py` — the serving benchmark's prompts (3 MuSiQue passages), `full`.",
+        ("decode", "Decode beside llama.cpp on the same GGUF and token ids: weights formats (issue 34)",
+         "`python scripts/bench_decode.py` — ~3,000 prompt tokens of a MuSiQue record, `full`; "
+         "llama.cpp from the benchmark venv (`make bench-venv`).",
+         lambda r: r["markdown"]),
+        ("weights", "Weights in decode: each format's answers against fp32's (issue 34)",
+         "`python scripts/bench_weights.py` — musique_dev records 0-19, 6 passages, one `full` prefill per record.",
          lambda r: r["markdown"]),
     ]
     for name, title, how, fmt in sections:

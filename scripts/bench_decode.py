@@ -1,80 +1,167 @@
-"""One batched decode step (kvblend.generation.decode_step) per batch size, in fp32 and in bf16.
+"""kvblend's decode beside llama.cpp's, on the same GGUF and the same ~3,000 prompt token ids.
 
-Every sequence holds the KV of a ~1,850-token prompt (3 MuSiQue passages, what
-scripts/bench_serve.py sends), fused by `full`. Per compute dtype and batch size
-1, 2, 4, 8: the median of 15 steps after 3 warm-up steps, two rounds with the
-dtypes interleaved per batch size (best of the two medians). The model's weights
-are read once a step whatever the batch; each sequence's KV is read once a step
-for its own query, so a batch's step grows with its summed context: bf16 halves
-both reads (and a CPU with AMX or AVX512-BF16 runs bf16 matmuls natively).
+The prompt is kvblend's own assembly of a MuSiQue record's passages under the
+default template (as many passages as reach ~3,000 tokens). Both engines get
+those ids, no tokenizer in between. Per engine and setting, in one run:
 
-    .venv/bin/python scripts/bench_decode.py     # → bench-out/decode.json + markdown
+* TTFT: `full` prefill of the whole prompt to the first token's logits
+  (kvblend: kvblend.fusion.fuse "full"; llama.cpp: eval of the ids), and prefill tok/s;
+* decode tok/s and the median inter-token latency (ITL) at batch 1, greedy, 32 tokens;
+* kvblend only: the step at batch 8 (eight sequences over that prompt's KV), as tok/s;
+* greedy agreement with kvblend fp32's 32 tokens (the same model, so a measure of numerics).
+
+kvblend runs every `--weights` format (kvblend.model.weights; prefill reads the
+loaded weights under all of them, so TTFT differs only by noise), each with fp32
+decode KV, and bf16 weights once more with fp16 decode KV; two rounds,
+formats interleaved, best of the two. llama.cpp runs the GGUF's own Q4_1 in a
+subprocess of the benchmark's own venv (`make bench-venv`: llama-cpp-python,
+pinned, never a kvblend dependency), between kvblend's two rounds; without
+that venv its rows are left out and the markdown says so.
+
+    .venv/bin/python scripts/bench_decode.py [--llama-python .bench-venv/bin/python]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import SHARED_DATA, command_line, machine, write_result
+from benchlib import ROOT, SHARED_DATA, command_line, machine, write_result
 
 from kvblend.fusion import fuse
 from kvblend.generation import DecodeState, decode_step
 from kvblend.model import load_model
+from kvblend.model.source import resolve_model_source
+from kvblend.model.weights import WEIGHT_FORMATS
 from kvblend.prompt import MUSIQUE_TEMPLATE, assemble_prompt
 from kvblend.types import Segment
 
-BATCHES = (1, 2, 4, 8)
-DTYPES = ("fp32", "bf16")
+CONTEXT_TOKENS = 3000
+STEPS = 32
+BATCH = 8
+BENCH_VENV_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
+LLAMA_SETTINGS = {"Q4_1": {}, "Q4_1, flash attention": {"flash_attn": True}}
 
 
-def step_ms(runner, fused, batch: int, steps: int = 15) -> float:
-    states = [DecodeState(runner, fused, steps + 8) for _ in range(batch)]
-    tokens = [int(fused.last_logits.argmax())] * batch
-    with torch.inference_mode():
-        for _ in range(3):
-            decode_step(runner, states, tokens)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            decode_step(runner, states, tokens)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
-def fused_prompt(runner):
-    """`full`'s fusion of record 20's first 3 passages under the MuSiQue template, and its time in ms."""
+def prompt_segments(runner) -> list[Segment]:
+    """Record 20's passages under the MuSiQue template, as many as reach CONTEXT_TOKENS."""
     record = json.loads((SHARED_DATA / "musique_dev.json").read_text())[20]
-    passages = [runner.tokenize(f"{c['title']}\n\n{c['text']}\n\n") for c in record["ctxs"][:3]]
-    prompt = assemble_prompt(runner, MUSIQUE_TEMPLATE, record["question"], [Segment(ids) for ids in passages])
+    passages: list[Segment] = []
+    for c in record["ctxs"]:
+        passages.append(Segment(runner.tokenize(f"{c['title']}\n\n{c['text']}\n\n")))
+        if sum(len(p.token_ids) for p in passages) >= CONTEXT_TOKENS:
+            break
+    return assemble_prompt(runner, MUSIQUE_TEMPLATE, record["question"], passages)
+
+
+def kvblend_side(runner, prompt: list[Segment], kv_dtype: torch.dtype | None = None) -> dict:
     with torch.inference_mode():
         fuse(runner, prompt, "full")  # warm-up
         t0 = time.perf_counter()
         fused = fuse(runner, prompt, "full")
-    return fused, (time.perf_counter() - t0) * 1000
+        token = int(fused.last_logits.argmax())
+        ttft = time.perf_counter() - t0
+        state = DecodeState(runner, fused, STEPS + 1, kv_dtype)
+        tokens, gaps = [token], []
+        for _ in range(STEPS - 1):
+            t = time.perf_counter()
+            token = int(decode_step(runner, [state], [token])[0].argmax())
+            gaps.append(time.perf_counter() - t)
+            tokens.append(token)
+        states = [DecodeState(runner, fused, 8, kv_dtype) for _ in range(BATCH)]
+        decode_step(runner, states, [tokens[0]] * BATCH)  # warm-up
+        batch_steps = []
+        for _ in range(6):
+            t = time.perf_counter()
+            decode_step(runner, states, [tokens[0]] * BATCH)
+            batch_steps.append(time.perf_counter() - t)
+    n = len(fused.token_ids)
+    return {
+        "ttft_s": ttft,
+        "prefill_tok_s": n / ttft,
+        "decode_tok_s": len(gaps) / sum(gaps),
+        "itl_ms": statistics.median(gaps) * 1000,
+        "batch8_tok_s": BATCH / statistics.median(batch_steps),
+        "tokens": tokens,
+        "prompt_ids": fused.token_ids,
+    }
 
 
-def main() -> dict:
-    runners = {dt: load_model(None, "cpu", dt) for dt in DTYPES}
-    fused = {dt: fused_prompt(r) for dt, r in runners.items()}
-    results: dict[str, dict[int, list[float]]] = {dt: {b: [] for b in BATCHES} for dt in DTYPES}
-    for _ in range(2):  # two rounds, dtypes interleaved per batch size
-        for batch in BATCHES:
-            for dt, runner in runners.items():
-                results[dt][batch].append(step_ms(runner, fused[dt][0], batch))
-    rows = [
-        {"dtype": dt, "full_fusion_ms": fused[dt][1], **{f"B{b}_ms": min(v) for b, v in per.items()}}
-        for dt, per in results.items()
-    ]
+def llama_side(python: Path, gguf: Path, prompt_ids: list[int], threads: int) -> dict:
+    request = {
+        "gguf": str(gguf),
+        "prompt_ids": prompt_ids,
+        "steps": STEPS,
+        "threads": threads,
+        "settings": LLAMA_SETTINGS,
+    }
+    proc = subprocess.run(
+        [str(python), str(ROOT / "scripts" / "llamacpp_side.py")],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp side failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def best(a: dict, b: dict) -> dict:
+    """Of two rounds: the faster of each timing."""
+    out = dict(a)
+    for key in ("ttft_s", "itl_ms"):
+        out[key] = min(a[key], b[key])
+    for key in ("prefill_tok_s", "decode_tok_s", "batch8_tok_s"):
+        if key in a:
+            out[key] = max(a[key], b[key])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--llama-python", type=Path, default=BENCH_VENV_PYTHON)
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    runners = {fmt: load_model(None, "cpu", None, fmt) for fmt in WEIGHT_FORMATS}
+    prompt = prompt_segments(runners["fp32"])
+    # every weight format with fp32 decode KV (the default), and bf16 weights with fp16 KV (issue 34, point 2)
+    settings = {f"kvblend {fmt}": (fmt, None) for fmt in WEIGHT_FORMATS}
+    settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16)
+    rounds: dict[str, list[dict]] = {name: [] for name in settings}
+    llama: list[dict] = []
+    source = resolve_model_source(None)
+    gguf = source.directory / (source.gguf_file or "")
+    have_llama = args.llama_python.exists()
+    for round_ in range(2):
+        for name, (fmt, kv_dtype) in settings.items():
+            rounds[name].append(kvblend_side(runners[fmt], prompt, kv_dtype))
+        if have_llama:
+            ids = rounds["kvblend fp32"][0]["prompt_ids"]
+            llama.append(llama_side(args.llama_python, gguf, ids, threads))
+    rows = {name: best(*runs) for name, runs in rounds.items()}
+    for name in LLAMA_SETTINGS if have_llama else ():
+        rows[f"llama.cpp {name}"] = best(llama[0][name], llama[1][name])
+    reference = rows["kvblend fp32"]["tokens"]
+    for row in rows.values():
+        row["agreement"] = sum(a == b for a, b in zip(row["tokens"], reference)) / len(reference)
+        row.pop("prompt_ids", None)
     data = {
         "command": command_line(),
         "machine": machine(),
-        "context_tokens": len(fused["fp32"][0].token_ids),
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": threads,
+        "context_tokens": len(rounds["kvblend fp32"][0]["prompt_ids"]),
+        "gguf": gguf.name,
+        "llama_cpp": have_llama,
         "rows": rows,
     }
     data["markdown"] = markdown(data)
@@ -84,17 +171,26 @@ def main() -> dict:
 
 
 def markdown(data: dict) -> str:
-    head = f"Context {data['context_tokens']} tokens per sequence; ms per decode step (best of two medians)"
+    rows = data["rows"]
+    llama_rows = [r for n, r in rows.items() if n.startswith("llama.cpp")]
+    llama_best = max((r["decode_tok_s"] for r in llama_rows), default=None)
     lines = [
-        head + "; `full` fusion of the prompt in ms.",
+        f"{data['context_tokens']} prompt tokens, the same ids in both engines; {data['gguf']}; "
+        f"{data['threads']} threads; greedy, {STEPS} tokens; best of two interleaved rounds.",
         "",
-        "| compute dtype | `full` fusion | " + " | ".join(f"batch {b}" for b in BATCHES) + " | batch 8 / batch 1 |",
-        "|---|" + "---:|" * (len(BATCHES) + 2),
+        "| engine, weights | TTFT | prefill tok/s | decode tok/s (batch 1) | ITL | batch 8 tok/s "
+        "| decode vs llama.cpp's best | greedy agreement with kvblend fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in data["rows"]:
-        cells = [f"{r[f'B{b}_ms']:.1f}" for b in BATCHES]
-        ratio = r["B8_ms"] / r["B1_ms"]
-        lines.append(f"| {r['dtype']} | {r['full_fusion_ms']:.0f} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+    for name, r in rows.items():
+        b8 = f"{r['batch8_tok_s']:.1f}" if "batch8_tok_s" in r else "not measured"
+        vs = f"{r['decode_tok_s'] / llama_best:.2f}×" if llama_best else "-"
+        lines.append(
+            f"| {name} | {r['ttft_s']:.2f} s | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} "
+            f"| {r['itl_ms']:.1f} ms | {b8} | {vs} | {r['agreement']:.0%} |"
+        )
+    if not data["llama_cpp"]:
+        lines += ["", "llama.cpp not measured: no benchmark venv (`make bench-venv`)."]
     return "\n".join(lines)
 
 

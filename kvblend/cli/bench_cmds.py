@@ -33,7 +33,9 @@ from kvblend.cli.common import (
     DtypeOpt,
     JsonOpt,
     ModelOpt,
+    WeightsOpt,
     archive_dir_or_scratch,
+    decode_weights,
     err,
     out,
     print_json,
@@ -53,7 +55,7 @@ from kvblend.evaluation.records import (
     parse_modes,
     parse_ratios,
 )
-from kvblend.options import NAMED_TEMPLATES, ComputeDtype, PromptTemplate, Select, Sink, check_ratio
+from kvblend.options import NAMED_TEMPLATES, ComputeDtype, PromptTemplate, Select, Sink, WeightsFormat, check_ratio
 from kvblend.provenance import cite
 
 BENCH_RATIOS_TEXT = ",".join(f"{r:g}" for r in DEFAULT_BENCH_RATIOS)
@@ -161,6 +163,7 @@ def bench(
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
+    weights: Optional[WeightsFormat] = WeightsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
@@ -195,7 +198,12 @@ def bench(
     from kvblend.pipeline import Engine
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
-        with Engine(target, model, compute, dtype, sink=sink) as engine, _progress(as_json) as on_progress:
+        with (
+            Engine(
+                target, model, compute, dtype, sink=sink, **decode_weights(weights, target, model, compute)
+            ) as engine,
+            _progress(as_json) as on_progress,
+        ):
             report = run_bench(
                 engine,
                 records,

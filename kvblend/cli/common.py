@@ -47,8 +47,30 @@ DtypeOpt = typer.Option(
     help="Compute dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA); KV is archived in bf16 under bf16, else fp16, and keyed by it.",
     show_default=False,
 )
+WeightsOpt = typer.Option(
+    None,
+    "--weights",
+    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what `kvblend profile` measured fastest on this machine, fp32 if nothing was). Prefill and the archived KV always use the weights as loaded.",
+    show_default=False,
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
 WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
+
+
+def decode_weights(
+    weights: str | None, archive: str | Path | None, model: str | None, compute: str | None
+) -> dict[str, Any]:
+    """`--weights` as Engine keywords: a format as given, or for `auto` (the default) what the profiles
+    stored in the archive measured fastest on this machine for this model (fp32 where none did)."""
+    if weights not in (None, "auto"):
+        return {"weights": weights}
+    from kvblend.archive import resolve_location
+    from kvblend.model.source import resolve_model_source, source_fingerprint
+    from kvblend.tuning.profile import weights_choice
+
+    fingerprint = source_fingerprint(resolve_model_source(model))
+    chosen, rows = weights_choice(resolve_location(archive), fingerprint, compute)
+    return {"weights": chosen, "decode_rows": rows}
 
 
 def print_json(obj: Any) -> None:

@@ -30,7 +30,9 @@ from kvblend.cli.common import (
     DtypeOpt,
     JsonOpt,
     ModelOpt,
+    WeightsOpt,
     archive_dir_or_scratch,
+    decode_weights,
     err,
     human_bytes,
     open_existing,
@@ -64,6 +66,7 @@ from kvblend.options import (
     SamplingConfig,
     Select,
     Sink,
+    WeightsFormat,
 )
 from kvblend.provenance import cite
 
@@ -114,7 +117,7 @@ def ingest(
             raise UsageError(f"no such file or directory: {p}")
     from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
 
-    with Engine(archive, model, compute, dtype, sink=sink) as engine:
+    with Engine(archive, model, compute, dtype, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
             with Progress(
                 TextColumn("[bold]ingest"),
@@ -228,6 +231,7 @@ def query(
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
+    weights: Optional[WeightsFormat] = WeightsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
@@ -253,7 +257,7 @@ def query(
             ar.find_segment(key)
     from kvblend.pipeline import Engine
 
-    with Engine(archive, model, compute, dtype) as engine:
+    with Engine(archive, model, compute, dtype, **decode_weights(weights, archive, model, compute)) as engine:
         engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 
         def stream(piece: str) -> None:
@@ -289,7 +293,7 @@ def timing_table(result) -> Table:
         ("KV load wait", f"{t['load_wait_s'] * 1000:.1f} ms"),
         ("recompute", f"{t['recompute_s'] * 1000:.1f} ms"),
         ("TTFT", f"{result.ttft_s * 1000:.1f} ms"),
-        ("decode", f"{result.tokens_per_s:.1f} tok/s"),
+        ("decode", f"{result.tokens_per_s:.1f} tok/s ({result.weights} weights)"),
         (
             "tokens recomputed / prompt",
             f"{result.recomputed_tokens} / {result.prompt_tokens} ({result.recompute_share:.1%} of full compute)",

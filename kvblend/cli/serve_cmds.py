@@ -11,10 +11,10 @@ from typing import Optional
 
 import typer
 
-from kvblend.cli.common import ArchiveOpt, ComputeOpt, DtypeOpt, ModelOpt, parse_size
+from kvblend.cli.common import ArchiveOpt, ComputeOpt, DtypeOpt, ModelOpt, WeightsOpt, decode_weights, parse_size
 from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS
 from kvblend.errors import UsageError
-from kvblend.options import ComputeDtype
+from kvblend.options import ComputeDtype, WeightsFormat
 
 API_KEY_ENV = "KVBLEND_API_KEY"
 
@@ -61,6 +61,7 @@ def serve(
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
+    weights: Optional[WeightsFormat] = WeightsOpt,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) that reuses archived KV.
 
@@ -87,5 +88,18 @@ def serve(
     from kvblend.serve.server import ServeOptions, run_server
 
     run_server(
-        ServeOptions(host, port, archive, model, compute, dtype, max_queue, max_batch, key, bound, max_stored_tokens)
+        ServeOptions(
+            host,
+            port,
+            archive,
+            model,
+            compute,
+            dtype,
+            max_queue,
+            max_batch,
+            key,
+            bound,
+            max_stored_tokens,
+            decode_weights(weights, archive, model, compute),
+        )
     )

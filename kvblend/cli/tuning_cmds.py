@@ -169,6 +169,14 @@ def _profile_table(p: Profile) -> Table:
         f"{p.sample.source if p.sample else '-'}, {p.sample.tokens if p.sample else 0} tokens; "
         f"scratch {human_bytes(st.scratch_bytes)}, {st.reads_per_pass} reads per pass",
     )
+    if p.weights:  # each weight format's decode step: what `--weights auto` takes
+        choice, rows = p.weights_choice()
+        for fmt, m in p.weights.items():
+            steps = ", ".join(
+                f"batch {k.removeprefix('step_ms_')} {_ms(v / 1000)}" for k, v in m.items() if k.startswith("step_ms_")
+            )
+            mark = f"  [bold]← auto (decode batches ≤ {rows})[/]" if fmt == choice else ""
+            t.add_row(f"decode {fmt}", f"{steps}; KL {m.get('kl', 0.0):.1e} vs fp32{mark}")
     t.add_row("took", f"{p.seconds:.1f} s")
     return t
 

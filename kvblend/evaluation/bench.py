@@ -181,6 +181,7 @@ def run_bench(
         "archive": str(engine.location),
         "compute": engine.runner.device.type,
         "dtype": engine.runner.dtype_name,
+        "weights": engine.runner.weights_name,
         # what a codec's bytes/token compares with: K and V of every layer in fp16
         "raw_bytes_per_token": 2 * 2 * engine.runner.n_layers * engine.runner.n_kv_heads * engine.runner.head_dim,
         "mean_prompt_tokens": round(mean([r.prompt_tokens for r in runs if r.spec == FULL]), 1),

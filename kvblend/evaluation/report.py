@@ -29,7 +29,8 @@ def _settings_line(data: dict) -> str:
     return (
         f"{data.get('records', '?')} records × {s.get('chunks', '?')} passages "
         f"(~{s.get('mean_prompt_tokens', 0):.0f} prompt tokens), {data.get('model', '?')}, "
-        f"compute {s.get('compute', '?')}/{s.get('dtype', '?')}; greedy, ≤{s.get('max_new_tokens', '?')} new tokens, "
+        f"compute {s.get('compute', '?')}/{s.get('dtype', '?')}, {s.get('weights', 'fp32')} weights in decode; "
+        f"greedy, ≤{s.get('max_new_tokens', '?')} new tokens, "
         f"same prompt token ids for every mode; modes interleaved per record."
     )
 

@@ -10,10 +10,19 @@ sequence does with its logits is kvblend.generation.sequence's.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from kvblend.fusion.fuse import FusionResult
 from kvblend.model.runner import ModelRunner
+from kvblend.types import LayerKV
+
+
+class PromptKV(Protocol):
+    """What decoding reads of a fused prompt (a kvblend.fusion.FusionResult, or a profile's random one)."""
+
+    kv: list[LayerKV]  # per layer, [1, kv_heads, T, head_dim]
+    token_ids: list[int]
 
 
 class DecodeState:
@@ -21,16 +30,23 @@ class DecodeState:
 
     A DynamicCache concatenates on every step (O(prompt) copies per token); writing
     into a buffer sized prompt + max_new_tokens keeps a decode step O(1) in copies.
+
+    The buffers hold the compute dtype unless `kv_dtype` says otherwise. 16-bit KV under fp32 compute
+    halves what a step reads of a ~3,700-token prompt (about what bf16 weights read), but on the 2-core
+    AMD EPYC VM it did not pay: a batch-1 step took 50.2 ms with fp16 KV against 49.3 ms with fp32 KV,
+    a batch-8 step 305 against 282 ms (bf16 weights, interleaved; BENCHMARKS.md, "Decode beside
+    llama.cpp"), so the default keeps fp32 and `full` decodes exactly as the model's forward pass does.
     """
 
-    def __init__(self, runner: ModelRunner, fused: FusionResult, max_new_tokens: int):
+    def __init__(self, runner: ModelRunner, fused: PromptKV, max_new_tokens: int, kv_dtype: torch.dtype | None = None):
         self.runner = runner
         self.length = len(fused.token_ids)
         capacity = self.length + max_new_tokens
+        dtype = kv_dtype or runner.dtype
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for k, v in fused.kv:
-            kb = torch.empty((*k.shape[:2], capacity, k.shape[3]), dtype=runner.dtype, device=runner.device)
+            kb = torch.empty((*k.shape[:2], capacity, k.shape[3]), dtype=dtype, device=runner.device)
             vb = torch.empty_like(kb)
             kb[:, :, : self.length] = k
             vb[:, :, : self.length] = v
@@ -59,6 +75,11 @@ def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int
     projections and MLPs run batched, and each sequence's one query attends over its own keys, exactly as it
     would alone. Returns next-token logits, [len(states), vocab] in float32.
     """
+    with runner.decoding():
+        return _step(runner, states, tokens)
+
+
+def _step(runner: ModelRunner, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
     device = runner.device
     positions = torch.tensor([[st.length] for st in states], device=device)
     cos, sin = runner.rope(positions)

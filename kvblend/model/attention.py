@@ -28,8 +28,21 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def last_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query at the newest position: it may see every key, so no mask (decoding, one token per step)."""
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    """One query at the newest position: it may see every key, so no mask (decoding, one token per step).
+
+    K/V held in 16 bits under fp32 compute (a decode step's buffers: kvblend.generation.decode) are widened
+    one layer at a time, so the widened copy is read back from cache rather than memory, and attended as a
+    grouped matmul: on a 2-core AMD EPYC (AVX2), 30 layers of 3,656 keys took 16.6 ms this way against
+    18.3 ms for SDPA over fp32 K/V, while SDPA over the widened tensors took 83 ms and SDPA in bf16 or fp16
+    79-124 ms (no native 16-bit arithmetic there)."""
+    if k.dtype == q.dtype:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    b, heads, tq, hd = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * tq, hd)  # GQA: a KV head's query heads stacked
+    scores = torch.matmul(grouped, k.to(q.dtype).transpose(-1, -2)).mul_(scale)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype))
+    return out.view(b, heads, tq, hd)
 
 
 def is_short_suffix(query_positions: torch.Tensor, n_keys: int) -> bool:

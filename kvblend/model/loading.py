@@ -31,6 +31,7 @@ from kvblend.model.source import (
 )
 from kvblend.model.tokenizer import TextTokenizer
 from kvblend.model.transformer import Transformer, read_safetensors
+from kvblend.model.weights import DEFAULT_DECODE_ROWS, apply_weights, check_weights
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -63,12 +64,21 @@ def pick_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
     return names[dtype]
 
 
-def load_model(model: str | None = None, compute: str | None = None, dtype: str | None = None) -> ModelRunner:
+def load_model(
+    model: str | None = None,
+    compute: str | None = None,
+    dtype: str | None = None,
+    weights: str | None = None,
+    decode_rows: int = DEFAULT_DECODE_ROWS,
+) -> ModelRunner:
     """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner.
 
     config.json, safetensors and tokenizer.json are read directly (kvblend.model.config,
     .transformer, .tokenizer); transformers is imported only to convert a GGUF the first time.
+    `weights` gives the linear layers a converted copy that decode batches of up to `decode_rows` read
+    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile).
     """
+    weights = check_weights(weights, allow_auto=False)
     source = resolve_model_source(model)
     if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
         check_gguf_architecture(source.directory / source.gguf_file)
@@ -80,9 +90,10 @@ def load_model(model: str | None = None, compute: str | None = None, dtype: str 
     torch_dtype = pick_dtype(device, dtype)
     with _unreadable_checkpoint(source):
         tokenizer = TextTokenizer.read(directory)
-        weights = Transformer.from_state_dict(config, read_safetensors(directory))
-    weights.to(device=device, dtype=torch_dtype)
-    return ModelRunner(weights, tokenizer, name=source.name, fingerprint=fingerprint)
+        transformer = Transformer.from_state_dict(config, read_safetensors(directory))
+    transformer.to(device=device, dtype=torch_dtype)
+    report = apply_weights(transformer, weights, decode_rows)
+    return ModelRunner(transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report)
 
 
 @contextmanager

@@ -32,6 +32,8 @@ Anything else is refused by name (kvblend.model.source.check_architecture).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ from kvblend.model.attention import (
 )
 from kvblend.model.config import ModelConfig
 from kvblend.model.rope import Rotations, apply_rope, rotate_k
+from kvblend.model.weights import WeightReport
 from kvblend.types import LayerKV, Steps, drain
 
 
@@ -62,6 +65,7 @@ class ModelRunner:
     name: str = "model"
     fingerprint: str = ""
     local_layers_skip_sink: bool = True
+    weights: WeightReport | None = None  # how the linear layers are held (kvblend.model.weights); None: as loaded
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,25 @@ class ModelRunner:
         # Gemma's sandwich norms around attention and MLP (finish_layer); Gemma 2-style logit soft-capping.
         self._sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
         self._final_softcap = cfg.final_logit_softcapping
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Inside: the projections read their converted weights (`--weights`) for calls of few rows, as a
+        decode step's. Outside, and under fp32, every call reads the weights as loaded."""
+        route = self.weights.route if self.weights is not None else None
+        if route is None:
+            yield
+            return
+        route.decoding = True
+        try:
+            yield
+        finally:
+            route.decoding = False
+
+    @property
+    def weights_name(self) -> str:
+        """The weight format (`--weights`): "fp32" for weights as loaded, whatever the compute dtype."""
+        return self.weights.weights if self.weights is not None else "fp32"
 
     @property
     def dtype_name(self) -> str:

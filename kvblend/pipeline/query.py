@@ -71,7 +71,7 @@ def run_query(
         forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None,
     )
     res.writes.put(finish_steps(res, prepared))  # after the answer, by the queue's owner (writebehind.py)
-    result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s)
+    result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s, res.runner.weights_name)
     result.timings["model_load_s"] = res.model_load_s
     return result
 
@@ -162,7 +162,7 @@ def finish_steps(res: Resources, prepared: Prepared, rows_per_step: int | None =
         yield from restore_segments(res, records, prepared.warn, rows_per_step)
 
 
-def answered(prepared: Prepared, gen: Generation, ttft: float) -> QueryResult:
+def answered(prepared: Prepared, gen: Generation, ttft: float, weights: str = "fp32") -> QueryResult:
     """The report of an answered query (`ttft`: from its start to its first token, as the caller measured it)."""
     fused = prepared.fused
     timings = {
@@ -187,6 +187,7 @@ def answered(prepared: Prepared, gen: Generation, ttft: float) -> QueryResult:
         timings=timings,
         warnings=prepared.warnings,
         prefix_cached=prepared.prefix_cached,
+        weights=weights,
         fusion=fused,
         generation=gen,
     )

@@ -29,6 +29,7 @@ from kvblend.model.loading import load_model
 from kvblend.model.prefill import storage_dtype
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import resolve_model_source, source_fingerprint
+from kvblend.model.weights import DEFAULT_DECODE_ROWS, check_weights
 from kvblend.options import QueryOptions, Sink, choice
 from kvblend.pipeline.writebehind import WriteBehind
 from kvblend.prompt import template_sink
@@ -46,12 +47,17 @@ class Resources:
         dtype: str | None = None,
         runner: ModelRunner | None = None,
         sink: str = DEFAULT_SINK,
+        weights: str | None = None,
+        decode_rows: int = DEFAULT_DECODE_ROWS,
     ):
         self.sink = choice(Sink, sink, "--sink")  # how new segments are prefilled; reads honour each record's own
         self.location = resolve_location(archive)
         self.model_spec = model
         self.compute = compute
         self.dtype = dtype
+        # what decode steps read (kvblend.model.weights): the CLI resolves `auto` from the stored profiles
+        self.weights = check_weights(weights, allow_auto=False)
+        self.decode_rows = decode_rows
         self._runner = runner
         self._archive: Archive | None = None
         self._keys: KeyScheme | None = None
@@ -69,7 +75,7 @@ class Resources:
     def runner(self) -> ModelRunner:
         if self._runner is None:
             t0 = time.perf_counter()
-            self._runner = load_model(self.model_spec, self.compute, self.dtype)
+            self._runner = load_model(self.model_spec, self.compute, self.dtype, self.weights, self.decode_rows)
             self.model_load_s = time.perf_counter() - t0
         return self._runner
 

@@ -83,6 +83,7 @@ class QueryResult:
     timings: dict[str, float]
     warnings: list[str]
     prefix_cached: bool = False
+    weights: str = "fp32"  # what the decode steps read (--weights; "auto" resolved)
     fusion: FusionResult | None = None
     generation: Generation | None = None
 
@@ -104,6 +105,7 @@ class QueryResult:
             "segments": [asdict(s) for s in self.segments],
             "tokens_per_s": round(self.tokens_per_s, 2),
             "prefix_cached": self.prefix_cached,
+            "weights": self.weights,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "warnings": self.warnings,
             "stages": {k: round(v, 4) for k, v in self.stages.items()},

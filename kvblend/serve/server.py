@@ -16,7 +16,7 @@ import logging
 import logging.config
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -91,16 +91,17 @@ def run_server(options: ServeOptions) -> None:
     """Load the model once, then serve until SIGTERM or Ctrl-C."""
     check_port(options.host, options.port)
     logging.config.dictConfig(log_config())
-    engine = Engine(options.archive, options.model, options.compute, options.dtype)
+    engine = Engine(options.archive, options.model, options.compute, options.dtype, **options.weights)
     try:
         log.info("loading %s; archive %s", engine.model_name, engine.location)
         archive = engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
         log.info(
-            "model loaded in %.1fs on %s (%s); batches of up to %d sequences",
+            "model loaded in %.1fs on %s (%s, %s weights in decode); batches of up to %d sequences",
             engine.model_load_s,
             engine.runner.device,
             engine.runner.dtype_name,
+            engine.runner.weights_name,
             options.max_batch,
         )
         if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
@@ -148,3 +149,4 @@ class ServeOptions:
     api_key: str | None
     max_archive_bytes: int | None
     max_stored_tokens: int | None
+    weights: dict = field(default_factory=dict)  # Engine keywords: the format and its decode rows

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
 from kvblend.tuning.delay import MB, fit_cost_model, recompute_time
 from kvblend.tuning.profile import LayerCost, LengthTiming, SelectiveCheck
+from kvblend.types import LayerKV
 
 Layout = list[list[tuple[int, int]]]  # per segment, per layer: (offset, length) in the scratch file
 
@@ -335,3 +337,61 @@ def measure_layer_cost(
             predicted = recompute_time(check_ratio, L, model)
             cost.selective_check = SelectiveCheck(check_ratio, L, measured, predicted, measured / predicted)
     return cost
+
+
+# ───────────────────────────────── decode weights ─────────────────────────────────
+
+
+def measure_decode_weights(
+    load: Callable[[str], Any], context_tokens: int, steps: int, batches: Sequence[int] = (1, 8)
+) -> dict[str, dict[str, float]]:
+    """Per weight format (kvblend.model.weights): the median decode step at each batch size over a
+    `context_tokens` prompt, and the next-token KL and top-token agreement against fp32's at that step.
+
+    `load(fmt)` returns a runner holding the format for batches of any size. Every format decodes the
+    same random prompt's KV, made by the loaded weights (prefill never reads the converted copy). Formats
+    alternate per batch size so a machine that gets busier halfway penalises them alike.
+    """
+    from kvblend.generation.decode import DecodeState, decode_step
+    from kvblend.model.weights import WEIGHT_FORMATS
+
+    runners = {fmt: load(fmt) for fmt in WEIGHT_FORMATS}
+    base = runners["fp32"]
+    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=_seeded()).tolist()
+    kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in base.prefill_batch([ids[:-1]])[0]]
+    prompt = _Prompt(kv, ids[:-1])
+    result: dict[str, dict[str, float]] = {fmt: {} for fmt in WEIGHT_FORMATS}
+    reference = None
+    for fmt, runner in runners.items():
+        logits = decode_step(runner, [DecodeState(runner, prompt, 1)], [ids[-1]])[0].float()
+        if reference is None:
+            reference = logits
+        result[fmt]["kl"] = float(
+            torch.nn.functional.kl_div(
+                logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum"
+            )
+        )
+        result[fmt]["same_top"] = float(int(logits.argmax()) == int(reference.argmax()))
+    for batch in batches:
+        for fmt, runner in runners.items():
+            states = [DecodeState(runner, prompt, steps + 2) for _ in range(batch)]
+            decode_step(runner, states, [ids[-1]] * batch)  # warm-up
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                decode_step(runner, states, [ids[-1]] * batch)
+                times.append(time.perf_counter() - t0)
+            result[fmt][f"step_ms_{batch}"] = statistics.median(times) * 1000
+    return result
+
+
+@dataclass
+class _Prompt:
+    """What DecodeState reads of a fused prompt: its per-layer KV [1, kv_heads, T, hd] and its token ids."""
+
+    kv: list[LayerKV]
+    token_ids: list[int]
+
+
+def _seeded() -> torch.Generator:
+    return torch.Generator().manual_seed(0)

@@ -170,6 +170,25 @@ class Profile:
     # Every codec on the same sample KV: {codec: {stored_fraction (of fp16), decompress_MBps (compressed
     # in), decompress_raw_MBps}}, so `tune` can price re-ingesting with another codec (empty: not measured).
     codecs: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Every weight format's decode step (kvblend.model.weights): {format: {step_ms_1, step_ms_8, kl, same_top}}
+    # against fp32 at the same step, and what `--weights auto` takes from it (empty: not measured).
+    weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    weights_context_tokens: int = 0
+
+    def weights_choice(self) -> tuple[str, int]:
+        """`--weights auto`: the fastest batch-1 decode step among the formats within AUTO_MAX_KL of fp32,
+        and the largest measured batch at which it still beats fp32 (1 if none: decode batches of one)."""
+        from kvblend.model.weights import AUTO_MAX_KL, DEFAULT_WEIGHTS
+
+        fp32 = self.weights.get("fp32")
+        if not fp32:
+            return DEFAULT_WEIGHTS, 1
+        fit = {f: m for f, m in self.weights.items() if m.get("kl", 1.0) <= AUTO_MAX_KL and "step_ms_1" in m}
+        best = min(fit, key=lambda f: fit[f]["step_ms_1"], default=DEFAULT_WEIGHTS)
+        batches = sorted(int(k.removeprefix("step_ms_")) for k in fit.get(best, {}) if k.startswith("step_ms_"))
+        paying = [b for b in batches if fit[best][f"step_ms_{b}"] < fp32.get(f"step_ms_{b}", 0.0)]
+        rows = max((b for b in paying if all(p in paying for p in batches if p <= b)), default=1)
+        return best, rows
 
     @property
     def cost_model(self) -> CostModel:
@@ -250,6 +269,24 @@ def applicable_profiles(
 ) -> list[Profile]:
     """Profiles measured on this machine, with this model, on this compute device type."""
     return [p for p in profiles if not profile_flags(p, machine, fingerprint) and p.compute == compute]
+
+
+def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
+    """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
+    weights decides (Profile.weights_choice); fp32 when none did. Reads the archive without writing it."""
+    from kvblend.model.loading import pick_compute_device
+    from kvblend.model.weights import DEFAULT_WEIGHTS
+
+    device = pick_compute_device(compute).type
+    try:
+        with Archive.open(location, create=False) as ar:
+            stored = [Profile.from_dict(d, name) for name, d in ar.iter_profiles()]
+    except KvblendError:
+        return DEFAULT_WEIGHTS, 1
+    measured = [p for p in applicable_profiles(stored, machine_info(), fingerprint, device) if p.weights]
+    if not measured:
+        return DEFAULT_WEIGHTS, 1
+    return max(measured, key=lambda p: p.created).weights_choice()
 
 
 def location_profile(profiles: Iterable[Profile], archive_path: str | os.PathLike[str] | Location) -> Profile | None:

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvblend.archive import (
     CODECS,
@@ -24,6 +25,7 @@ from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import UsageError
 from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.model import load_model
+from kvblend.model.weights import WEIGHT_FORMATS
 from kvblend.tuning import probes
 from kvblend.tuning.profile import (
     DEVICE_LABELS,
@@ -59,6 +61,9 @@ class ProfileSettings:
     cold_runs: int = 3
     warm_runs: int = 3
     decompress_seconds: float = 0.5
+    decode_context_tokens: int = 2000  # the prompt each weight format's decode step runs over
+    decode_steps: int = 8
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8)  # `auto` converts decode batches up to the largest that pays
 
     @classmethod
     def quick(cls) -> ProfileSettings:
@@ -71,6 +76,9 @@ class ProfileSettings:
             cold_runs=1,
             warm_runs=2,
             decompress_seconds=0.1,
+            decode_context_tokens=128,
+            decode_steps=2,
+            decode_batches=(1,),
         )
 
 
@@ -114,8 +122,10 @@ def build_profile(
     codec: str | None = None,
     level: int | None = None,
     log: Log | None = None,
+    load_weights: Callable[[str], Any] | None = None,
 ) -> Profile:
-    """Measure storage read, codec decompression and per-layer prefill cost.
+    """Measure storage read, codec decompression, per-layer prefill cost and, with `load_weights`
+    (a weight format → a runner holding it), each weight format's decode step.
 
     ``device``: None or a disk label (nvme/ssd/hdd) profiles the archive's own
     directory, ``ram`` an in-memory tier, anything else is a directory to
@@ -149,6 +159,11 @@ def build_profile(
     codecs = measure_codecs(sample, DEFAULT_LEVEL if level is None else level, settings.decompress_seconds)
     log(f"compute: {runner.device.type}, lengths {', '.join(map(str, settings.lengths))}")
     cost = probes.measure_layer_cost(runner, settings.lengths, settings.repeats)
+    weights: dict[str, dict[str, float]] = {}
+    if load_weights is not None:
+        context = min(settings.decode_context_tokens, (runner.max_positions or 1 << 20) - 1)
+        log(f"decode: weights {', '.join(WEIGHT_FORMATS)} over a {context}-token prompt")
+        weights = probes.measure_decode_weights(load_weights, context, settings.decode_steps, settings.decode_batches)
 
     sample_per_token_layer = sample.stored_bytes / (sample.tokens * n_layers)
     ref_L = min(TYPICAL_PROMPT_TOKENS, runner.max_positions or TYPICAL_PROMPT_TOKENS)
@@ -197,6 +212,8 @@ def build_profile(
         load_avg=LoadAvg(load_before, loadavg(), os.cpu_count()),
         seconds=time.perf_counter() - started,
         codecs=codecs,
+        weights=weights,
+        weights_context_tokens=context if weights else 0,
     )
 
 
@@ -238,7 +255,13 @@ def run_profile(
     path = resolve_location(archive)
     runner = load_model(model, compute)
     settings = ProfileSettings.quick() if quick else ProfileSettings()
+
+    def load_weights(fmt: str):
+        return runner if fmt == "fp32" else load_model(model, compute, None, fmt, decode_rows=1 << 30)
+
     with Archive.open(path, create=True, model_name=runner.name, model_fingerprint=runner.fingerprint) as ar:
-        profile = build_profile(runner, ar, device=device, settings=settings, label=label, log=log)
+        profile = build_profile(
+            runner, ar, device=device, settings=settings, label=label, log=log, load_weights=load_weights
+        )
         ar.put_profile(profile.name, profile.to_dict())
     return profile

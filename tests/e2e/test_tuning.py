@@ -26,6 +26,16 @@ def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
     assert prof["storage"]["label"] == "ssd" and prof["storage"]["path"] == normalize_path(path)
     assert prof["compute"] == "cpu" and prof["model"]["fingerprint"]
     assert not [p for p in path.iterdir() if p.name.endswith(".scratch")]  # scratch file deleted
+    # each weight format's decode step, and what `--weights auto` takes from it
+    assert set(prof["weights"]) == {"fp32", "bf16", "int8", "int4"}
+    assert prof["weights"]["fp32"]["kl"] == 0.0 and all(m["step_ms_1"] > 0 for m in prof["weights"].values())
+    assert 0 < prof["weights"]["int4"]["kl"] < 0.05  # the GGUF's Q4_1 projections, an int8 LM head
+    chosen, _ = Profile.from_dict(prof).weights_choice()
+    context = tmp_path / "passage.txt"
+    context.write_text("The Bergen office is managed by Marit Haugen. It has forty staff.")
+    asked = ["query", "Who manages the Bergen office?", "--context-file", context, "--top-k", "0", "--archive", path]
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--weights", "auto", check=True).stdout)
+    assert answer["weights"] == chosen
 
     shown = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
     assert [p["name"] for p in shown["profiles"]] == [prof["name"]]

@@ -61,6 +61,14 @@ def test_dtype_is_a_choice_checked_before_anything_loads(command, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("command", ["query", "bench", "serve"])
+def test_weights_is_a_choice_checked_before_anything_loads(command, tmp_path):
+    proc = run_cli(command, *COMMANDS[command], "--weights", "int5", "--archive", tmp_path / "a")
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "--weights" in line and "int5" in line and "int4" in line
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("level", ["0", "23", "-8"])
 def test_ingest_refuses_a_level_zstd_does_not_offer(level, tmp_path):
     (tmp_path / "d").mkdir()

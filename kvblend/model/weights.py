@@ -1,0 +1,255 @@
+"""Weight formats for the decoder's linear layers: fp32, weight-only bf16, int8 and int4 (`--weights`).
+
+A decode step of a small model reads every weight once per token, so its time
+follows the bytes the weights take, wherever the kernel that reads them is
+fast enough to keep up. Prefill is the opposite: hundreds of rows per weight,
+bound by arithmetic, where a CPU without native bf16 or int4 arithmetic loses
+(SmolLM2 on a 2-core AMD EPYC, AVX2: a 3,000-token prefill takes 8.6 s with
+fp32 weights and 39.8 s with bf16 ones; one decode row takes half the time
+with bf16 weights, eight rows 1.4x longer). So a converted layer keeps the
+weight it was loaded with and routes by the call: a decode step of at most
+:attr:`Route.max_rows` sequences reads the converted weight, everything else
+(prefill, blend's recompute, the probe) the loaded one. The KV kvblend makes
+and archives is therefore the loaded weights' under every format, and
+archive keys do not change with `--weights`; what a format changes is the
+answer's tokens after the first.
+
+The formats:
+
+* ``fp32``: the checkpoint's tensors as loaded (the default where nothing
+  measured better: see ``auto`` below).
+* ``bf16``: weights in bf16, activations in the compute dtype, cast around each
+  matmul. Pays where the CPU multiplies bf16 natively (AMX, AVX512-BF16) or on CUDA.
+* ``int8``: per-output-channel symmetric codes and one scale per row
+  (torch's ``_weight_int8pack_mm`` on the CPU, gpt-fast's int8 path).
+* ``int4``: groups of 32 input weights with a scale and a minimum each,
+  ``w = d·q + m`` with ``q`` in 0..15: exactly GGUF's Q4_1. A GGUF in Q4_1 has
+  been de-quantised to fp32 on load, and re-quantising those weights gives
+  back the file's codes and scales bit for bit (:attr:`WeightReport.max_error`
+  is then 0.0: ``full`` stays the model in the file). torch's CPU kernel
+  ``_weight_int4pack_mm_for_cpu`` takes the scale and ``m + 8·d`` as its
+  "zero" (it centres codes at 8).
+
+The embedding stays as loaded (a lookup reads one row per token); a tied LM head
+gets its own quantized copy, in int8 under ``int4`` (as llama.cpp's 4-bit files keep
+their output matrix at 6 or 8 bits: SmolLM2's GGUF holds it in Q8_0, which int4
+groups cannot reproduce). Norms, biases and RoPE tables are untouched.
+
+On CUDA the quantized formats de-quantise each weight inside the call: correct,
+but not a fused kernel (nothing in this repository has measured one on a GPU).
+
+``auto`` is resolved by the caller from what ``kvblend profile`` measured on
+this machine (kvblend.tuning): the fastest decode step among the formats whose
+first-token KL against fp32 stays within :data:`AUTO_MAX_KL`; fp32 when nothing
+was measured. On a 2-core AMD EPYC (AVX2, no AMX) torch's int8 and int4 CPU
+kernels are slower than fp32's matmul (BENCHMARKS.md), so ``auto`` stays fp32
+there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvblend.errors import UsageError
+
+#: The formats `--weights` takes besides "auto".
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_WEIGHTS = "fp32"
+#: Decode batches up to this many rows read the converted weights unless `kvblend profile` measured otherwise.
+DEFAULT_DECODE_ROWS = 8
+#: Q4_1's block: 32 consecutive input weights share a scale and a minimum.
+INT4_GROUP = 32
+#: `auto` takes no format whose first-token KL against fp32 exceeds this (nats, on the profile's prompt).
+AUTO_MAX_KL = 0.01
+
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def check_weights(name: str | None, allow_auto: bool = True) -> str:
+    """The format named by `--weights` (None: the default), or a one-line UsageError."""
+    if name is None:
+        return DEFAULT_WEIGHTS
+    allowed = (*WEIGHT_FORMATS, "auto") if allow_auto else WEIGHT_FORMATS
+    if name not in allowed:
+        raise UsageError(f"--weights must be one of {', '.join(allowed)}, not {name!r}")
+    return name
+
+
+class Route:
+    """Which weights a converted layer reads, shared by all of a model's layers.
+
+    `decoding` is set only around a decode step (ModelRunner.decoding); `max_rows` is the largest
+    batch for which the converted weights were measured faster (kvblend profile), 8 unless told."""
+
+    def __init__(self, max_rows: int = DEFAULT_DECODE_ROWS):
+        self.decoding = False
+        self.max_rows = max_rows
+
+    def converted(self, rows: int) -> bool:
+        return self.decoding and rows <= self.max_rows
+
+
+class ConvertedLinear(nn.Module):
+    """A linear layer held twice: as loaded (`weight`, for prefill) and converted (for decode rows)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.route = route
+        self.max_error = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.route.converted(flat.shape[0]):
+            return F.linear(x, self.weight, self.bias)
+        y = self.converted_matmul(flat).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def converted_bytes(self) -> int:
+        """What the converted copy takes: the bytes a decode step streams for this layer."""
+        return sum(_bytes(t) for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+class BF16Linear(ConvertedLinear):
+    """Weight-only bf16: the weight is held in bf16, the activation is cast to it and the result back."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
+        super().__init__(weight, bias, route)
+        self.bf16 = weight.detach().to(torch.bfloat16)
+        self.max_error = float((self.bf16.float() - weight.float()).abs().max())
+
+    def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat.to(torch.bfloat16), self.bf16).to(flat.dtype)
+
+
+class Int8Linear(ConvertedLinear):
+    """Weight-only int8, one symmetric scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
+        super().__init__(weight, bias, route)
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.codes = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(weight.dtype).contiguous()
+        self.max_error = float((self.codes.float() * scale[:, None] - w).abs().max())
+
+    def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale.to(flat.dtype))
+        return F.linear(flat, self.codes.to(flat.dtype)) * self.scale.to(flat.dtype)
+
+
+class Int4Linear(ConvertedLinear):
+    """Weight-only int4 in Q4_1's layout: groups of 32 input weights, w = d·q + m, q in 0..15."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
+        super().__init__(weight, bias, route)
+        n_out, n_in = weight.shape
+        w = weight.detach().float().view(n_out, n_in // INT4_GROUP, INT4_GROUP)
+        low, high = w.amin(-1), w.amax(-1)
+        d = (high - low) / 15.0
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((w - low[..., None]) / safe[..., None]).clamp_(0, 15)
+        self.max_error = float((q * d[..., None] + low[..., None] - w).abs().max())
+        codes = q.to(torch.int32).view(n_out, n_in)
+        self.on_cpu = weight.device.type == "cpu"
+        if self.on_cpu:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            # [groups, out, 2]: the scale, and the kernel's "zero" m + 8·d (it computes (q - 8)·d + zero).
+            self.scale_zero = torch.stack([d, low + 8 * d], dim=-1).transpose(0, 1).contiguous()
+        else:
+            self.codes = codes.to(torch.uint8)
+            self.d, self.low = d, low
+
+    def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.float(), self.packed, INT4_GROUP, self.scale_zero)
+            return out.to(flat.dtype)
+        n_out, n_in = self.codes.shape
+        groups = self.codes.view(n_out, -1, INT4_GROUP).float() * self.d[..., None] + self.low[..., None]
+        return F.linear(flat, groups.view(n_out, n_in).to(flat.dtype))
+
+
+@dataclass(frozen=True)
+class WeightReport:
+    """What a format did to the weights: how many layers it converted, its largest rounding, and the
+    bytes a decode step streams now. `route` switches the converted layers on around decode steps."""
+
+    weights: str
+    layers: int
+    kept: int  # projections left as loaded (shape not divisible into int4 groups)
+    max_error: float  # largest |converted - loaded| over the converted projections (0.0: exact)
+    bytes: int  # what a decode step streams: the projections' and the LM head's weights, as decode reads them
+    head: str = "fp32"  # the LM head's format
+    head_error: float = 0.0
+    route: Route | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def exact(self) -> bool:
+        """The projections reproduce the loaded weights bit for bit (int4 on a Q4_1 GGUF)."""
+        return self.max_error == 0.0
+
+
+def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE_ROWS) -> WeightReport:
+    """Give the decoder's projections and the LM head of a loaded Transformer a converted copy, in place."""
+    weights = check_weights(weights, allow_auto=False)
+    head_weight = _weight_of(model.lm_head)  # type: ignore[arg-type]
+    if weights == "fp32":
+        loaded = [_weight_of(m) for _, _, m in _linears(model)] + [head_weight]
+        return WeightReport("fp32", 0, 0, 0.0, sum(_bytes(t) for t in loaded))
+    route = Route(max_rows)
+    layers = kept = total = 0
+    worst = 0.0
+    for parent, name, linear in _linears(model):
+        weight = _weight_of(linear)
+        if weights == "int4" and weight.shape[1] % INT4_GROUP:
+            kept += 1
+            total += _bytes(weight)
+            continue
+        new = _convert(weights, weight, getattr(linear, "bias", None), route)
+        worst = max(worst, new.max_error)
+        setattr(parent, name, new)
+        layers += 1
+        total += new.converted_bytes()
+    head_format = "int8" if weights == "int4" else weights
+    head = _convert(head_format, head_weight, None, route)
+    model.lm_head = head
+    total += head.converted_bytes()
+    return WeightReport(weights, layers, kept, worst, total, head_format, head.max_error, route)
+
+
+def _weight_of(linear: nn.Module) -> torch.Tensor:
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _convert(weights: str, weight: torch.Tensor, bias: torch.Tensor | None, route: Route) -> ConvertedLinear:
+    if weights == "bf16":
+        return BF16Linear(weight, bias, route)
+    if weights == "int8":
+        return Int8Linear(weight, bias, route)
+    return Int4Linear(weight, bias, route)
+
+
+def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every layer's projections: with the LM head, what a decode step streams."""
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for path in (*_LINEARS, *_MLP):
+            owner, name = path.split(".")
+            parent = getattr(layer, owner)
+            yield parent, name, getattr(parent, name)
