@@ -50,7 +50,7 @@ DtypeOpt = typer.Option(
 WeightsOpt = typer.Option(
     None,
     "--weights",
-    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what `kvblend profile` measured fastest on this machine, fp32 if nothing was). Prefill and the archived KV always use the weights as loaded.",
+    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine, fp32 if none did). Prefill and the archived KV always use the weights as loaded.",
     show_default=False,
 )
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")

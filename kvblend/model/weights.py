@@ -40,10 +40,12 @@ but not a fused kernel (nothing in this repository has measured one on a GPU).
 
 ``auto`` is resolved by the caller from what ``kvblend profile`` measured on
 this machine (kvblend.tuning): the fastest decode step among the formats whose
-first-token KL against fp32 stays within :data:`AUTO_MAX_KL`; fp32 when nothing
+next-token KL against fp32 stays within :data:`AUTO_MAX_KL`; fp32 when nothing
 was measured. On a 2-core AMD EPYC (AVX2, no AMX) torch's int8 and int4 CPU
-kernels are slower than fp32's matmul (BENCHMARKS.md), so ``auto`` stays fp32
-there.
+kernels are slower than fp32's matmul, and bf16 weights 1.45x faster at batch 1
+but slower at batch 8 (BENCHMARKS.md), so ``auto`` takes bf16 for small decode
+batches there. A server's batches above that size read the loaded weights, so a
+greedy answer can depend on how many requests shared its steps.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ DEFAULT_WEIGHTS = "fp32"
 DEFAULT_DECODE_ROWS = 8
 #: Q4_1's block: 32 consecutive input weights share a scale and a minimum.
 INT4_GROUP = 32
+#: torch's CPU int4 packing works on tiles of 16 output rows.
+INT4_CPU_TILE = 16
 #: `auto` takes no format whose first-token KL against fp32 exceeds this (nats, on the profile's prompt).
 AUTO_MAX_KL = 0.01
 
@@ -187,7 +191,7 @@ class WeightReport:
 
     weights: str
     layers: int
-    kept: int  # projections left as loaded (shape not divisible into int4 groups)
+    kept: int  # projections left as loaded (a shape int4 cannot pack: int4_packable)
     max_error: float  # largest |converted - loaded| over the converted projections (0.0: exact)
     bytes: int  # what a decode step streams: the projections' and the LM head's weights, as decode reads them
     head: str = "fp32"  # the LM head's format
@@ -212,7 +216,7 @@ def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE
     worst = 0.0
     for parent, name, linear in _linears(model):
         weight = _weight_of(linear)
-        if weights == "int4" and weight.shape[1] % INT4_GROUP:
+        if weights == "int4" and not int4_packable(weight):
             kept += 1
             total += _bytes(weight)
             continue
@@ -226,6 +230,13 @@ def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE
     model.lm_head = head
     total += head.converted_bytes()
     return WeightReport(weights, layers, kept, worst, total, head_format, head.max_error, route)
+
+
+def int4_packable(weight: torch.Tensor) -> bool:
+    """Can torch's int4 kernel hold this [out, in] weight? Inputs in whole groups of 32, and on the CPU
+    outputs in multiples of 16 (its packing's tile); other layers keep the weight as loaded."""
+    n_out, n_in = weight.shape
+    return n_in % INT4_GROUP == 0 and (weight.device.type != "cpu" or n_out % INT4_CPU_TILE == 0)
 
 
 def _weight_of(linear: nn.Module) -> torch.Tensor:

@@ -349,31 +349,27 @@ def measure_decode_weights(
     `context_tokens` prompt, and the next-token KL and top-token agreement against fp32's at that step.
 
     `load(fmt)` returns a runner holding the format for batches of any size. Every format decodes the
-    same random prompt's KV, made by the loaded weights (prefill never reads the converted copy). Formats
-    alternate per batch size so a machine that gets busier halfway penalises them alike.
+    same random prompt's KV, made by the loaded weights (prefill never reads the converted copy). One
+    format's runner is held at a time beside fp32's, so measuring costs two models' memory, not five.
     """
+    from kvblend.evaluation.metrics import kl_divergence
     from kvblend.generation.decode import DecodeState, decode_step
     from kvblend.model.weights import WEIGHT_FORMATS
 
-    runners = {fmt: load(fmt) for fmt in WEIGHT_FORMATS}
-    base = runners["fp32"]
+    base = load("fp32")
     ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=_seeded()).tolist()
     kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in base.prefill_batch([ids[:-1]])[0]]
     prompt = _Prompt(kv, ids[:-1])
-    result: dict[str, dict[str, float]] = {fmt: {} for fmt in WEIGHT_FORMATS}
-    reference = None
-    for fmt, runner in runners.items():
+    reference = decode_step(base, [DecodeState(base, prompt, 1)], [ids[-1]])[0].float()
+    result: dict[str, dict[str, float]] = {}
+    for fmt in WEIGHT_FORMATS:
+        runner = base if fmt == "fp32" else load(fmt)
         logits = decode_step(runner, [DecodeState(runner, prompt, 1)], [ids[-1]])[0].float()
-        if reference is None:
-            reference = logits
-        result[fmt]["kl"] = float(
-            torch.nn.functional.kl_div(
-                logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum"
-            )
-        )
-        result[fmt]["same_top"] = float(int(logits.argmax()) == int(reference.argmax()))
-    for batch in batches:
-        for fmt, runner in runners.items():
+        measured = {
+            "kl": kl_divergence(reference, logits),
+            "same_top": float(int(logits.argmax()) == int(reference.argmax())),
+        }
+        for batch in batches:
             states = [DecodeState(runner, prompt, steps + 2) for _ in range(batch)]
             decode_step(runner, states, [ids[-1]] * batch)  # warm-up
             times = []
@@ -381,7 +377,9 @@ def measure_decode_weights(
                 t0 = time.perf_counter()
                 decode_step(runner, states, [ids[-1]] * batch)
                 times.append(time.perf_counter() - t0)
-            result[fmt][f"step_ms_{batch}"] = statistics.median(times) * 1000
+            measured[f"step_ms_{batch}"] = statistics.median(times) * 1000
+        result[fmt] = measured
+        del runner
     return result
 
 

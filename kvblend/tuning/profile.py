@@ -271,6 +271,17 @@ def applicable_profiles(
     return [p for p in profiles if not profile_flags(p, machine, fingerprint) and p.compute == compute]
 
 
+def readable_profiles(archive: Archive) -> list[Profile]:
+    """The archive's stored profiles, leaving out any this version cannot read (a newer one's, say)."""
+    profiles = []
+    for name, stored in archive.iter_profiles():
+        try:
+            profiles.append(Profile.from_dict(stored, name))
+        except KvblendError:
+            continue
+    return profiles
+
+
 def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
     """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
     weights decides (Profile.weights_choice); fp32 when none did. Reads the archive without writing it."""
@@ -279,8 +290,8 @@ def weights_choice(location: Location, fingerprint: str | None, compute: str | N
 
     device = pick_compute_device(compute).type
     try:
-        with Archive.open(location, create=False) as ar:
-            stored = [Profile.from_dict(d, name) for name, d in ar.iter_profiles()]
+        with Archive.open(location, create=False, readonly=True) as ar:
+            stored = readable_profiles(ar)
     except KvblendError:
         return DEFAULT_WEIGHTS, 1
     measured = [p for p in applicable_profiles(stored, machine_info(), fingerprint, device) if p.weights]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvblend.archive import Archive
 from kvblend.evaluation.records import QARecord
 from kvblend.archive.records import normalize_path
 from kvblend.tuning.profile import Profile
@@ -28,14 +29,13 @@ def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
     assert not [p for p in path.iterdir() if p.name.endswith(".scratch")]  # scratch file deleted
     # each weight format's decode step, and what `--weights auto` takes from it
     assert set(prof["weights"]) == {"fp32", "bf16", "int8", "int4"}
-    assert prof["weights"]["fp32"]["kl"] == 0.0 and all(m["step_ms_1"] > 0 for m in prof["weights"].values())
+    assert all(m["step_ms_1"] > 0 for m in prof["weights"].values())
     assert 0 < prof["weights"]["int4"]["kl"] < 0.05  # the GGUF's Q4_1 projections, an int8 LM head
-    chosen, _ = Profile.from_dict(prof).weights_choice()
     context = tmp_path / "passage.txt"
     context.write_text("The Bergen office is managed by Marit Haugen. It has forty staff.")
     asked = ["query", "Who manages the Bergen office?", "--context-file", context, "--top-k", "0", "--archive", path]
-    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--weights", "auto", check=True).stdout)
-    assert answer["weights"] == chosen
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", check=True).stdout)  # --weights auto
+    assert answer["weights"] == Profile.from_dict(prof).weights_choice()[0]
 
     shown = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
     assert [p["name"] for p in shown["profiles"]] == [prof["name"]]
@@ -43,8 +43,6 @@ def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
     assert shown["profiles"][0]["read_cold_MBps"] == prof["read_cold_MBps"]
 
     # a profile from elsewhere is flagged
-    from kvblend.archive import Archive
-
     foreign = Profile.from_dict(prof)
     foreign.name, foreign.machine = "foreign", type(foreign.machine)("far", "?")
     foreign.model.fingerprint = "other"
@@ -54,6 +52,17 @@ def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
     flags = {p["name"]: p["flags"] for p in shown["profiles"]}
     assert flags["foreign"] == ["other machine", "other model"] and flags[prof["name"]] == []
     assert "other machine" in run_cli("profile", "--show", "--archive", path, check=True).stdout
+
+    # a later profile of this machine and model where int8 measured fastest: auto follows it
+    later = Profile.from_dict(prof)
+    later.name, later.created = "later", prof["created"] + 1
+    later.weights = {"fp32": {"kl": 0.0, "step_ms_1": 90.0}, "int8": {"kl": 0.002, "step_ms_1": 30.0}}
+    with Archive.open(path, create=False) as ar:
+        ar.put_profile("later", later.to_dict())
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", check=True).stdout)
+    assert answer["weights"] == "int8"
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--weights", "fp32", check=True).stdout)
+    assert answer["weights"] == "fp32"
 
 
 RECORD = QARecord(

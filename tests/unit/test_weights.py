@@ -88,11 +88,28 @@ def test_converted_weights_serve_only_decode_batches_up_to_max_rows():
     assert not torch.equal(one[0], ref[0])
 
 
-def test_a_layer_whose_inputs_do_not_split_into_int4_groups_is_kept():
+def test_a_layer_int4_cannot_pack_is_kept_as_loaded():
     runner = tiny_runner("llama")
-    runner.model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.randn(64, 100), requires_grad=False)
+    layers = runner.model.model.layers
+    layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.randn(64, 100), requires_grad=False)  # in % 32
+    layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.randn(120, 64), requires_grad=False)  # out % 16
     report = apply_weights(runner.model, "int4")
-    assert report.kept == 1 and report.layers == 7 * runner.n_layers - 1
+    assert report.kept == 2 and report.layers == 7 * runner.n_layers - 2
+    assert isinstance(layers[0].mlp.down_proj, torch.nn.Module) and not isinstance(layers[0].mlp.down_proj, Int4Linear)
+
+
+def test_prefill_after_decode_steps_and_after_a_failed_one_reads_the_loaded_weights():
+    ids = random_tokens(40, seed=9)
+    base_kv = tiny_runner("qwen2").prefill_batch([ids])[0]
+    runner = tiny_runner("qwen2")
+    runner.weights = apply_weights(runner.model, "int8")
+    _decode_logits(runner, ids)
+    with pytest.raises(RuntimeError):
+        with runner.decoding():
+            raise RuntimeError("a step failed")
+    assert not runner.weights.route.decoding
+    kv = runner.prefill_batch([ids])[0]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(kv, base_kv))
 
 
 def test_check_weights_names_the_choices():
