@@ -10,6 +10,7 @@ sequence does with its logits is kvblend.generation.sequence's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +23,15 @@ class PromptKV(Protocol):
     """What decoding reads of a fused prompt (a kvblend.fusion.FusionResult, or a profile's random one)."""
 
     kv: list[LayerKV]  # per layer, [1, kv_heads, T, head_dim]
+    token_ids: list[int]
+
+
+@dataclass
+class DecodePrompt:
+    """A PromptKV made by hand: a prompt's per-layer KV and its token ids, with no fusion behind them
+    (a profile's timing prompt, tests)."""
+
+    kv: list[LayerKV]
     token_ids: list[int]
 
 

@@ -198,11 +198,6 @@ class WeightReport:
     head_error: float = 0.0
     route: Route | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def exact(self) -> bool:
-        """The projections reproduce the loaded weights bit for bit (int4 on a Q4_1 GGUF)."""
-        return self.max_error == 0.0
-
 
 def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE_ROWS) -> WeightReport:
     """Give the decoder's projections and the LM head of a loaded Transformer a converted copy, in place."""

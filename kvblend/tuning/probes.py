@@ -33,7 +33,6 @@ from kvblend.defaults import DEFAULT_RATIO
 from kvblend.errors import UsageError
 from kvblend.tuning.delay import MB, fit_cost_model, recompute_time
 from kvblend.tuning.profile import LayerCost, LengthTiming, SelectiveCheck
-from kvblend.types import LayerKV
 
 Layout = list[list[tuple[int, int]]]  # per segment, per layer: (offset, length) in the scratch file
 
@@ -353,13 +352,14 @@ def measure_decode_weights(
     format's runner is held at a time beside fp32's, so measuring costs two models' memory, not five.
     """
     from kvblend.evaluation.metrics import kl_divergence
-    from kvblend.generation.decode import DecodeState, decode_step
+    from kvblend.generation.decode import DecodePrompt, DecodeState, decode_step
     from kvblend.model.weights import WEIGHT_FORMATS
 
     base = load("fp32")
-    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=_seeded()).tolist()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=g).tolist()
     kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in base.prefill_batch([ids[:-1]])[0]]
-    prompt = _Prompt(kv, ids[:-1])
+    prompt = DecodePrompt(kv, ids[:-1])
     reference = decode_step(base, [DecodeState(base, prompt, 1)], [ids[-1]])[0].float()
     result: dict[str, dict[str, float]] = {}
     for fmt in WEIGHT_FORMATS:
@@ -381,15 +381,3 @@ def measure_decode_weights(
         result[fmt] = measured
         del runner
     return result
-
-
-@dataclass
-class _Prompt:
-    """What DecodeState reads of a fused prompt: its per-layer KV [1, kv_heads, T, hd] and its token ids."""
-
-    kv: list[LayerKV]
-    token_ids: list[int]
-
-
-def _seeded() -> torch.Generator:
-    return torch.Generator().manual_seed(0)

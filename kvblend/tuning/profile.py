@@ -185,9 +185,11 @@ class Profile:
             return DEFAULT_WEIGHTS, 1
         fit = {f: m for f, m in self.weights.items() if m.get("kl", 1.0) <= AUTO_MAX_KL and "step_ms_1" in m}
         best = min(fit, key=lambda f: fit[f]["step_ms_1"], default=DEFAULT_WEIGHTS)
-        batches = sorted(int(k.removeprefix("step_ms_")) for k in fit.get(best, {}) if k.startswith("step_ms_"))
-        paying = [b for b in batches if fit[best][f"step_ms_{b}"] < fp32.get(f"step_ms_{b}", 0.0)]
-        rows = max((b for b in paying if all(p in paying for p in batches if p <= b)), default=1)
+        rows = 1
+        for batch in sorted(int(k.removeprefix("step_ms_")) for k in fit.get(best, {}) if k.startswith("step_ms_")):
+            if fit[best][f"step_ms_{batch}"] >= fp32.get(f"step_ms_{batch}", 0.0):
+                break
+            rows = batch
         return best, rows
 
     @property

@@ -160,6 +160,7 @@ def build_profile(
     log(f"compute: {runner.device.type}, lengths {', '.join(map(str, settings.lengths))}")
     cost = probes.measure_layer_cost(runner, settings.lengths, settings.repeats)
     weights: dict[str, dict[str, float]] = {}
+    context = 0
     if load_weights is not None:
         context = min(settings.decode_context_tokens, (runner.max_positions or 1 << 20) - 1)
         log(f"decode: weights {', '.join(WEIGHT_FORMATS)} over a {context}-token prompt")
@@ -213,7 +214,7 @@ def build_profile(
         seconds=time.perf_counter() - started,
         codecs=codecs,
         weights=weights,
-        weights_context_tokens=context if weights else 0,
+        weights_context_tokens=context,
     )
 
 

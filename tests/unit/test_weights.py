@@ -12,7 +12,8 @@ import torch
 from support import random_tokens, tiny_runner
 from kvblend.errors import UsageError
 from kvblend.generation import DecodeState
-from kvblend.generation.decode import decode_step
+from kvblend.generation.decode import DecodePrompt, decode_step
+from kvblend.evaluation.metrics import kl_divergence
 from kvblend.model.weights import INT4_GROUP, WEIGHT_FORMATS, Int4Linear, Route, apply_weights, check_weights
 from kvblend.archive import Archive, resolve_location
 from kvblend.machine import Machine, machine_info
@@ -21,20 +22,11 @@ from kvblend.tuning.profile import Profile, weights_choice
 from tuning_helpers import synthetic_profile
 
 
-class _Prompt:
-    def __init__(self, kv, ids):
-        self.kv, self.token_ids = kv, ids
-
-
 def _decode_logits(runner, ids, batch=1):
     """Prefill ids[:-1] with the runner, then one decode step of ids[-1] for `batch` copies."""
     kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids[:-1]])[0]]
-    states = [DecodeState(runner, _Prompt(kv, ids[:-1]), 2) for _ in range(batch)]
+    states = [DecodeState(runner, DecodePrompt(kv, ids[:-1]), 2) for _ in range(batch)]
     return kv, decode_step(runner, states, [ids[-1]] * batch)
-
-
-def _kl(p_logits, q_logits):
-    return float(torch.nn.functional.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="sum"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
@@ -52,8 +44,12 @@ def test_decode_reads_converted_weights_and_prefill_the_loaded_ones(arch, fmt):
     assert report.layers == 7 * runner.n_layers and report.kept == 0
     assert report.head == ("int8" if fmt == "int4" else fmt)
     assert not torch.equal(logits, ref)  # the decode step did read the converted copy
-    assert _kl(ref[0], logits[0]) < 0.05
-    assert report.bytes < sum(p.numel() * 4 for n, p in base.model.named_parameters() if n.endswith("proj.weight")) + base.model.lm_head.weight.numel() * 4
+    assert kl_divergence(ref[0], logits[0]) < 0.05
+    assert (
+        report.bytes
+        < sum(p.numel() * 4 for n, p in base.model.named_parameters() if n.endswith("proj.weight"))
+        + base.model.lm_head.weight.numel() * 4
+    )
 
 
 def test_int4_reproduces_q4_1_codes_exactly_and_rounds_other_weights():
@@ -148,8 +144,11 @@ def test_auto_reads_the_latest_profile_of_this_machine_and_model_from_the_archiv
     measured = {"fp32": {"kl": 0.0, "step_ms_1": 80.0}, "bf16": {"kl": 0.001, "step_ms_1": 45.0}}
     older = _with_weights({**measured, "int8": {"kl": 0.001, "step_ms_1": 40.0}}, machine=machine_info(), created=1.0)
     latest = _with_weights(measured, machine=machine_info(), created=2.0)
-    elsewhere = _with_weights({"fp32": {"kl": 0.0, "step_ms_1": 9.0}, "int4": {"kl": 0.0, "step_ms_1": 1.0}},
-                              machine=Machine("far", "?", None, None), created=3.0)
+    elsewhere = _with_weights(
+        {"fp32": {"kl": 0.0, "step_ms_1": 9.0}, "int4": {"kl": 0.0, "step_ms_1": 1.0}},
+        machine=Machine("far", "?", None, None),
+        created=3.0,
+    )
     with Archive.open(path, create=True) as ar:
         for name, p in (("older", older), ("latest", latest), ("elsewhere", elsewhere)):
             ar.put_profile(name, p.to_dict())
@@ -161,10 +160,10 @@ def test_decode_buffers_can_hold_16_bit_kv_and_attend_as_fp32_would():
     ids = random_tokens(30, seed=7)
     runner = tiny_runner("llama")
     kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids])[0]]
-    assert DecodeState(runner, _Prompt(kv, ids), 2).k[0].dtype == torch.float32  # default: the model exactly
-    half = DecodeState(runner, _Prompt(kv, ids), 2, kv_dtype=torch.float16)
+    assert DecodeState(runner, DecodePrompt(kv, ids), 2).k[0].dtype == torch.float32  # default: the model exactly
+    half = DecodeState(runner, DecodePrompt(kv, ids), 2, kv_dtype=torch.float16)
     assert half.k[0].dtype == torch.float16
-    exact = DecodeState(runner, _Prompt(kv, ids), 2)
+    exact = DecodeState(runner, DecodePrompt(kv, ids), 2)
     assert torch.allclose(half.step(ids[-1]), exact.step(ids[-1]), atol=2e-3)
     # the 16-bit decode attention equals SDPA over the same (rounded) keys and values in fp32
     torch.manual_seed(0)
