@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from kvblend.archive.blobs import BLOB_DIR, BLOB_SUFFIX, is_temp_name
-from kvblend.archive.indexcheck import file_problems, identity, read_stamp, write_stamp
+from kvblend.archive.indexcheck import SnapshotGone, file_problems, identity, read_stamp, write_stamp
 from kvblend.errors import ArchiveDamagedError, ArchiveError
 
 T = TypeVar("T")
@@ -47,6 +47,7 @@ T = TypeVar("T")
 DB_NAMES: tuple[str, ...] = ("meta", "segments", "documents", "embeddings", "profiles", "tuned")
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB; sparse on Linux, grown by doubling on MapFullError
+PINNED_WALK_ATTEMPTS = 20  # a walk loses its snapshot only to two commits inside a millisecond window
 
 #: LMDB errors that mean the index file itself is damaged (not a full disk or a permission problem).
 DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
@@ -284,20 +285,23 @@ class Index:
         """Every structural problem of the newest snapshot (lmdb.verify), one line each.
 
         A read transaction holds the snapshot so a writer in another process
-        cannot recycle its pages mid-walk; the walk reads the newest meta page,
-        so it is trusted only when no commit landed meanwhile (else walked
-        again). The walk uses plain reads and can never crash, whatever it finds.
+        cannot recycle its pages mid-walk, and the walk is pinned to that
+        snapshot's meta page, so commits landing meanwhile never read as
+        damage. Only when two commits land between the transaction's start and
+        the walk's first read is the snapshot's root lost (SnapshotGone): then
+        a new transaction, and the walk again. The walk uses plain reads and
+        can never crash, whatever it finds.
         """
-        found: list[str] = []
-        for _ in range(5):
+        for _ in range(PINNED_WALK_ATTEMPTS):
             with self._rw.shared(), self.env.begin(write=False) as txn:
-                held = txn.id()
-                if newest_txnid(self.data) != held:
-                    continue  # a commit landed between the transaction's start and now
-                found = file_problems(self.data)
-                if not found or newest_txnid(self.data) == held:
-                    return found
-        return found if found else file_problems(self.data)
+                try:
+                    return file_problems(self.data, txnid=txn.id())
+                except SnapshotGone:
+                    continue
+        raise ArchiveError(
+            f"the index of {self.root} changed faster than it could be checked ({PINNED_WALK_ATTEMPTS} tries); "
+            "run the command again when fewer writers commit"
+        )
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot); results must be copied out."""
@@ -457,16 +461,6 @@ def lib_version_for(data: Path) -> int:
     except OSError:
         return NEW_LIB_VERSION
     return ENGINES.get(meta.version, NEW_LIB_VERSION) if isinstance(meta, _Meta) else NEW_LIB_VERSION
-
-
-def newest_txnid(data: Path) -> int | None:
-    """The transaction id of the newest committed snapshot (None if the meta pages cannot be read)."""
-    try:
-        with open(data, "rb") as f:
-            meta = _newest_meta(f.fileno())
-    except OSError:
-        return None
-    return meta.txnid if isinstance(meta, _Meta) else None
 
 
 def repair_hint(root: Path) -> str:

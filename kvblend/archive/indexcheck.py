@@ -96,22 +96,35 @@ def write_stamp(index_dir: Path, ident: dict[str, Any]) -> bool:
     return True
 
 
-def file_problems(data: Path) -> list[str]:
-    """Every structural problem the walk finds in the newest snapshot of ``data``, one line each (at most
-    :data:`MAX_REPORTED`); empty when LMDB can read the file without going astray."""
+class SnapshotGone(Exception):
+    """The snapshot a walk was pinned to is no longer named by a meta page: two commits landed since the caller's
+    read transaction began. Its pages are intact (the transaction holds them) but the walk cannot find its root;
+    the caller begins a new transaction and walks again."""
+
+
+def file_problems(data: Path, txnid: int | None = None) -> list[str]:
+    """Every structural problem the walk finds in a snapshot of ``data``, one line each (at most
+    :data:`MAX_REPORTED`); empty when LMDB can read the file without going astray.
+
+    ``txnid`` pins the walk to that snapshot, which the caller's read transaction must hold: a writer in another
+    process may commit meanwhile, and the newest meta page would then name pages the walk's view of the file
+    does not reach yet (a false "beyond EOF"). None walks the newest snapshot, for a file no one writes.
+    SnapshotGone if the pinned snapshot's meta page was already overwritten."""
     try:
-        return read_records(data, collect=False)[1]
+        return read_records(data, collect=False, txnid=txnid)[1]
     except OSError as e:
         return [f"cannot read {data.name} ({e.strerror or e})"]
 
 
-def read_records(data: Path, collect: bool = True) -> tuple[dict[str, list[tuple[bytes, bytes]]], list[str]]:
-    """Every (key, value) of every named table on sound pages of ``data``'s newest snapshot, read with plain
-    reads, and the problems found. For rebuilding a damaged index: LMDB would follow the damage and could kill
-    the process; this walk skips it, so only the records on damaged pages (and below them) are lost.
-    OSError if the file cannot be read at all."""
+def read_records(
+    data: Path, collect: bool = True, txnid: int | None = None
+) -> tuple[dict[str, list[tuple[bytes, bytes]]], list[str]]:
+    """Every (key, value) of every named table on sound pages of ``data``'s newest snapshot (or snapshot
+    ``txnid``, see :func:`file_problems`), read with plain reads, and the problems found. For rebuilding a
+    damaged index: LMDB would follow the damage and could kill the process; this walk skips it, so only the
+    records on damaged pages (and below them) are lost. OSError if the file cannot be read at all."""
     with open(data, "rb") as f:
-        walker = _Walker(f, os.fstat(f.fileno()).st_size, collect)
+        walker = _Walker(f, os.fstat(f.fileno()).st_size, collect, txnid)
         try:
             problems = walker.verify()
         except lmdb_verify.VerifyError as e:
@@ -120,7 +133,8 @@ def read_records(data: Path, collect: bool = True) -> tuple[dict[str, list[tuple
 
 
 class _Walker(lmdb_verify._Verifier):
-    """``lmdb.verify``'s walk, with one false alarm of py-lmdb 3.0.0 fixed, optionally keeping records.
+    """``lmdb.verify``'s walk, with one false alarm of py-lmdb 3.0.0 fixed, optionally keeping records, and
+    optionally pinned to one snapshot.
 
     The false alarm: LMDB (0.9 and 1.0) overwrites a big value in the overflow
     run it already has when that run was written in the same transaction and
@@ -130,11 +144,24 @@ class _Walker(lmdb_verify._Verifier):
     checked here as the value it can hold, the value itself kept at its size.
     """
 
-    def __init__(self, f: Any, filesize: int, collect: bool) -> None:
+    def __init__(self, f: Any, filesize: int, collect: bool, txnid: int | None = None) -> None:
         super().__init__(f, filesize)
         self.collect = collect
+        self.pinned = txnid
         self.tables: dict[str, str] = {}  # the walk's name of a named table -> the table's name
         self.records: dict[str, list[tuple[bytes, bytes]]] = {}
+
+    def load_metas(self) -> None:
+        """Both meta pages checked as LMDB checks them; then, when pinned, the walk starts from the pinned
+        snapshot's meta page (commit N writes slot N % 2, so it is there until commit N + 2 overwrites it)."""
+        super().load_metas()
+        if self.pinned is None or self.meta.txnid == self.pinned:
+            return
+        meta = self._read_meta(self.pinned % lmdb_verify.NUM_METAS, self.psize)
+        if meta.txnid != self.pinned:
+            raise SnapshotGone(self.pinned)
+        self.meta = meta
+        self.next_pgno = meta.last_pg + 1
 
     def _bigdata(
         self, ctx: dict[str, Any], pgno: int, i: int, buf: bytes, doff: int, dsize: int, want_bytes: bool

@@ -88,9 +88,9 @@ def walks(monkeypatch) -> list[str]:
     seen: list[str] = []
     real = file_problems
 
-    def counted(data):
+    def counted(data, txnid=None):
         seen.append(str(data))
-        return real(data)
+        return real(data, txnid)
 
     monkeypatch.setattr(index_module, "file_problems", counted)
     return seen

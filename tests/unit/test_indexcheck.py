@@ -24,7 +24,7 @@ import lmdb
 import pytest
 
 from hardening_helpers import index_pages
-from kvblend.archive.indexcheck import file_problems, read_records
+from kvblend.archive.indexcheck import SnapshotGone, file_problems, read_records
 
 TABLES = ("meta", "segments", "documents", "embeddings")
 PAGE = 4096
@@ -259,3 +259,37 @@ def test_garbage_file_is_damaged_quickly(tmp_path: Path) -> None:
     assert file_problems(copy) == ["not an LMDB data file (MDB_MAGIC not found in first page), or an unsupported "
                                    "32-bit / foreign-endian file"]
     assert read_records(copy)[0] == {}
+
+
+def test_a_walk_pinned_to_a_held_snapshot_ignores_later_commits(tmp_path: Path) -> None:
+    """A reader holds snapshot N while a writer commits N + 1, which extends the file. A walk that reads the file
+    as it was before that growth but the newest meta page would call N + 1's new pages "beyond EOF"; pinned to N
+    it finds the file sound. Once N + 2 overwrote N's meta slot, the pinned walk says so instead of guessing."""
+    path = tmp_path / "env"
+    env = lmdb.open(str(path), map_size=1 << 26, max_dbs=2)
+    try:
+        db = env.open_db(b"t")
+        with env.begin(write=True) as txn:
+            for i in range(50):
+                txn.put(b"k%03d" % i, b"v" * 100, db=db)
+        data = path / "data.mdb"
+        reader = env.begin(write=False)
+        held = reader.id()
+        before = data.read_bytes()
+        with env.begin(write=True) as txn:  # N + 1: large values, so the file grows past ``before``
+            for i in range(50):
+                txn.put(b"big%03d" % i, os.urandom(3000), db=db)
+        assert data.stat().st_size > len(before)
+        torn = tmp_path / "torn.mdb"  # the writer's file, as a walk that sized it before the growth sees it
+        torn.write_bytes(data.read_bytes()[: len(before)])
+        assert any("beyond EOF" in p for p in file_problems(torn))
+        assert file_problems(torn, txnid=held) == []
+        assert file_problems(data, txnid=held) == []
+        assert file_problems(data) == []
+        with env.begin(write=True) as txn:  # N + 2 writes N's meta slot
+            txn.put(b"last", b"x", db=db)
+        with pytest.raises(SnapshotGone):
+            file_problems(data, txnid=held)
+        reader.abort()
+    finally:
+        env.close()
