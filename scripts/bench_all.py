@@ -52,6 +52,7 @@ from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 SECTIONS = ["startup", "engine", "archive", "query", "bench", "stages", "pareto", "codecs", "codecs_ttft", "redis",
             "decode", "weights"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
+SERVE_WEIGHTS = ("fp32", "bf16", "int8")  # the serve_weights section: one server run each, the same prompts
 
 
 def run_cli_json(name: str, args: list[str]) -> dict:
@@ -115,6 +116,14 @@ def run_section(name: str) -> None:
                                                 "--rates", "", "--requests", "200", "--records", "7", "--cold",
                                                 "--max-tokens", "32", "--out", str(OUT_DIR / "serve_nodes.json")])
         r = bench_serve.run(args)
+    elif name == "serve_weights":  # issue 34's serving must-hold: blend at 1 and 8 clients under each decode weights
+        r = {"runs": {}}
+        for weights in SERVE_WEIGHTS:
+            args = bench_serve.parser().parse_args(["--weights", weights, "--modes", "blend", "--concurrency", "1,8",
+                                                    "--rates", "", "--out", str(OUT_DIR / f"serve_weights_{weights}.json")])
+            r["runs"][weights] = bench_serve.run(args)
+        r["command"] = ("python scripts/bench_all.py --only serve_weights  (bench_serve.py --modes blend "
+                        "--concurrency 1,8 --rates '' --weights W, for W in " + ", ".join(SERVE_WEIGHTS) + ")")
     elif name == "serve_bound":
         r = bench_serve_bound.main(bench_serve_bound.parser().parse_args([]))
     elif name == "redis":
@@ -134,6 +143,27 @@ def run_section(name: str) -> None:
         raise SystemExit(f"unknown section {name}")
     r["date"] = started
     write_result(name, r)
+
+
+def markdown_serve_weights(r: dict) -> str:
+    """One line per weights format: blend's output tok/s at 1 and 8 clients and their ratio, TTFT p90 beside it;
+    then each run's own table."""
+    rows = ["| --weights | output tok/s c=1 | output tok/s c=8 | c=8 / c=1 | c=8 / fp32's c=1 | TTFT p90 c=1 | "
+            "TTFT p90 c=8 | TTFT p90 ratio | ITL p50 c=1 | ITL p50 c=8 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cells = {w: {c["setting"]: c for c in run["cells"] if c["mode"] == "blend"} for w, run in r["runs"].items()}
+    base = cells.get("fp32", {}).get("c=1")
+    for weights, by in cells.items():
+        one, eight = by["c=1"], by["c=8"]
+        vs_fp32 = f"{eight['output_throughput'] / base['output_throughput']:.2f}×" if base else "—"
+        rows.append(f"| {weights} | {one['output_throughput']:.1f} | {eight['output_throughput']:.1f} | "
+                    f"{eight['output_throughput'] / one['output_throughput']:.2f}× | {vs_fp32} | {one['p90_ttft_ms']:.0f} ms | "
+                    f"{eight['p90_ttft_ms']:.0f} ms | {eight['p90_ttft_ms'] / one['p90_ttft_ms']:.1f}× | "
+                    f"{one['median_itl_ms']:.0f} ms | {eight['median_itl_ms']:.0f} ms |")
+    first = next(iter(r["runs"].values()))
+    parts = [f"Command: `{r['command']}`  ", f"Machine: {first['machine']}  ", f"Date: {r['date']}", "", *rows, ""]
+    for weights, run in r["runs"].items():
+        parts += [f"`--weights {weights}`:", "", bench_serve.markdown(run), ""]
+    return "\n".join(parts)
 
 
 def load(name: str) -> dict | None:
@@ -193,6 +223,8 @@ def render() -> str:
          lambda r: bench_codecs.markdown(r)),
         ("serve", "Server under load: continuous batching, blend vs full (issues 14, 21)", "", bench_serve.markdown),
         ("serve_bf16", "Server under load in bf16 (`serve --dtype bf16`, issue 21)", "", bench_serve.markdown),
+        ("serve_weights", "Server under load by decode weights: 8 clients against 1 (issue 34)", "",
+         markdown_serve_weights),
         ("serve_bound", "Server under a disk bound: unique long prompts, --max-archive-size (issue 21)", "",
          bench_serve_bound.markdown),
         ("redis", "Redis archive vs local archive: TTFT, ingest, bytes per token (issue 22)", "", bench_redis.markdown),

@@ -111,7 +111,9 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
         for i, port in enumerate(ports):
             log = logs / f"node{i}.log"
             dtype = ["--dtype", args.dtype] if args.dtype else []
+            weights = ["--weights", args.weights] if getattr(args, "weights", None) else []
             cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute, *dtype,
+                   *weights,
                    "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
                    *getattr(args, "serve_args", [])]
             with log.open("w") as fh:
@@ -458,6 +460,7 @@ def markdown(r: dict) -> str:
         f"Command: `{r['command']}` — {s['distinct_prompts']} MuSiQue records from #{s['offset']}, "
         f"{s['passages']} passages each as client chunks, {warm}; streamed, max_tokens {s['max_tokens']} with "
         f"ignore_eos, temperature 0; {len(s['urls'])} server(s), --dtype {s.get('dtype') or 'default'}, "
+        f"--weights {s.get('weights') or 'default'}, "
         f"--max-batch {s['max_batch']}, --max-queue "
         f"{s['max_queue']}, Poisson cells capped at {s['max_in_flight']} in flight. Client-side timings, "
         "vLLM's definitions (TTFT includes queue wait).  ",
@@ -509,6 +512,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", action="append", help="drive this running server's /v1 URL instead (repeatable)")
     p.add_argument("--compute", default="cpu")
     p.add_argument("--dtype", help="the servers' --dtype (default: theirs, fp32 on CPU)")
+    p.add_argument("--weights", help="the servers' --weights for decode steps (default: theirs, auto)")
     p.add_argument("--threads", type=int, help="torch threads per server (default: the cores shared by --nodes)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,17 @@ from kvblend.tuning.quality import measure_quality
 from support import FIXTURES, run_cli
 
 
-def test_profile_quick_cli_stores_and_shows_profile(tmp_path):
-    path = tmp_path / "archive"
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory) -> tuple[Path, dict]:
+    """`profile --quick` run once for the module (~15 s on 2 cores): its archive and its JSON. The tune tests
+    store this real measurement under their own archive's location instead of profiling again."""
+    path = tmp_path_factory.mktemp("profiled") / "archive"
     proc = run_cli("profile", "--quick", "--json", "--archive", path, "--compute", "cpu", "--device", "ssd", check=True)
-    prof = json.loads(proc.stdout)
+    return path, json.loads(proc.stdout)
+
+
+def test_profile_quick_cli_stores_and_shows_profile(quick_profile, tmp_path):
+    path, prof = quick_profile
     for key in ("read_cold_MBps", "read_warm_MBps", "decompress_MBps", "layer_cost_s_per_token", "per_length"):
         assert key in prof, key
     assert prof["read_cold_MBps"] > 0 and prof["read_warm_MBps"] > 0 and prof["decompress_MBps"] > 0
@@ -125,17 +133,21 @@ def test_the_sweep_reads_archived_passages_when_a_record_names_them(default_runn
     assert fallback.reuse_kl == pytest.approx(prefilled.reuse_kl, abs=1e-6)
 
 
-def _profile_and_tune(path):
-    """`profile --quick`, then `tune` calibrating on one prompt made of the archive's own passages: its JSON."""
-    run_cli("profile", "--quick", "--archive", path, "--compute", "cpu", check=True)
-    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--top-k", "3",
+def _profile_and_tune(path, measured: dict):
+    """The module's `profile --quick` measurement stored as this archive's location's profile, then `tune`
+    calibrating on one prompt made of the archive's own passages: its JSON."""
+    here = Profile.from_dict(measured)
+    here.storage.path = normalize_path(path)
+    with Archive.open(path, create=False) as ar:
+        ar.put_profile(here.name, here.to_dict())
+    proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--limit", "1", "--top-k", "2",
                    "--ratios", "0.15,0.5",
                    "--json", check=True)
     return json.loads(proc.stdout)
 
 
 def _assert_tuned_from_the_archive(out, path=None):
-    assert out["calibration"].startswith("archive: 1 prompt of up to 3"), out["calibration"]
+    assert out["calibration"].startswith("archive: 1 prompt of up to 2"), out["calibration"]
     assert out["quality"]["records"] == 1 and out["quality"]["by_ratio"]
     assert out["r_quality_source"] in ("calibration", "fallback")
     assert 0 < out["ratio"] <= 0.5, out  # issue 20: a ratio a user can live with, never 1.0
@@ -146,19 +158,19 @@ def _assert_tuned_from_the_archive(out, path=None):
     assert shown["ratio"] == pytest.approx(out["ratio"])  # queries take the stored ratio
 
 
-def test_tune_on_three_musique_passages_stores_a_usable_ratio(tmp_path):
-    """Issue 20: `profile --quick` + `tune` on an archive of 3 MuSiQue passages stores a ratio <= 0.5,
-    calibrated on a prompt made of those passages (one: each prompt costs four runs of 16 tokens, and more
-    prompts go through the same code)."""
+def test_tune_on_three_musique_passages_stores_a_usable_ratio(quick_profile, tmp_path):
+    """Issue 20: a `profile --quick` measurement + `tune` on an archive of 3 MuSiQue passages stores a ratio
+    <= 0.5, calibrated on a prompt made of two of those passages (one prompt: each costs four runs of 16 tokens,
+    and more prompts go through the same code)."""
     docs = tmp_path / "docs"
     docs.mkdir()
     record = json.loads((FIXTURES / "musique_sample.json").read_text())[0]
     for i, ctx in enumerate(record["ctxs"][:3]):
         (docs / f"passage{i}.txt").write_text(ctx["text"])
     run_cli("ingest", docs, "--archive", tmp_path / "archive", "--compute", "cpu", check=True)
-    _assert_tuned_from_the_archive(_profile_and_tune(tmp_path / "archive"), tmp_path / "archive")
+    _assert_tuned_from_the_archive(_profile_and_tune(tmp_path / "archive", quick_profile[1]), tmp_path / "archive")
 
 
-def test_tune_on_the_bundled_documents_stores_a_usable_ratio(copy_of_bundled_archive):
+def test_tune_on_the_bundled_documents_stores_a_usable_ratio(quick_profile, copy_of_bundled_archive):
     """The same on the documents shipped with kvblend (the demo's, ingested once for the whole run)."""
-    _assert_tuned_from_the_archive(_profile_and_tune(copy_of_bundled_archive))
+    _assert_tuned_from_the_archive(_profile_and_tune(copy_of_bundled_archive, quick_profile[1]))
