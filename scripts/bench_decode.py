@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import ROOT, SHARED_DATA, command_line, machine, write_result
+from benchlib import ROOT, SHARED_DATA, command_line, machine, publish
 
 from kvblend.fusion import fuse
 from kvblend.generation import DecodeState, decode_step
@@ -164,10 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "llama_cpp": have_llama,
         "rows": rows,
     }
-    data["markdown"] = markdown(data)
-    write_result("decode", data)
-    print(data["markdown"])
-    return data
+    return publish("decode", data, markdown)
 
 
 def markdown(data: dict) -> str:

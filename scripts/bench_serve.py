@@ -111,7 +111,7 @@ def servers(kvblend: list[str], archive: str, n: int, logs: Path, args: argparse
         for i, port in enumerate(ports):
             log = logs / f"node{i}.log"
             dtype = ["--dtype", args.dtype] if args.dtype else []
-            weights = ["--weights", args.weights] if getattr(args, "weights", None) else []
+            weights = ["--weights", args.weights] if args.weights else []
             cmd = [*kvblend, "serve", "--port", str(port), "--archive", archive, "--compute", args.compute, *dtype,
                    *weights,
                    "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import SHARED_DATA, command_line, machine, write_result
+from benchlib import SHARED_DATA, command_line, machine, publish
 
 from kvblend.evaluation.metrics import first_divergence, token_kls
 from kvblend.evaluation.records import DEFAULT_CHUNKS, load_records
@@ -77,10 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         "records": f"musique_dev {args.offset}-{args.offset + len(records) - 1}",
         "rows": rows,
     }
-    data["markdown"] = markdown(data)
-    write_result("weights", data)
-    print(data["markdown"])
-    return data
+    return publish("weights", data, markdown)
 
 
 def markdown(data: dict) -> str:

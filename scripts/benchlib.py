@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,6 +54,15 @@ def write_result(name: str, data: dict) -> Path:
     path = OUT_DIR / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str))
     return path
+
+
+def publish(name: str, data: dict, render: Callable[[dict], str]) -> dict:
+    """Render ``data``'s markdown into it, write it to bench-out/NAME.json for bench_all to render, print the
+    markdown, and return ``data``: how a script that renders its own table ends its run."""
+    data["markdown"] = render(data)
+    write_result(name, data)
+    print(data["markdown"])
+    return data
 
 
 def command_line() -> str:

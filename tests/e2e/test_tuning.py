@@ -133,7 +133,7 @@ def test_the_sweep_reads_archived_passages_when_a_record_names_them(default_runn
     assert fallback.reuse_kl == pytest.approx(prefilled.reuse_kl, abs=1e-6)
 
 
-def _profile_and_tune(path, measured: dict):
+def _tune_with_profile(path, measured: dict):
     """The module's `profile --quick` measurement stored as this archive's location's profile, then `tune`
     calibrating on one prompt made of the archive's own passages: its JSON."""
     here = Profile.from_dict(measured)
@@ -168,9 +168,9 @@ def test_tune_on_three_musique_passages_stores_a_usable_ratio(quick_profile, tmp
     for i, ctx in enumerate(record["ctxs"][:3]):
         (docs / f"passage{i}.txt").write_text(ctx["text"])
     run_cli("ingest", docs, "--archive", tmp_path / "archive", "--compute", "cpu", check=True)
-    _assert_tuned_from_the_archive(_profile_and_tune(tmp_path / "archive", quick_profile[1]), tmp_path / "archive")
+    _assert_tuned_from_the_archive(_tune_with_profile(tmp_path / "archive", quick_profile[1]), tmp_path / "archive")
 
 
 def test_tune_on_the_bundled_documents_stores_a_usable_ratio(quick_profile, copy_of_bundled_archive):
     """The same on the documents shipped with kvblend (the demo's, ingested once for the whole run)."""
-    _assert_tuned_from_the_archive(_profile_and_tune(copy_of_bundled_archive, quick_profile[1]))
+    _assert_tuned_from_the_archive(_tune_with_profile(copy_of_bundled_archive, quick_profile[1]))
