@@ -13,10 +13,15 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Nothing reaches a model hub, and libraries stay quiet, unless the user's environment says otherwise.
+ENV_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+for _key, _value in ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
 
 import typer
 from typer.exceptions import TyperException

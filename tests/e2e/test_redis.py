@@ -42,9 +42,9 @@ def ingested(docs, tmp_path_factory):
     return snapshot, report
 
 
-def query(archive: str, *args: str, timeout: float = 600):
+def query(archive: str, *args: str, timeout: float = 600, check: bool = False):
     return run_cli("query", QUESTION, "--archive", archive, "--compute", "cpu", "--max-tokens", "8", "--json",
-                   *args, timeout=timeout)
+                   *args, timeout=timeout, check=check)
 
 
 def test_query_from_redis_answers_exactly_as_from_a_local_archive(ingested, docs, tmp_path):
@@ -56,8 +56,8 @@ def test_query_from_redis_answers_exactly_as_from_a_local_archive(ingested, docs
 
 
 def _same_answer_from_redis_and_disk(redis_url: str, local) -> None:
-    from_redis = json.loads(query(redis_url, "--no-prefix-cache").stdout)
-    from_disk = json.loads(query(str(local), "--no-prefix-cache").stdout)
+    from_redis = json.loads(query(redis_url, "--no-prefix-cache", check=True).stdout)
+    from_disk = json.loads(query(str(local), "--no-prefix-cache", check=True).stdout)
     assert from_redis["answer"] == from_disk["answer"] and from_redis["answer"]
     assert [s["key"] for s in from_redis["segments"]] == [s["key"] for s in from_disk["segments"]]
     assert all(s["cached"] for s in from_redis["segments"]) and not from_redis["warnings"]
@@ -140,5 +140,5 @@ def test_evicted_retrieval_embeddings_come_back_with_the_next_ingest(ingested, d
                                    check=True).stdout)
         assert again["documents_unchanged"] == len(NAMES) and again["segments_new"] == 0
         assert again["embeddings_restored"] == first["segments_new"]
-        answered = json.loads(query(server.url).stdout)
+        answered = json.loads(query(server.url, check=True).stdout)
         assert answered["answer"] and {s["document"] for s in answered["segments"]} <= set(NAMES)

@@ -5,6 +5,8 @@ No command here gets far enough to load a model (no real weights), so they are u
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hardening_helpers import build_archive
@@ -113,3 +115,28 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
     for args, expected in cases:
         line = one_line_error(run_cli(*args, env={"PYTHONPATH": str(poisoned)}))
         assert expected in line and "torch" not in line, (args, line)
+
+
+def test_the_test_host_runs_a_call_as_the_installed_script_does(tmp_path):
+    """support.run_cli sends calls that must succeed to clihost's forked children: the same `main()`, so the same
+    stdout, stderr and exit status as the installed script, for a success, a failure, stdin and the cwd."""
+    from support import _host
+
+    arc = build_archive(tmp_path / "arc", n=3)
+    (tmp_path / "docs").mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    host = _host()
+    for args, stdin in ((["ls", "--archive", str(arc), "--json"], None), (["stats", "--archive", str(arc)], None),
+                        (["rm", "/docs/a.md", "--archive", str(tmp_path / "none")], None),
+                        (["ingest", "docs", "--archive", str(tmp_path / "new")], None),
+                        (["rm", "/docs/missing.md", "--archive", str(arc)], "y\n")):
+        cwd = os.getcwd()
+        os.chdir(tmp_path)  # "docs" is relative: the call runs where the test stands
+        try:
+            hosted = host.run(args, env, stdin, timeout=120)
+            script = run_cli(*args, input=stdin)
+        finally:
+            os.chdir(cwd)
+        assert hosted is not None
+        assert (hosted.returncode, hosted.stdout, hosted.stderr) == \
+            (script.returncode, script.stdout, script.stderr), args
