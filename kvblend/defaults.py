@@ -12,6 +12,16 @@ drawn from are the enums of kvblend.options.
 
 from __future__ import annotations
 
+# ── process ──
+# What the `kvblend` command sets unless the user's environment says otherwise: nothing reaches a model hub (all
+# weights ship in packages), and libraries stay quiet.
+ENV_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
 # ── fusion ──
 DEFAULT_MODE = "blend"
 # Share of approximate cached tokens recomputed after the check layer (CacheBlend's r). 0.12, not the paper's

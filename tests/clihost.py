@@ -63,7 +63,7 @@ def _serve() -> dict:
 
 
 def _become(request: dict) -> None:
-    from kvblend.cli.main import ENV_DEFAULTS
+    from kvblend.defaults import ENV_DEFAULTS
 
     """In the child: take on the call's directory, environment and standard streams."""
     os.chdir(request["cwd"])

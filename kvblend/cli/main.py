@@ -13,15 +13,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Nothing reaches a model hub, and libraries stay quiet, unless the user's environment says otherwise.
-ENV_DEFAULTS = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error",
-}
-for _key, _value in ENV_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
+from kvblend.defaults import ENV_DEFAULTS
+
+os.environ.update({key: os.environ.get(key, value) for key, value in ENV_DEFAULTS.items()})
 
 import typer
 from typer.exceptions import TyperException
