@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # What the model commands import inside their functions (the CLI module itself stays light): importing them here
@@ -85,21 +86,46 @@ class Host:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.pending = b""  # what the host wrote past the last line read
         self.lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, bufsize=1)
+                                         bufsize=0)
+            self.pending = b""
             if self._line(120) != "ready":
                 raise RuntimeError("the kvblend test host did not start")
         return self.proc
 
     def _line(self, timeout: float | None) -> str | None:
+        """The host's next line, read from the pipe unbuffered (a buffered reader could hold the next line where
+        select() cannot see it); None on timeout, "" when the host has gone."""
         assert self.proc is not None and self.proc.stdout is not None
-        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
-            return None
-        return self.proc.stdout.readline().strip()
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return ""
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode().strip()
+
+    def _expect(self, word: str, timeout: float) -> str:
+        """The value of the host's next `WORD VALUE` line; TimeoutExpired if none comes in time."""
+        line = self._line(timeout)
+        if line is None:
+            raise subprocess.TimeoutExpired(["kvblend test host"], timeout)
+        found, _, value = line.partition(" ")
+        if found != word or not value.lstrip("-").isdigit():
+            self.proc = None  # a host that answers out of turn, or died, is not used again
+            raise RuntimeError(f"the kvblend test host answered {line!r} instead of {word}")
+        return value
 
     def run(self, args: list[str], env: dict[str, str], input: str | None,
             timeout: float) -> subprocess.CompletedProcess | None:
@@ -115,16 +141,16 @@ class Host:
                     files[name].touch()
                 request = {"argv": args, "env": env, "cwd": os.getcwd(), **{k: str(v) for k, v in files.items()}}
                 assert proc.stdin is not None
-                proc.stdin.write(json.dumps(request) + "\n")
-                proc.stdin.flush()
-                pid = int((self._line(60) or "pid -1").split()[1])
-                status = self._line(timeout)
-                if status is None:  # as subprocess.run does: kill the call, then raise
+                proc.stdin.write((json.dumps(request) + "\n").encode())
+                pid = int(self._expect("pid", 60))
+                try:
+                    status = self._expect("rc", timeout)
+                except subprocess.TimeoutExpired:  # as subprocess.run does: kill the call, then raise
                     os.kill(pid, signal.SIGKILL)
-                    self._line(60)
-                    raise subprocess.TimeoutExpired(["kvblend", *args], timeout)
+                    self._expect("rc", 60)
+                    raise subprocess.TimeoutExpired(["kvblend", *args], timeout) from None
                 out, err = (files[n].read_text(errors="replace") for n in ("stdout", "stderr"))
-            return subprocess.CompletedProcess(["kvblend", *args], int(status.split()[1]), out, err)
+            return subprocess.CompletedProcess(["kvblend", *args], int(status), out, err)
         finally:
             self.lock.release()
 
