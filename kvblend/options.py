@@ -76,9 +76,12 @@ class ComputeDtype(StrEnum):
     """The dtype the model computes in (vLLM's `--dtype`); unset: fp32 on CPU, bf16 on CUDA.
 
     bf16 halves what a decode step reads and runs natively where a CPU has AMX or AVX512-BF16, so it
-    can be much faster than fp32; its answers drift further from fp32's (see BENCHMARKS.md).
+    can be much faster than fp32; without AVX-512 it is several times slower, and its answers drift
+    further from fp32's (see BENCHMARKS.md). `auto`: what `kvblend profile` measured fastest on this
+    machine among the dtypes within fidelity bounds of fp32 (the device's default where none was).
     """
 
+    auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"

@@ -35,6 +35,7 @@ from kvblend.cli.common import (
     ModelOpt,
     WeightsOpt,
     archive_dir_or_scratch,
+    compute_dtype,
     decode_weights,
     err,
     out,
@@ -200,7 +201,12 @@ def bench(
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
         with (
             Engine(
-                target, model, compute, dtype, sink=sink, **decode_weights(weights, target, model, compute)
+                target,
+                model,
+                compute,
+                compute_dtype(dtype, target, model, compute),
+                sink=sink,
+                **decode_weights(weights, target, model, compute),
             ) as engine,
             _progress(as_json) as on_progress,
         ):

@@ -44,7 +44,7 @@ ComputeOpt = typer.Option(
 DtypeOpt = typer.Option(
     None,
     "--dtype",
-    help="Compute dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA); KV is archived in bf16 under bf16, else fp16, and keyed by it.",
+    help="Compute dtype: fp32, bf16, fp16, or auto (what a `kvblend profile` stored in this archive measured fastest on this machine) (default: fp32 on CPU, bf16 on CUDA); KV is archived in bf16 under bf16, else fp16, and keyed by it.",
     show_default=False,
 )
 WeightsOpt = typer.Option(
@@ -71,6 +71,18 @@ def decode_weights(
     fingerprint = source_fingerprint(resolve_model_source(model))
     chosen, rows = weights_choice(resolve_location(archive), fingerprint, compute)
     return {"weights": chosen, "decode_rows": rows}
+
+
+def compute_dtype(dtype: str | None, archive: str | Path | None, model: str | None, compute: str | None) -> str | None:
+    """`--dtype` as the model loads it: a dtype as given, the device's default when unset, and for `auto` what
+    the profiles stored in the archive measured fastest on this machine for this model (the default where none
+    did)."""
+    if dtype != "auto":
+        return dtype
+    from kvblend.model.source import resolve_model_source, source_fingerprint
+    from kvblend.tuning.profile import dtype_choice
+
+    return dtype_choice(resolve_location(archive), source_fingerprint(resolve_model_source(model)), compute)
 
 
 def print_json(obj: Any) -> None:

@@ -32,6 +32,7 @@ from kvblend.cli.common import (
     ModelOpt,
     WeightsOpt,
     archive_dir_or_scratch,
+    compute_dtype,
     decode_weights,
     err,
     human_bytes,
@@ -117,7 +118,8 @@ def ingest(
             raise UsageError(f"no such file or directory: {p}")
     from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
 
-    with Engine(archive, model, compute, dtype, sink=sink, weights="fp32") as engine:  # ingest never decodes
+    chosen = compute_dtype(dtype, archive, model, compute)
+    with Engine(archive, model, compute, chosen, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
             with Progress(
                 TextColumn("[bold]ingest"),
@@ -257,7 +259,8 @@ def query(
             ar.find_segment(key)
     from kvblend.pipeline import Engine
 
-    with Engine(archive, model, compute, dtype, **decode_weights(weights, archive, model, compute)) as engine:
+    chosen = compute_dtype(dtype, archive, model, compute)
+    with Engine(archive, model, compute, chosen, **decode_weights(weights, archive, model, compute)) as engine:
         engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 
         def stream(piece: str) -> None:

@@ -11,7 +11,16 @@ from typing import Optional
 
 import typer
 
-from kvblend.cli.common import ArchiveOpt, ComputeOpt, DtypeOpt, ModelOpt, WeightsOpt, decode_weights, parse_size
+from kvblend.cli.common import (
+    ArchiveOpt,
+    ComputeOpt,
+    DtypeOpt,
+    ModelOpt,
+    WeightsOpt,
+    compute_dtype,
+    decode_weights,
+    parse_size,
+)
 from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS
 from kvblend.errors import UsageError
 from kvblend.options import ComputeDtype, WeightsFormat
@@ -94,7 +103,7 @@ def serve(
             archive,
             model,
             compute,
-            dtype,
+            compute_dtype(dtype, archive, model, compute),
             max_queue,
             max_batch,
             key,

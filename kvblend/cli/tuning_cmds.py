@@ -177,6 +177,14 @@ def _profile_table(p: Profile) -> Table:
             )
             mark = f"  [bold]← auto (decode batches ≤ {rows})[/]" if fmt == choice else ""
             t.add_row(f"decode {fmt}", f"{steps}; KL {m.get('kl', 0.0):.1e} vs fp32{mark}")
+    chosen_dtype = p.dtype_choice()
+    for dtype, m in p.prefill_dtypes.items():  # each compute dtype's prefill: what `--dtype auto` takes
+        mark = "  [bold]← auto[/]" if dtype == chosen_dtype else ""
+        t.add_row(
+            f"prefill {dtype}",
+            f"{_ms(m.get('prefill_ms', 0.0) / 1000)} for {p.prefill_context_tokens} tokens; "
+            f"KL {m.get('kl', 0.0):.1e} vs fp32{mark}",
+        )
     t.add_row("took", f"{p.seconds:.1f} s")
     return t
 

@@ -28,6 +28,7 @@ from kvblend.feeds.archive import ArchiveFeed, RecoveringFeed, SegmentUnavailabl
 from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import precompute_kv, storage_dtype
+from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.ingest import new_record, prefill_text_steps, store_prefilled, store_texts_steps
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
@@ -71,7 +72,7 @@ def run_query(
         forced_tokens=list(opts.forced_tokens) if opts.forced_tokens is not None else None,
     )
     res.writes.put(finish_steps(res, prepared))  # after the answer, by the queue's owner (writebehind.py)
-    result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s, res.runner.weights_name)
+    result = answered(prepared, gen, prepared.fusion_s + gen.first_token_s, res.runner)
     result.timings["model_load_s"] = res.model_load_s
     return result
 
@@ -162,8 +163,9 @@ def finish_steps(res: Resources, prepared: Prepared, rows_per_step: int | None =
         yield from restore_segments(res, records, prepared.warn, rows_per_step)
 
 
-def answered(prepared: Prepared, gen: Generation, ttft: float, weights: str = "fp32") -> QueryResult:
-    """The report of an answered query (`ttft`: from its start to its first token, as the caller measured it)."""
+def answered(prepared: Prepared, gen: Generation, ttft: float, runner: ModelRunner) -> QueryResult:
+    """The report of an answered query (`ttft`: from its start to its first token, as the caller measured it) by
+    `runner` (its compute dtype and decode weights are reported)."""
     fused = prepared.fused
     timings = {
         "retrieval_s": prepared.retrieval_s,
@@ -187,7 +189,8 @@ def answered(prepared: Prepared, gen: Generation, ttft: float, weights: str = "f
         timings=timings,
         warnings=prepared.warnings,
         prefix_cached=prepared.prefix_cached,
-        weights=weights,
+        weights=runner.weights_name,
+        dtype=runner.dtype_name,
         fusion=fused,
         generation=gen,
     )

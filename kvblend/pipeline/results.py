@@ -84,6 +84,7 @@ class QueryResult:
     warnings: list[str]
     prefix_cached: bool = False
     weights: str = "fp32"  # what the decode steps read (--weights; "auto" resolved)
+    dtype: str = "float32"  # what the model computed in (--dtype; "auto" resolved)
     fusion: FusionResult | None = None
     generation: Generation | None = None
 
@@ -106,6 +107,7 @@ class QueryResult:
             "tokens_per_s": round(self.tokens_per_s, 2),
             "prefix_cached": self.prefix_cached,
             "weights": self.weights,
+            "dtype": self.dtype,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "warnings": self.warnings,
             "stages": {k: round(v, 4) for k, v in self.stages.items()},

@@ -160,7 +160,7 @@ class Executor:
         texts = [seq.text.lstrip() if strip else seq.text for seq in req.sequences]
         first = req.sequences[0]
         ttft = first.started - req.admitted + first.first_token_s
-        result = answered(prepared, first.generation(texts[0]), ttft, self.engine.runner.weights_name)
+        result = answered(prepared, first.generation(texts[0]), ttft, self.engine.runner)
         choices = [
             ChoiceResult(i, text, list(seq.tokens), seq.finish or "stop", seq.logprobs if req.chat.logprobs else None)
             for i, (seq, text) in enumerate(zip(req.sequences, texts))

@@ -381,3 +381,46 @@ def measure_decode_weights(
         result[fmt] = measured
         del runner
     return result
+
+
+def measure_prefill_dtypes(
+    load: Callable[[str], Any], dtypes: Sequence[str], context_tokens: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Per compute dtype (`--dtype`): the median prefill of a `context_tokens` random prompt through every layer,
+    and the next-token KL and top-token agreement against fp32's after it.
+
+    Whether bf16 prefill pays is the machine's to say: 1.4x faster than fp32 on an AMD EPYC with AVX512-BF16,
+    3.9x slower on one without AVX-512 (BENCHMARKS.md). The KL covers the dtype's whole effect on a prompt: its
+    arithmetic and its KV's precision, read by a decode step in the same dtype. `load(dtype)` returns a runner
+    computing in it; one is held at a time beside fp32's.
+    """
+    from kvblend.evaluation.metrics import kl_divergence
+    from kvblend.generation.decode import DecodePrompt, DecodeState, decode_step
+
+    base = load("fp32")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=g).tolist()
+
+    def prefill(runner: Any) -> list:
+        return [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids[:-1]])[0]]
+
+    def next_logits(runner: Any, kv: list) -> torch.Tensor:
+        return decode_step(runner, [DecodeState(runner, DecodePrompt(kv, ids[:-1]), 1)], [ids[-1]])[0].float()
+
+    reference = next_logits(base, prefill(base))
+    result: dict[str, dict[str, float]] = {}
+    for dtype in dtypes:
+        runner = base if dtype == "fp32" else load(dtype)
+        logits = next_logits(runner, prefill(runner))  # also the warm-up
+        times = []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            prefill(runner)
+            times.append(time.perf_counter() - t0)
+        result[dtype] = {
+            "prefill_ms": statistics.median(times) * 1000,
+            "kl": kl_divergence(reference, logits),
+            "same_top": float(int(logits.argmax()) == int(reference.argmax())),
+        }
+        del runner
+    return result

@@ -13,7 +13,7 @@ without it; measuring one is :mod:`kvblend.tuning.profiling`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -174,6 +174,10 @@ class Profile:
     # against fp32 at the same step, and what `--weights auto` takes from it (empty: not measured).
     weights: dict[str, dict[str, float]] = field(default_factory=dict)
     weights_context_tokens: int = 0
+    # Every compute dtype's prefill (`--dtype`): {dtype: {prefill_ms, kl, same_top}} against fp32 over the same
+    # prompt, and what `--dtype auto` takes from it (empty: not measured).
+    prefill_dtypes: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefill_context_tokens: int = 0
 
     def weights_choice(self) -> tuple[str, int]:
         """`--weights auto`: the fastest batch-1 decode step among the formats within AUTO_MAX_KL of fp32,
@@ -191,6 +195,14 @@ class Profile:
                 break
             rows = batch
         return best, rows
+
+    def dtype_choice(self) -> str | None:
+        """`--dtype auto`: the fastest measured prefill among the dtypes within AUTO_MAX_KL of fp32's next token;
+        None (the device's default dtype) where none was measured."""
+        from kvblend.model.weights import AUTO_MAX_KL
+
+        fit = {d: m for d, m in self.prefill_dtypes.items() if m.get("kl", 1.0) <= AUTO_MAX_KL and "prefill_ms" in m}
+        return min(fit, key=lambda d: fit[d]["prefill_ms"]) if fit else None
 
     @property
     def cost_model(self) -> CostModel:
@@ -284,22 +296,37 @@ def readable_profiles(archive: Archive) -> list[Profile]:
     return profiles
 
 
-def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
-    """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
-    weights decides (Profile.weights_choice); fp32 when none did. Reads the archive without writing it."""
+def latest_measured(
+    location: Location, fingerprint: str | None, compute: str | None, measured: Callable[[Profile], bool]
+) -> Profile | None:
+    """The latest profile stored at `location` that applies to this machine, model and compute device and that
+    measured what `measured` asks for; None where none did. Reads the archive without writing it."""
     from kvblend.model.loading import pick_compute_device
-    from kvblend.model.weights import DEFAULT_WEIGHTS
 
     device = pick_compute_device(compute).type
     try:
         with Archive.open(location, create=False, readonly=True) as ar:
             stored = readable_profiles(ar)
     except KvblendError:
-        return DEFAULT_WEIGHTS, 1
-    measured = [p for p in applicable_profiles(stored, machine_info(), fingerprint, device) if p.weights]
-    if not measured:
-        return DEFAULT_WEIGHTS, 1
-    return max(measured, key=lambda p: p.created).weights_choice()
+        return None
+    found = [p for p in applicable_profiles(stored, machine_info(), fingerprint, device) if measured(p)]
+    return max(found, key=lambda p: p.created) if found else None
+
+
+def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
+    """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
+    weights decides (Profile.weights_choice); fp32 when none did."""
+    from kvblend.model.weights import DEFAULT_WEIGHTS
+
+    profile = latest_measured(location, fingerprint, compute, lambda p: bool(p.weights))
+    return profile.weights_choice() if profile else (DEFAULT_WEIGHTS, 1)
+
+
+def dtype_choice(location: Location, fingerprint: str | None, compute: str | None) -> str | None:
+    """`--dtype auto` for a model on this machine: the latest applicable profile that measured prefill dtypes
+    decides (Profile.dtype_choice); None, the device's default dtype, when none did."""
+    profile = latest_measured(location, fingerprint, compute, lambda p: bool(p.prefill_dtypes))
+    return profile.dtype_choice() if profile else None
 
 
 def location_profile(profiles: Iterable[Profile], archive_path: str | os.PathLike[str] | Location) -> Profile | None:

@@ -25,6 +25,7 @@ from kvblend.defaults import DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.errors import UsageError
 from kvblend.machine import filesystem_of, guess_disk_label, loadavg, machine_info
 from kvblend.model import load_model
+from kvblend.model.loading import pick_dtype
 from kvblend.model.weights import WEIGHT_FORMATS
 from kvblend.tuning import probes
 from kvblend.tuning.profile import (
@@ -64,6 +65,8 @@ class ProfileSettings:
     decode_context_tokens: int = 2000  # the prompt each weight format's decode step runs over
     decode_steps: int = 8
     decode_batches: tuple[int, ...] = (1, 2, 4, 8)  # `auto` converts decode batches up to the largest that pays
+    prefill_context_tokens: int = 512  # the prompt each compute dtype prefills (`--dtype auto`)
+    prefill_repeats: int = 2
 
     @classmethod
     def quick(cls) -> ProfileSettings:
@@ -79,6 +82,8 @@ class ProfileSettings:
             decode_context_tokens=128,
             decode_steps=2,
             decode_batches=(1,),
+            prefill_context_tokens=64,
+            prefill_repeats=1,
         )
 
 
@@ -123,9 +128,11 @@ def build_profile(
     level: int | None = None,
     log: Log | None = None,
     load_weights: Callable[[str], Any] | None = None,
+    load_dtype: Callable[[str], Any] | None = None,
 ) -> Profile:
-    """Measure storage read, codec decompression, per-layer prefill cost and, with `load_weights`
-    (a weight format → a runner holding it), each weight format's decode step.
+    """Measure storage read, codec decompression, per-layer prefill cost; with `load_weights` (a weight
+    format → a runner holding it) each weight format's decode step, and with `load_dtype` (a compute dtype →
+    a runner computing in it) each dtype's prefill.
 
     ``device``: None or a disk label (nvme/ssd/hdd) profiles the archive's own
     directory, ``ram`` an in-memory tier, anything else is a directory to
@@ -165,6 +172,13 @@ def build_profile(
         context = min(settings.decode_context_tokens, (runner.max_positions or 1 << 20) - 1)
         log(f"decode: weights {', '.join(WEIGHT_FORMATS)} over a {context}-token prompt")
         weights = probes.measure_decode_weights(load_weights, context, settings.decode_steps, settings.decode_batches)
+    dtypes: dict[str, dict[str, float]] = {}
+    prefill_context = 0
+    if load_dtype is not None:
+        prefill_context = min(settings.prefill_context_tokens, (runner.max_positions or 1 << 20) - 1)
+        names = prefill_dtypes(runner.device.type)
+        log(f"prefill: dtypes {', '.join(names)} over a {prefill_context}-token prompt")
+        dtypes = probes.measure_prefill_dtypes(load_dtype, names, prefill_context, settings.prefill_repeats)
 
     sample_per_token_layer = sample.stored_bytes / (sample.tokens * n_layers)
     ref_L = min(TYPICAL_PROMPT_TOKENS, runner.max_positions or TYPICAL_PROMPT_TOKENS)
@@ -215,7 +229,14 @@ def build_profile(
         codecs=codecs,
         weights=weights,
         weights_context_tokens=context,
+        prefill_dtypes=dtypes,
+        prefill_context_tokens=prefill_context,
     )
+
+
+def prefill_dtypes(device: str) -> tuple[str, ...]:
+    """The compute dtypes `profile` races for `--dtype auto`: fp16 only where it is native (CUDA)."""
+    return ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
 
 
 def measure_codecs(sample: SampleKV, level: int, seconds: float, segments: int = 2) -> dict[str, dict[str, float]]:
@@ -260,9 +281,19 @@ def run_profile(
     def load_weights(fmt: str):
         return runner if fmt == "fp32" else load_model(model, compute, None, fmt, decode_rows=1 << 30)
 
+    def load_dtype(dtype: str):
+        return runner if pick_dtype(runner.device, dtype) == runner.dtype else load_model(model, compute, dtype)
+
     with Archive.open(path, create=True, model_name=runner.name, model_fingerprint=runner.fingerprint) as ar:
         profile = build_profile(
-            runner, ar, device=device, settings=settings, label=label, log=log, load_weights=load_weights
+            runner,
+            ar,
+            device=device,
+            settings=settings,
+            label=label,
+            log=log,
+            load_weights=load_weights,
+            load_dtype=load_dtype,
         )
         ar.put_profile(profile.name, profile.to_dict())
     return profile

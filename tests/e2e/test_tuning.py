@@ -39,11 +39,16 @@ def test_profile_quick_cli_stores_and_shows_profile(quick_profile, tmp_path):
     assert set(prof["weights"]) == {"fp32", "bf16", "int8", "int4"}
     assert all(m["step_ms_1"] > 0 for m in prof["weights"].values())
     assert 0 < prof["weights"]["int4"]["kl"] < 0.05  # the GGUF's Q4_1 projections, an int8 LM head
+    # each compute dtype's prefill, and what `--dtype auto` takes from it
+    assert set(prof["prefill_dtypes"]) == {"fp32", "bf16"} and prof["prefill_context_tokens"] > 0
+    assert all(m["prefill_ms"] > 0 for m in prof["prefill_dtypes"].values())
+    assert prof["prefill_dtypes"]["fp32"]["kl"] == 0 and 0 < prof["prefill_dtypes"]["bf16"]["kl"] < 0.05
     context = tmp_path / "passage.txt"
     context.write_text("The Bergen office is managed by Marit Haugen. It has forty staff.")
     asked = ["query", "Who manages the Bergen office?", "--context-file", context, "--top-k", "0", "--archive", path]
-    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", check=True).stdout)  # --weights auto
-    assert answer["weights"] == Profile.from_dict(prof).weights_choice()[0]
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--dtype", "auto", check=True).stdout)
+    assert answer["weights"] == Profile.from_dict(prof).weights_choice()[0]  # --weights auto, the default
+    assert answer["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[Profile.from_dict(prof).dtype_choice()]
 
     shown = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
     assert [p["name"] for p in shown["profiles"]] == [prof["name"]]
@@ -65,10 +70,11 @@ def test_profile_quick_cli_stores_and_shows_profile(quick_profile, tmp_path):
     later = Profile.from_dict(prof)
     later.name, later.created = "later", prof["created"] + 1
     later.weights = {"fp32": {"kl": 0.0, "step_ms_1": 90.0}, "int8": {"kl": 0.002, "step_ms_1": 30.0}}
+    later.prefill_dtypes = {"fp32": {"kl": 0.0, "prefill_ms": 900.0}, "bf16": {"kl": 0.002, "prefill_ms": 300.0}}
     with Archive.open(path, create=False) as ar:
         ar.put_profile("later", later.to_dict())
-    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", check=True).stdout)
-    assert answer["weights"] == "int8"
+    answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--dtype", "auto", check=True).stdout)
+    assert answer["weights"] == "int8" and answer["dtype"] == "bfloat16"
     answer = json.loads(run_cli(*asked, "--json", "--max-tokens", "4", "--weights", "fp32", check=True).stdout)
     assert answer["weights"] == "fp32"
 

@@ -119,3 +119,31 @@ def test_list_profiles_flags_foreign_ones(tmp_path):
     assert listing.flags == [["other machine", "other model"], []]
     shown = listing.to_dict()
     assert shown["model_fingerprint"] == "fp" and shown["profiles"][1]["flags"] == []
+
+
+def test_dtype_auto_takes_the_fastest_prefill_within_the_kl_bound(tmp_path):
+    """`--dtype auto`: the fastest measured prefill among the dtypes close enough to fp32, None (the device's
+    default) when nothing was measured; the archive's latest applicable profile decides."""
+    from kvblend.archive import Archive, resolve_location
+    from kvblend.model.weights import AUTO_MAX_KL
+    from kvblend.tuning.profile import dtype_choice
+
+    p = _full_profile()
+    assert p.dtype_choice() is None  # measured nothing: the default dtype
+    p.prefill_dtypes = {"fp32": {"prefill_ms": 900.0, "kl": 0.0}, "bf16": {"prefill_ms": 6000.0, "kl": 0.001}}
+    assert p.dtype_choice() == "fp32"  # bf16 measured 6.7x slower (a CPU without AVX-512)
+    p.prefill_dtypes["bf16"]["prefill_ms"] = 400.0
+    assert p.dtype_choice() == "bf16"  # AVX512-BF16 or AMX
+    p.prefill_dtypes["bf16"]["kl"] = AUTO_MAX_KL * 2
+    assert p.dtype_choice() == "fp32"  # faster, but too far from fp32
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).prefill_dtypes == p.prefill_dtypes
+
+    here = machine_info()
+    p.machine, p.compute, p.model.fingerprint = here, "cpu", "fp-1"
+    p.prefill_dtypes["bf16"]["kl"] = 0.001
+    path = tmp_path / "arc"
+    with Archive.open(path) as ar:
+        ar.put_profile(p.name, p.to_dict())
+    assert dtype_choice(resolve_location(path), "fp-1", "cpu") == "bf16"
+    assert dtype_choice(resolve_location(path), "another model", "cpu") is None
+    assert dtype_choice(resolve_location(tmp_path / "none"), "fp-1", "cpu") is None
