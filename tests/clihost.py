@@ -46,6 +46,8 @@ PRELOAD = (
 
 def _serve() -> dict:
     """The host's loop; returns (in the forked child only) the request the child is to run."""
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path.pop(0)  # tests/ is not on the installed script's path: no test module may shadow a library's
     for name in PRELOAD:
         importlib.import_module(name)
     sys.stdout.write("ready\n")
