@@ -7,7 +7,8 @@ those ids, no tokenizer in between. Per engine and setting, in one run:
 * TTFT: `full` prefill of the whole prompt to the first token's logits
   (kvblend: kvblend.fusion.fuse "full"; llama.cpp: eval of the ids), and prefill tok/s;
 * decode tok/s and the median inter-token latency (ITL) at batch 1, greedy, 32 tokens;
-* kvblend only: the step at batch 8 (eight sequences over that prompt's KV), as tok/s;
+* the step at batch 8 (eight sequences over that prompt's KV, decoding one token each), as tok/s: llama.cpp
+  shares the prompt's cells among its eight sequences (`seq_cp` in a unified KV cache);
 * greedy agreement with kvblend fp32's 32 tokens (the same model, so a measure of numerics).
 
 kvblend runs every `--weights` format (kvblend.model.weights; prefill reads the
