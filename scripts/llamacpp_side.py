@@ -59,7 +59,7 @@ def batch_decode(gguf: str, prompt: list[int], steps: int, threads: int, kwargs:
     each step decodes one token per sequence in one `llama_decode`. Returns the step's median and tok/s."""
     import llama_cpp as lc
 
-    loader = Llama(model_path=gguf, n_ctx=64, n_threads=threads, verbose=False, vocab_only=False)
+    loader = Llama(model_path=gguf, n_ctx=64, n_threads=threads, verbose=False)  # the weights; its context idles
     params = lc.llama_context_default_params()
     params.n_ctx = len(prompt) + batch * (steps + 2) + 64
     params.n_batch = params.n_ubatch = 512
@@ -90,7 +90,7 @@ def batch_decode(gguf: str, prompt: list[int], steps: int, threads: int, kwargs:
         for start in range(0, len(prompt), chunk):
             part = prompt[start : start + chunk]
             fill([(t, start + i, 0, start + i == len(prompt) - 1) for i, t in enumerate(part)])
-        first = greedy(len(prompt) - 1 - (len(prompt) - 1) // chunk * chunk)
+        first = greedy((len(prompt) - 1) % chunk)  # the last position's row in the last chunk
         memory = lc.llama_get_memory(ctx)
         for seq in range(1, batch):
             lc.llama_memory_seq_cp(memory, 0, seq, -1, -1)

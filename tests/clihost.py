@@ -66,9 +66,9 @@ def _serve() -> dict:
 
 
 def _become(request: dict) -> None:
+    """In the child: take on the call's directory, environment and standard streams."""
     from kvblend.defaults import ENV_DEFAULTS
 
-    """In the child: take on the call's directory, environment and standard streams."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -100,17 +100,16 @@ class Host:
                 raise RuntimeError("the kvblend test host did not start")
         return self.proc
 
-    def _line(self, timeout: float | None) -> str | None:
+    def _line(self, timeout: float) -> str | None:
         """The host's next line, read from the pipe unbuffered (a buffered reader could hold the next line where
         select() cannot see it); None on timeout, "" when the host has gone."""
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         while b"\n" not in self.pending:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    return None
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
             chunk = os.read(fd, 4096)
             if not chunk:
                 return ""

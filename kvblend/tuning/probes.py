@@ -351,24 +351,17 @@ def measure_decode_weights(
     same random prompt's KV, made by the loaded weights (prefill never reads the converted copy). One
     format's runner is held at a time beside fp32's, so measuring costs two models' memory, not five.
     """
-    from kvblend.evaluation.metrics import kl_divergence
     from kvblend.generation.decode import DecodePrompt, DecodeState, decode_step
     from kvblend.model.weights import WEIGHT_FORMATS
 
     base = load("fp32")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=g).tolist()
-    kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in base.prefill_batch([ids[:-1]])[0]]
-    prompt = DecodePrompt(kv, ids[:-1])
-    reference = decode_step(base, [DecodeState(base, prompt, 1)], [ids[-1]])[0].float()
+    ids = _random_prompt(base, context_tokens)
+    prompt = DecodePrompt(_prefill(base, ids[:-1]), ids[:-1])
+    reference = _next_logits(base, prompt, ids[-1])
     result: dict[str, dict[str, float]] = {}
     for fmt in WEIGHT_FORMATS:
         runner = base if fmt == "fp32" else load(fmt)
-        logits = decode_step(runner, [DecodeState(runner, prompt, 1)], [ids[-1]])[0].float()
-        measured = {
-            "kl": kl_divergence(reference, logits),
-            "same_top": float(int(logits.argmax()) == int(reference.argmax())),
-        }
+        measured = _against(reference, _next_logits(runner, prompt, ids[-1]))
         for batch in batches:
             states = [DecodeState(runner, prompt, steps + 2) for _ in range(batch)]
             decode_step(runner, states, [ids[-1]] * batch)  # warm-up
@@ -394,33 +387,49 @@ def measure_prefill_dtypes(
     arithmetic and its KV's precision, read by a decode step in the same dtype. `load(dtype)` returns a runner
     computing in it; one is held at a time beside fp32's.
     """
-    from kvblend.evaluation.metrics import kl_divergence
-    from kvblend.generation.decode import DecodePrompt, DecodeState, decode_step
+    from kvblend.generation.decode import DecodePrompt
 
     base = load("fp32")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(100, max(101, base.config.vocab_size - 100), (context_tokens,), generator=g).tolist()
-
-    def prefill(runner: Any) -> list:
-        return [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids[:-1]])[0]]
-
-    def next_logits(runner: Any, kv: list) -> torch.Tensor:
-        return decode_step(runner, [DecodeState(runner, DecodePrompt(kv, ids[:-1]), 1)], [ids[-1]])[0].float()
-
-    reference = next_logits(base, prefill(base))
+    ids = _random_prompt(base, context_tokens)
+    prompt, last = ids[:-1], ids[-1]
+    reference = _next_logits(base, DecodePrompt(_prefill(base, prompt), prompt), last)
     result: dict[str, dict[str, float]] = {}
     for dtype in dtypes:
         runner = base if dtype == "fp32" else load(dtype)
-        logits = next_logits(runner, prefill(runner))  # also the warm-up
+        logits = _next_logits(runner, DecodePrompt(_prefill(runner, prompt), prompt), last)  # also the warm-up
         times = []
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
-            prefill(runner)
+            _prefill(runner, prompt)
             times.append(time.perf_counter() - t0)
-        result[dtype] = {
-            "prefill_ms": statistics.median(times) * 1000,
-            "kl": kl_divergence(reference, logits),
-            "same_top": float(int(logits.argmax()) == int(reference.argmax())),
-        }
+        result[dtype] = {"prefill_ms": statistics.median(times) * 1000, **_against(reference, logits)}
         del runner
     return result
+
+
+def _random_prompt(runner: Any, tokens: int) -> list[int]:
+    """`tokens` reproducible ids clear of the vocabulary's special ends: one prompt every setting is timed on."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randint(100, max(101, runner.config.vocab_size - 100), (tokens,), generator=g).tolist()
+
+
+def _prefill(runner: Any, ids: list[int]) -> list:
+    """The prompt's per-layer KV, batched as a decode step reads it."""
+    return [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids])[0]]
+
+
+def _next_logits(runner: Any, prompt: Any, token: int) -> torch.Tensor:
+    """The logits of one decode step of `token` after `prompt` (a DecodePrompt)."""
+    from kvblend.generation.decode import DecodeState, decode_step
+
+    return decode_step(runner, [DecodeState(runner, prompt, 1)], [token])[0].float()
+
+
+def _against(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+    """How far a setting's next-token logits are from fp32's: KL, and whether the top token is the same."""
+    from kvblend.evaluation.metrics import kl_divergence
+
+    return {
+        "kl": kl_divergence(reference, logits),
+        "same_top": float(int(logits.argmax()) == int(reference.argmax())),
+    }
