@@ -62,6 +62,7 @@ SINK_TOKENS = 4
 DEFAULT_MAX_QUEUE = 16  # requests waiting beyond those running; one more is a 429
 DEFAULT_MAX_BATCH = 8  # sequences decoding together, one batched forward pass per step
 DEFAULT_MAX_STORED_TOKENS = 4096  # new passage tokens one request may store (~80 MB of lossless KV)
+DEFAULT_SHUTDOWN_GRACE_S = 10.0  # seconds the requests in flight get to finish after SIGTERM / Ctrl-C
 
 # ── retrieval and prompts ──
 DEFAULT_TOP_K = 6

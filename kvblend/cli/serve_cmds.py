@@ -6,6 +6,7 @@ kvblend.serve (FastAPI, uvicorn, torch) is imported inside the command, so
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -21,7 +22,7 @@ from kvblend.cli.common import (
     decode_weights,
     parse_size,
 )
-from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS
+from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
 from kvblend.errors import UsageError
 from kvblend.options import ComputeDtype, WeightsFormat
 
@@ -66,6 +67,11 @@ def serve(
         "--max-stored-tokens",
         help="New passages one request may store, in tokens; beyond it they are computed in the prompt, not stored (0: store none).",
     ),
+    shutdown_grace: float = typer.Option(
+        DEFAULT_SHUTDOWN_GRACE_S,
+        "--shutdown-grace",
+        help="Seconds the requests in flight get to finish after SIGTERM or Ctrl-C; then their streams end with an error event (as uvicorn's --timeout-graceful-shutdown).",
+    ),
     archive: Optional[str] = ArchiveOpt,
     model: Optional[str] = ModelOpt,
     compute: Optional[str] = ComputeOpt,
@@ -88,6 +94,8 @@ def serve(
         raise UsageError("--max-batch must be at least 1")
     if max_stored_tokens < 0:
         raise UsageError("--max-stored-tokens must be at least 0")
+    if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
+        raise UsageError(f"--shutdown-grace must be a number of seconds >= 0, not {shutdown_grace}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise UsageError("--api-key must not be empty")
@@ -110,5 +118,6 @@ def serve(
             bound,
             max_stored_tokens,
             decode_weights(weights, archive, model, compute),
+            shutdown_grace,
         )
     )

@@ -4,7 +4,7 @@ The model and the archive are opened before uvicorn starts, so a bad --model
 or --archive is one error line and an exit, not a server that never becomes
 healthy; /health answers only once the model is loaded. uvicorn handles
 SIGTERM and Ctrl-C: it stops accepting, waiting requests get a 503, those
-in flight may finish within GRACE_S (then they stop at their next step and
+in flight may finish within the grace period (--shutdown-grace; then they stop at their next step and
 their streams end with an error event), and only then does the scheduler's
 model thread finish and the archive close, so no write is cut short.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import logging.config
+import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
+from kvblend.defaults import DEFAULT_SHUTDOWN_GRACE_S
 from kvblend.errors import UsageError
 from kvblend.pipeline import Engine
 from kvblend.pipeline.query import Prepared
@@ -29,21 +31,21 @@ from kvblend.serve.engine_core import EngineCore
 from kvblend.serve.metrics import Metrics
 from kvblend.types import Steps
 
-GRACE_S = 10  # seconds the request in flight gets to finish after SIGTERM / Ctrl-C
 log = logging.getLogger("kvblend.serve")
 
 
 class Server(uvicorn.Server):
     """uvicorn's server, telling the scheduler as soon as shutdown begins: waiting requests are
-    refused and running ones are cut after GRACE_S with an error event, so every stream ends
+    refused and running ones are cut after the grace period with an error event, so every stream ends
     well-formed before uvicorn's own (later) deadline would drop the connection."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: EngineCore):
+    def __init__(self, config: uvicorn.Config, scheduler: EngineCore, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S):
         super().__init__(config)
         self.scheduler = scheduler
+        self.grace_s = grace_s
 
     async def shutdown(self, sockets=None) -> None:
-        self.scheduler.begin_shutdown(GRACE_S)
+        self.scheduler.begin_shutdown(self.grace_s)
         await super().shutdown(sockets)
 
 
@@ -127,9 +129,10 @@ def run_server(options: ServeOptions) -> None:
             port=options.port,
             log_config=log_config(),
             lifespan="on",
-            timeout_graceful_shutdown=2 * GRACE_S,
+            # uvicorn's own deadline, 10 s past the grace: time for the cut streams' error events to go out
+            timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s) + 10,
         )
-        Server(config, scheduler).run()
+        Server(config, scheduler, options.shutdown_grace_s).run()
     finally:
         engine.close()
 
@@ -150,3 +153,4 @@ class ServeOptions:
     max_archive_bytes: int | None
     max_stored_tokens: int | None
     weights: dict = field(default_factory=dict)  # Engine keywords: the format and its decode rows
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S

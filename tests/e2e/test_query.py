@@ -36,15 +36,19 @@ def pinned(engine, n: int = 4, **changes) -> QueryOptions:
 
 
 def test_full_answers_exactly_as_model_generate(engine, default_runner):
-    result = engine.query(QUESTION, QueryOptions(mode="full", sampling=SHORT, top_k=2))
+    """`full` over two retrieved passages, then greedy decoding in kvblend's own step: the same tokens (up to 24)
+    as transformers' `generate` on the same prompt ids (its own forward pass and DynamicCache)."""
+    sampling = SamplingConfig(max_new_tokens=24)
+    result = engine.query(QUESTION, QueryOptions(mode="full", sampling=sampling, top_k=2))
     ids = torch.tensor([result.fusion.token_ids])
     with torch.inference_mode():
-        ref = reference_checkpoint(default_runner).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SHORT.max_new_tokens, do_sample=False)
+        ref = reference_checkpoint(default_runner).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens, do_sample=False)
     expected = []
     for t in ref[0, ids.shape[1]:].tolist():
         if t in default_runner.stop_token_ids:
             break
         expected.append(t)
+    assert expected
     assert result.generation.token_ids == expected
     assert result.recompute_share == 1.0
 

@@ -113,7 +113,7 @@ def attempt(server: Server, i: int, kind: str, rng: random.Random) -> str:
 
 def test_two_hundred_misbehaving_clients_then_sigterm(copy_of_bundled_archive, tmp_path):
     started = time.monotonic()
-    srv = Server(copy_of_bundled_archive, tmp_path / "server.log", 6, "--max-batch", "4")
+    srv = Server(copy_of_bundled_archive, tmp_path / "server.log", 6, "--max-batch", "4", "--shutdown-grace", "2")
     try:
         ask(srv.client(), PASSAGES, "Warm-up: who builds the Skua-7?", max_tokens=1)  # archives the passages
         rng = random.Random(35)
@@ -146,8 +146,8 @@ def test_two_hundred_misbehaving_clients_then_sigterm(copy_of_bundled_archive, t
         assert finished["error"] == 0 and finished["stop"] + finished["length"] >= outcomes.count("answer")
         assert metric(text, "kvblend_running_sequences") == 0 and metric(text, "kvblend_queue_depth") == 0
 
-        # SIGTERM while four long streams run: each ends within the grace period, answered or cut with an error
-        # event (never a torn stream), and the server exits.
+        # SIGTERM while four long streams run: each ends within the grace period (2 s here), answered or cut with
+        # an error event (never a torn stream), and the server exits.
         ends: list[str] = []
         lock = threading.Lock()
         first_chunk = threading.Barrier(5, timeout=CALL_TIMEOUT_S)

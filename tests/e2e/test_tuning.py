@@ -167,7 +167,7 @@ def _assert_tuned_from_the_archive(out, path=None):
 def test_tune_on_three_musique_passages_stores_a_usable_ratio(quick_profile, tmp_path):
     """Issue 20: a `profile --quick` measurement + `tune` on an archive of 3 MuSiQue passages stores a ratio
     <= 0.5, calibrated on a prompt made of two of those passages (one prompt: each costs four runs of 16 tokens,
-    and more prompts go through the same code)."""
+    and more prompts go through the same code), and `query` then recomputes at it."""
     docs = tmp_path / "docs"
     docs.mkdir()
     record = json.loads((FIXTURES / "musique_sample.json").read_text())[0]
@@ -175,8 +175,3 @@ def test_tune_on_three_musique_passages_stores_a_usable_ratio(quick_profile, tmp
         (docs / f"passage{i}.txt").write_text(ctx["text"])
     run_cli("ingest", docs, "--archive", tmp_path / "archive", "--compute", "cpu", check=True)
     _assert_tuned_from_the_archive(_tune_with_profile(tmp_path / "archive", quick_profile[1]), tmp_path / "archive")
-
-
-def test_tune_on_the_bundled_documents_stores_a_usable_ratio(quick_profile, copy_of_bundled_archive):
-    """The same on the documents shipped with kvblend (the demo's, ingested once for the whole run)."""
-    _assert_tuned_from_the_archive(_tune_with_profile(copy_of_bundled_archive, quick_profile[1]))
