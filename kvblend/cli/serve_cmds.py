@@ -27,6 +27,7 @@ from kvblend.errors import UsageError
 from kvblend.options import ComputeDtype, WeightsFormat
 
 API_KEY_ENV = "KVBLEND_API_KEY"
+MAX_SHUTDOWN_GRACE_S = 86_400  # a day: a timer far beyond that overflows the clock's timeout
 
 
 def register(app: typer.Typer) -> None:
@@ -94,8 +95,8 @@ def serve(
         raise UsageError("--max-batch must be at least 1")
     if max_stored_tokens < 0:
         raise UsageError("--max-stored-tokens must be at least 0")
-    if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
-        raise UsageError(f"--shutdown-grace must be a number of seconds >= 0, not {shutdown_grace}")
+    if not (math.isfinite(shutdown_grace) and 0 <= shutdown_grace <= MAX_SHUTDOWN_GRACE_S):
+        raise UsageError(f"--shutdown-grace must be between 0 and {MAX_SHUTDOWN_GRACE_S} seconds, not {shutdown_grace}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise UsageError("--api-key must not be empty")

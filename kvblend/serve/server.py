@@ -4,9 +4,10 @@ The model and the archive are opened before uvicorn starts, so a bad --model
 or --archive is one error line and an exit, not a server that never becomes
 healthy; /health answers only once the model is loaded. uvicorn handles
 SIGTERM and Ctrl-C: it stops accepting, waiting requests get a 503, those
-in flight may finish within the grace period (--shutdown-grace; then they stop at their next step and
-their streams end with an error event), and only then does the scheduler's
-model thread finish and the archive close, so no write is cut short.
+in flight may finish within the grace period (--shutdown-grace; then they
+stop at their next step and their streams end with an error event), and
+only then does the scheduler's model thread finish and the archive close,
+so no write is cut short.
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         (("tune", "--archive", arc, "--limit", "0"), "--limit"),
         (("tune", "--archive", tmp_path / "nowhere"), "no archive"),
         (("serve", "--archive", arc, "--shutdown-grace", "-1"), "--shutdown-grace"),
+        (("serve", "--archive", arc, "--shutdown-grace", "1e12"), "--shutdown-grace"),  # overflowed its timer
     ]
     for args, expected in cases:
         line = one_line_error(run_cli(*args, env={"PYTHONPATH": str(poisoned)}))
