@@ -17,7 +17,7 @@ import typer
 from rich import filesize
 from rich.console import Console
 
-from kvblend.archive import Archive, resolve_location
+from kvblend.archive import Archive, Location, resolve_location
 from kvblend.errors import ArchiveError, UsageError
 
 # Results go to stdout; progress, tables for humans on stderr when stdout is data.
@@ -64,12 +64,9 @@ def decode_weights(
     stored in the archive measured fastest on this machine for this model (fp32 where none did)."""
     if weights not in (None, "auto"):
         return {"weights": weights}
-    from kvblend.archive import resolve_location
-    from kvblend.model.source import resolve_model_source, source_fingerprint
     from kvblend.tuning.profile import weights_choice
 
-    fingerprint = source_fingerprint(resolve_model_source(model))
-    chosen, rows = weights_choice(resolve_location(archive), fingerprint, compute)
+    chosen, rows = weights_choice(*_profiled(archive, model), compute)
     return {"weights": chosen, "decode_rows": rows}
 
 
@@ -79,10 +76,17 @@ def compute_dtype(dtype: str | None, archive: str | Path | None, model: str | No
     did)."""
     if dtype != "auto":
         return dtype
-    from kvblend.model.source import resolve_model_source, source_fingerprint
     from kvblend.tuning.profile import dtype_choice
 
-    return dtype_choice(resolve_location(archive), source_fingerprint(resolve_model_source(model)), compute)
+    return dtype_choice(*_profiled(archive, model), compute)
+
+
+def _profiled(archive: str | Path | None, model: str | None) -> tuple[Location, str]:
+    """Where `auto` looks for profiles and for which model: the archive's location and the model's fingerprint
+    (from its files' identity, nothing loaded)."""
+    from kvblend.model.source import resolve_model_source, source_fingerprint
+
+    return resolve_location(archive), source_fingerprint(resolve_model_source(model))
 
 
 def print_json(obj: Any) -> None:

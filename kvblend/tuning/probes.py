@@ -396,7 +396,10 @@ def measure_prefill_dtypes(
     result: dict[str, dict[str, float]] = {}
     for dtype in dtypes:
         runner = base if dtype == "fp32" else load(dtype)
-        logits = _next_logits(runner, DecodePrompt(_prefill(runner, prompt), prompt), last)  # also the warm-up
+        # fp32's logits are the reference (whose prefill warmed it up); another dtype's run is its warm-up too
+        logits = (
+            reference if runner is base else _next_logits(runner, DecodePrompt(_prefill(runner, prompt), prompt), last)
+        )
         times = []
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
