@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.nn import functional as F
 
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV
@@ -48,16 +49,29 @@ class DecodeState:
     llama.cpp"), so the default keeps fp32 and `full` decodes exactly as the model's forward pass does.
     """
 
-    def __init__(self, runner: ModelRunner, fused: PromptKV, max_new_tokens: int, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        fused: PromptKV,
+        max_new_tokens: int,
+        kv_dtype: torch.dtype | None = None,
+        graphed: bool | None = None,
+    ):
         self.runner = runner
+        # A lone sequence's steps replay one captured CUDA graph (see StaticStep); None: on CUDA, yes.
+        self.graphed = runner.device.type == "cuda" if graphed is None else graphed
+        self._static: StaticStep | None = None
         self.length = len(fused.token_ids)
         capacity = self.length + max_new_tokens
         dtype = kv_dtype or runner.dtype
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        # A static step attends over the whole buffer with a mask: the keys and values it masks must still be
+        # finite (0 · NaN is NaN), so its buffers start zeroed.
+        alloc = torch.zeros if self.graphed else torch.empty
         for k, v in fused.kv:
-            kb = torch.empty((*k.shape[:2], capacity, k.shape[3]), dtype=dtype, device=runner.device)
-            vb = torch.empty_like(kb)
+            kb = alloc((*k.shape[:2], capacity, k.shape[3]), dtype=dtype, device=runner.device)
+            vb = torch.zeros_like(kb) if self.graphed else torch.empty_like(kb)
             kb[:, :, : self.length] = k
             vb[:, :, : self.length] = v
             self.k.append(kb)
@@ -70,6 +84,13 @@ class DecodeState:
     def release(self) -> None:
         """Free the KV buffers now, not when the garbage collector gets to them (a server's finished request)."""
         self.k, self.v = [], []
+        self._static = None
+
+    def static_step(self) -> StaticStep:
+        """This sequence's captured step (built at its first lone step on CUDA; kept until release)."""
+        if self._static is None:
+            self._static = StaticStep(self, graph=self.runner.device.type == "cuda")
+        return self._static
 
     @property
     def capacity(self) -> int:
@@ -85,13 +106,18 @@ def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int
     projections and MLPs run batched, and each sequence's one query attends over its own keys, exactly as it
     would alone. Returns next-token logits, [len(states), vocab] in float32.
     """
+    if len(states) == 1 and states[0].graphed and states[0].length < states[0].capacity:
+        return states[0].static_step().run(tokens[0]).unsqueeze(0)
     with runner.decoding():
         return _step(runner, states, tokens)
 
 
 def _step(runner: ModelRunner, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
     device = runner.device
-    positions = torch.tensor([[st.length] for st in states], device=device)
+    # Positions on the host too: attend() reads the query's position as a Python int, which from a CUDA
+    # tensor would be a device sync per layer and sequence (30 per token for SmolLM2).
+    host_positions = torch.tensor([[st.length] for st in states])
+    positions = host_positions.to(device)
     cos, sin = runner.rope(positions)
     hidden = runner.embed(torch.tensor([[t] for t in tokens], device=device))
     for layer in range(runner.n_layers):
@@ -103,8 +129,96 @@ def _step(runner: ModelRunner, states: list[DecodeState], tokens: list[int]) -> 
             st.v[layer][:, :, p : p + 1] = v[i : i + 1]
             keys, values = st.k[layer][:, :, : p + 1], st.v[layer][:, :, : p + 1]
             # One query at the newest position sees every key (inside any sliding window).
-            outs.append(runner.attend(layer, q[i : i + 1], keys, values, query_positions=positions[i]))
+            outs.append(runner.attend(layer, q[i : i + 1], keys, values, query_positions=host_positions[i]))
         hidden = runner.finish_layer(layer, hidden, outs[0] if len(outs) == 1 else torch.cat(outs, dim=0))
     for st in states:
         st.length += 1
     return runner.logits(hidden)[:, -1]
+
+
+class StaticStep:
+    """One sequence's decode step with every shape fixed, replayed as a CUDA graph on CUDA.
+
+    A decode step of a 135M model on a GPU is hundreds of tiny kernels (30 layers of norms, projections,
+    RoPE, attention, MLP), each microseconds of work behind microseconds of launch: the launches are the
+    step. Captured once as a CUDA graph, the whole step is one launch (gpt-fast's and vLLM's remedy). A
+    graph replays fixed shapes and addresses, so the step reads what changes from two device tensors
+    (the token and its position) and attends over the whole buffer, prompt + max_new_tokens, with keys
+    past the position (or before a sliding window) masked out instead of sliced away: one step reads at
+    most max_new_tokens more keys than the eager one, and the KV write is an index_copy_ at the position.
+
+    On the CPU the same static step runs eagerly (`graph=False`): that is how the tests hold it to
+    the eager step (`_step`) without a GPU. Only a lone sequence takes this path (the CLI, or a server with
+    one request running); batches step eagerly, each sequence over its own ragged KV.
+    """
+
+    def __init__(self, state: DecodeState, graph: bool):
+        runner = state.runner
+        self.state, self.runner = state, runner
+        device = runner.device
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.key_positions = torch.arange(state.capacity, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self._use_graph = graph
+
+    def run(self, token: int) -> torch.Tensor:
+        """Feed `token` at the sequence's next position; return its next-token logits [vocab] (fp32)."""
+        self.token.fill_(token)
+        self.position.fill_(self.state.length)
+        if not self._use_graph:
+            logits = self._forward()
+        else:
+            if self.graph is None:
+                self._capture()
+            assert self.graph is not None and self.logits is not None
+            self.graph.replay()
+            logits = self.logits.clone()  # the graph's output buffer is overwritten by the next replay
+        self.state.length += 1
+        return logits[0]
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (allocator, cuBLAS handles, RoPE tables), then capture the step."""
+        stream = torch.cuda.Stream(device=self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # each writes this step's K/V at this step's position: what replay writes too
+                self._forward()
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward()
+        self.graph = graph
+
+    @torch.inference_mode()
+    def _forward(self) -> torch.Tensor:
+        runner, state = self.runner, self.state
+        with runner.decoding():
+            cos, sin = runner.rope(self.position)
+            hidden = runner.embed(self.token)
+            where = self.position.view(1)
+            seen = self.key_positions <= self.position.view(1)
+            for layer in range(runner.n_layers):
+                q, k, v = runner.project_qkv(layer, hidden, cos, sin)
+                kb, vb = state.k[layer], state.v[layer]
+                kb.index_copy_(2, where, k.to(kb.dtype))
+                vb.index_copy_(2, where, v.to(vb.dtype))
+                window = runner.window(layer)
+                mask = seen if window is None else seen & (self.key_positions > self.position.view(1) - window)
+                out = masked_query(q, kb, vb, mask, runner.attention_scale(layer))
+                hidden = runner.finish_layer(layer, hidden, out.transpose(1, 2).reshape(1, 1, -1))
+            return runner.logits(hidden)[:, -1]
+
+
+def masked_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query over a whole KV buffer, keys where `mask` [Tk] is False left out (GQA native).
+
+    K/V in another dtype than q (16-bit buffers under fp32 compute) are widened, as last_query does."""
+    if k.dtype == q.dtype:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, 1, -1), scale=scale, enable_gqa=True)
+    b, heads, tq, hd = q.shape
+    grouped = q.reshape(b, k.shape[1], heads // k.shape[1] * tq, hd)
+    scores = torch.matmul(grouped, k.to(q.dtype).transpose(-1, -2)).mul_(scale)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype)).view(b, heads, tq, hd)

@@ -209,7 +209,7 @@ class ModelRunner:
         otherwise they are the absolute positions (1-D, ascending) of a subset of
         tokens attending to the whole KV with a causal mask on absolute positions.
         """
-        scale = self._scale(layer)
+        scale = self.attention_scale(layer)
         window = self._windows[layer]
         n_keys = k.shape[2]
         dense = window is None or window >= n_keys
@@ -231,7 +231,7 @@ class ModelRunner:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor
     ) -> torch.Tensor:
         """The probabilities `attend` would use: [B, heads, Tq, Tk] in fp32 (few queries only)."""
-        scale = self._scale(layer)
+        scale = self.attention_scale(layer)
         window = self._windows[layer]
         memo = self._bias_memo  # the probe asks with one query set for every layer: masks built once
         if memo.get("positions") is not query_positions or memo.get("keys") != k.shape[2]:
@@ -241,9 +241,13 @@ class ModelRunner:
             memo[window] = causal_bias(query_positions, k.shape[2], window)
         return attention_probs(q, k, memo[window], scale)
 
-    def _scale(self, layer: int) -> float:
+    def attention_scale(self, layer: int) -> float:
         """The layer's attention softmax scale (Gemma: query_pre_attn_scalar ** -0.5, else 1/sqrt(head_dim))."""
         return float(self.layers[layer].self_attn.scaling)
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window in tokens (None: it sees every earlier key)."""
+        return self._windows[layer]
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual.

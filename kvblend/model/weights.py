@@ -35,8 +35,10 @@ gets its own quantized copy, in int8 under ``int4`` (as llama.cpp's 4-bit files 
 their output matrix at 6 or 8 bits: SmolLM2's GGUF holds it in Q8_0, which int4
 groups cannot reproduce). Norms, biases and RoPE tables are untouched.
 
-On CUDA the quantized formats de-quantise each weight inside the call: correct,
-but not a fused kernel (nothing in this repository has measured one on a GPU).
+On CUDA, int4 runs torch's fused tinygemm kernel (`_weight_int4pack_mm`, bf16 activations, scales rounded
+to bf16) and int8 `_weight_int8pack_mm` where the torch build has it for CUDA; each layer checks its kernel
+once against the de-quantising path at load and falls back to that path (correct, not fused) where the
+kernel is missing or disagrees.
 
 ``auto`` is resolved by the caller from what ``kvblend profile`` measured on
 this machine (kvblend.tuning): the fastest decode step among the formats whose
@@ -146,10 +148,17 @@ class Int8Linear(ConvertedLinear):
         self.codes = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8).contiguous()
         self.scale = scale.to(weight.dtype).contiguous()
         self.max_error = float((self.codes.float() * scale[:, None] - w).abs().max())
+        # torch's fused kernel where this build has it for the device (always on the CPU), checked once
+        # against the de-quantising path; else that path.
+        self.fused = weight.device.type == "cpu" or _kernel_agrees(self._fused_matmul, self._dequantised, weight)
 
     def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale.to(flat.dtype))
+        return self._fused_matmul(flat) if self.fused else self._dequantised(flat)
+
+    def _fused_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale.to(flat.dtype))
+
+    def _dequantised(self, flat: torch.Tensor) -> torch.Tensor:
         return F.linear(flat, self.codes.to(flat.dtype)) * self.scale.to(flat.dtype)
 
 
@@ -174,14 +183,45 @@ class Int4Linear(ConvertedLinear):
         else:
             self.codes = codes.to(torch.uint8)
             self.d, self.low = d, low
+            self.gpu_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+            try:  # CUDA's int4 kernel (tinygemm, as gpt-fast uses): codes two to a byte, high nibble first
+                pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+                tiles = next(t for t in (8, 4, 2) if n_in % (t * 16) == 0)
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), tiles)
+                zeros = torch.stack([d, low + 8 * d], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+                self.gpu_packed = (packed, zeros)
+            except (RuntimeError, StopIteration, NotImplementedError):
+                pass
+            if self.gpu_packed is not None and not _kernel_agrees(self._tinygemm, self._dequantised, weight):
+                self.gpu_packed = None
 
     def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.float(), self.packed, INT4_GROUP, self.scale_zero)
             return out.to(flat.dtype)
+        return self._tinygemm(flat) if self.gpu_packed is not None else self._dequantised(flat)
+
+    def _tinygemm(self, flat: torch.Tensor) -> torch.Tensor:
+        """CUDA's fused int4 matmul: bf16 activations, the scales and zeros rounded to bf16."""
+        assert self.gpu_packed is not None
+        packed, zeros = self.gpu_packed
+        return torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), packed, INT4_GROUP, zeros).to(flat.dtype)
+
+    def _dequantised(self, flat: torch.Tensor) -> torch.Tensor:
         n_out, n_in = self.codes.shape
         groups = self.codes.view(n_out, -1, INT4_GROUP).float() * self.d[..., None] + self.low[..., None]
         return F.linear(flat, groups.view(n_out, n_in).to(flat.dtype))
+
+
+def _kernel_agrees(kernel, reference, weight: torch.Tensor) -> bool:
+    """Does a fused kernel exist for this device and compute what the de-quantising path does? One call on
+    random rows, within bf16's rounding; any error (no kernel for this device or torch build): no."""
+    try:
+        rows = torch.randn(4, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        got, want = kernel(rows).float(), reference(rows).float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp_min(1e-12)) < 2e-2
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,25 @@ def test_decode_steps_equal_the_forward_pass_on_the_extended_sequence(runner, mo
     assert state.length == len(ids)
 
 
+def test_the_static_step_a_cuda_graph_replays_equals_the_forward_pass(runner):
+    """The step CUDA captures (every shape fixed: one query over the whole buffer, masked past the position
+    and outside a sliding window) run eagerly here: the same logits as the model on the extended sequence.
+    6 steps past a 50-token prompt cross the tiny Mistral's and Gemma's 24-token windows."""
+    fused = fuse(runner, prompt_of(runner), "full")
+    ids = list(fused.token_ids)
+    state = DecodeState(runner, fused, max_new_tokens=6, graphed=True)  # graphed on the CPU: eager, same shapes
+    with torch.inference_mode():
+        for token in random_tokens(6, 9):
+            ids.append(token)
+            assert torch.allclose(state.step(token), hf_last_logits(runner, ids), atol=ATOL), len(ids)
+    assert state.length == len(ids) == state.capacity
+    half = DecodeState(runner, fused, max_new_tokens=2, kv_dtype=torch.float16, graphed=True)  # widened K/V
+    eager = DecodeState(runner, fused, max_new_tokens=2, kv_dtype=torch.float16, graphed=False)
+    with torch.inference_mode():
+        for token in (5, 6):
+            assert torch.allclose(half.step(token), eager.step(token), atol=ATOL)
+
+
 def test_greedy_generation_is_the_argmax_chain_and_deterministic(runner):
     fused = fuse(runner, prompt_of(runner), "full")
     sampling = SamplingConfig(max_new_tokens=6)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU check, run on a lent GPU machine from the repository root (the `device` tool's `run`).
+# That machine has torch with CUDA but not kvblend's other dependencies, and takes nothing from the
+# network: the wheels travel in .whl/ (python3.12 manylinux, `pip download --no-deps` of the pinned
+# versions), SmolLM2's config and tokenizer in .gpu/smol/, the tiny test configs in .gpu/tiny/.
+#
+#   scripts/device_check.sh main    random weights: parity with the CPU, archive streaming, timings
+#   scripts/device_check.sh real    the bundled GGUF, sent in parts (.gpu/a then .gpu/b, one per call:
+#                                   one call carries at most 64 MiB), parity on the bundled documents
+#   scripts/device_check.sh shapes  timings again, then Llama 3.2 1B- and 3B-shaped models, and a profile
+#                                   of one blend fusion
+set -u
+phase=${1:-main}
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /root/stash
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$out/pip.log" 2>&1 || { echo "wheel install failed"; tail -5 "$out/pip.log"; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVBLEND_MODEL_CACHE=/root/stash/models
+cp .gpu/a/* /root/stash/ 2>/dev/null  # the GGUF's first part waits here for the `real` call
+if [ "$phase" = main ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+    python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    timeout 480 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
+        --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-2000
+elif [ "$phase" = shapes ]; then
+    timeout 500 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
+        --skip-parity --skip-streaming --shapes 1b,3b --profile \
+        --out "$out/device_check_shapes.json" 2>&1 | tee "$out/device_check_shapes.log" | cut -c1-1500
+else
+    ls /root/stash/gguf.part_aa >/dev/null || { echo "the first part is gone (the machine was given back)"; exit 3; }
+    cat /root/stash/gguf.part_aa .gpu/b/gguf.part_a* >/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /root/stash/SmolLM2-135M-Instruct.Q4_1.gguf" \
+        | sha256sum -c - || exit 4
+    timeout 400 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
+        --skip-parity --skip-streaming --skip-timings --model /root/stash/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --out "$out/device_check_real.json" 2>&1 | tee "$out/device_check_real.log" | cut -c1-3000
+fi
