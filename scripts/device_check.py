@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from kvblend.fusion import BlendConfig, fuse  # noqa: E402
 from kvblend.generation import DecodeState, decode_step  # noqa: E402
 from kvblend.model.config import ModelConfig  # noqa: E402
+from kvblend.model.loading import avoid_cudnn_attention  # noqa: E402
 from kvblend.model.runner import ModelRunner  # noqa: E402
 from kvblend.model.transformer import Transformer  # noqa: E402
 from kvblend.model.weights import WEIGHT_FORMATS, apply_weights  # noqa: E402
@@ -94,6 +95,51 @@ SHAPES = {
 }
 
 
+def sdpa_backends(config: ModelConfig) -> dict:
+    """What cuDNN's attention costs at shapes it has not seen: cuDNN builds an execution plan per shape, and a
+    decode step's key count is new at every step. Eager steps and fusions at fresh lengths (first sight) and
+    again at the same lengths (plans cached), with cuDNN's SDPA on (torch's default) and off."""
+    runner = runner_on(
+        config, random_weights(config, seed=5, device=TARGET, dtype=torch.bfloat16), TARGET, torch.bfloat16
+    )
+    passages = [tokens(PASSAGE, config.vocab_size, 50 + i) for i in range(6)]
+    kv = [runner.prefill_batch([p])[0] for p in passages]
+    out: dict = {}
+    for round_, cudnn in enumerate((True, False, True, False)):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)  # after runner_on, which turns it off
+        label = f"cuDNN SDPA {'on' if cudnn else 'off'}"
+        tail = tokens(50 + 7 * round_, config.vocab_size, 60 + round_)  # a prompt length no round saw before
+        segs = [
+            Segment(tokens(40, config.vocab_size, 6)),
+            *(Segment(p, kv=k) for p, k in zip(passages, kv)),
+            Segment(tail),
+        ]
+        with torch.inference_mode():
+            for mode in ("full", "blend"):
+                synchronize()
+                t0 = time.perf_counter()
+                fused = fuse(runner, segs, mode, MODES[mode])
+                synchronize()
+                first = time.perf_counter() - t0
+                again = cuda_time(lambda: fuse(runner, segs, mode, MODES[mode]), 3)
+                out.setdefault(f"{label}: {mode} fusion, fresh length ms", []).append(1000 * first)
+                out.setdefault(f"{label}: {mode} fusion, seen length ms", []).append(1000 * again)
+            token = int(fused.last_logits.argmax())
+            for seen in (False, True):
+                state = DecodeState(runner, fused, 40, graphed=False)
+                steps = []
+                for _ in range(30):
+                    synchronize()
+                    t0 = time.perf_counter()
+                    decode_step(runner, [state], [token])
+                    synchronize()
+                    steps.append(time.perf_counter() - t0)
+                name = f"{label}: eager step, {'seen' if seen else 'fresh'} lengths ms"
+                out.setdefault(name, []).append(1000 * statistics.median(steps))
+    avoid_cudnn_attention()  # back to what kvblend runs with
+    return out
+
+
 def profile_blend(config: ModelConfig) -> str:
     """Where a 3,000-token blend fusion's time goes on this GPU (torch.profiler's top rows by host time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -114,6 +160,8 @@ def profile_blend(config: ModelConfig) -> str:
 def runner_on(
     config: ModelConfig, tensors: dict, device: str, dtype: torch.dtype, weights: str = "fp32"
 ) -> ModelRunner:
+    if device == "cuda":
+        avoid_cudnn_attention()  # as load_model does on CUDA (sdpa_backends measures both ways)
     model = Transformer.from_state_dict(config, {k: v.clone() for k, v in tensors.items()})
     model.to(device=device, dtype=dtype)
     return ModelRunner(model, None, name=config.architecture, weights=apply_weights(model, weights))
@@ -334,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-streaming", action="store_true")
     parser.add_argument("--shapes", default="", help="also time these larger shapes in bf16 (1b,3b)")
     parser.add_argument("--profile", action="store_true", help="profile one blend fusion of the timed prompt")
+    parser.add_argument("--sdpa", action="store_true", help="time fresh and seen shapes with cuDNN's SDPA on and off")
+    parser.add_argument("--skip-smol-timings", action="store_true")
     parser.add_argument("--model", help="also check a real checkpoint (a GGUF or HF folder) on the bundled documents")
     args = parser.parse_args(argv)
     global TARGET, PASSAGE
@@ -396,11 +446,11 @@ def main(argv: list[str] | None = None) -> dict:
             report["errors"].append(f"streaming: {type(e).__name__}: {e}")
     args.out.write_text(json.dumps(report, indent=1))
     try:
-        report["timings"] = {} if args.skip_timings else timings(smol)
+        report["timings"] = {} if args.skip_timings or args.skip_smol_timings else timings(smol)
     except Exception as e:
         report["errors"].append(f"timings: {type(e).__name__}: {e}")
     args.out.write_text(json.dumps(report, indent=1))
-    for shape in filter(None, args.shapes.split(",")):
+    for shape in filter(None, args.shapes.split(",")) if not args.skip_timings else ():
         try:
             config = ModelConfig.from_dict({**json.loads(args.config.read_text()), **SHAPES[shape]})
             for name, row in timings(config, ("bf16",)).items():
@@ -409,6 +459,18 @@ def main(argv: list[str] | None = None) -> dict:
             report["errors"].append(f"timings {shape}: {type(e).__name__}: {e}")
         args.out.write_text(json.dumps(report, indent=1))
         empty_cache()
+    if args.sdpa:
+        try:
+            report["sdpa"] = sdpa_backends(smol)
+            for shape in filter(None, args.shapes.split(",")):
+                config = ModelConfig.from_dict({**json.loads(args.config.read_text()), **SHAPES[shape]})
+                report["sdpa"].update({f"{shape} shape, {k}": v for k, v in sdpa_backends(config).items()})
+                empty_cache()
+            for k, v in report["sdpa"].items():
+                print(k, [round(x, 2) for x in v])
+        except Exception as e:
+            report["errors"].append(f"sdpa: {type(e).__name__}: {e}")
+        args.out.write_text(json.dumps(report, indent=1))
     if args.profile:
         report["profile"] = profile_blend(smol)
         print(report["profile"])

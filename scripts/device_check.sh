@@ -9,6 +9,8 @@
 #                                   one call carries at most 64 MiB), parity on the bundled documents
 #   scripts/device_check.sh shapes  timings again, then Llama 3.2 1B- and 3B-shaped models, and a profile
 #                                   of one blend fusion
+#   scripts/device_check.sh final   main's checks and timings, and the 1B and 3B shapes' timings
+#   scripts/device_check.sh sdpa    fresh and seen shapes with cuDNN's attention on and off
 set -u
 phase=${1:-main}
 out=${OUT:-/tmp/out}
@@ -27,6 +29,14 @@ elif [ "$phase" = shapes ]; then
     timeout 500 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
         --skip-parity --skip-streaming --shapes 1b,3b --profile \
         --out "$out/device_check_shapes.json" 2>&1 | tee "$out/device_check_shapes.log" | cut -c1-1500
+elif [ "$phase" = final ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout 540 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
+        --shapes 1b,3b --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-400
+elif [ "$phase" = sdpa ]; then
+    timeout 400 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
+        --skip-parity --skip-streaming --skip-timings --sdpa --shapes 3b \
+        --out "$out/device_check_sdpa.json" 2>&1 | tee "$out/device_check_sdpa.log" | cut -c1-1500
 else
     ls /root/stash/gguf.part_aa >/dev/null || { echo "the first part is gone (the machine was given back)"; exit 3; }
     cat /root/stash/gguf.part_aa .gpu/b/gguf.part_a* >/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -36,6 +36,11 @@ class DecodePrompt:
     token_ids: list[int]
 
 
+def graphed_by_default(device: torch.device) -> bool:
+    """Whether a sequence's lone steps replay a CUDA graph unless told: on CUDA, where launches are the step."""
+    return device.type == "cuda"
+
+
 class DecodeState:
     """The prompt's KV in preallocated per-layer buffers, grown in place as tokens are decoded.
 
@@ -59,7 +64,7 @@ class DecodeState:
     ):
         self.runner = runner
         # A lone sequence's steps replay one captured CUDA graph (see StaticStep); None: on CUDA, yes.
-        self.graphed = runner.device.type == "cuda" if graphed is None else graphed
+        self.graphed = graphed_by_default(runner.device) if graphed is None else graphed
         self._static: StaticStep | None = None
         self.length = len(fused.token_ids)
         capacity = self.length + max_new_tokens

@@ -87,6 +87,8 @@ def load_model(
         directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory
         config = ModelConfig.read(directory)  # refuses an architecture or RoPE we cannot run, before any weights
     device = pick_compute_device(compute)
+    if device.type == "cuda":
+        avoid_cudnn_attention()
     torch_dtype = pick_dtype(device, dtype)
     with _unreadable_checkpoint(source):
         tokenizer = TextTokenizer.read(directory)
@@ -94,6 +96,18 @@ def load_model(
     transformer.to(device=device, dtype=torch_dtype)
     report = apply_weights(transformer, weights, decode_rows)
     return ModelRunner(transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report)
+
+
+def avoid_cudnn_attention() -> None:
+    """Take cuDNN out of torch's attention backends (process-wide): its plans are built per shape, and
+    kvblend's shapes are new all the time (each prompt's length, each decode step's key count).
+
+    On an H100 (torch 2.11, bf16, SmolLM2's shape at ~3,000 tokens; bench-out/device_check_sdpa.json):
+    a blend fusion at a prompt length not seen before took 387-2,917 ms with cuDNN and 109-118 ms
+    without; an eager decode step at new key counts 51-52 ms against 17-18 ms. With every shape
+    already seen cuDNN was faster for blend (71-81 ms against 107-116), but a server or CLI rarely
+    sees a length twice. Flash, memory-efficient and math attention need no per-shape plan."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 @contextmanager

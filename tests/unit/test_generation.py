@@ -12,6 +12,7 @@ from support import ARCHS, random_tokens, tiny_runner
 from kvblend.errors import UsageError
 from kvblend.fusion import BlendConfig, fuse
 from kvblend.generation import DecodeState, SamplingConfig, generate
+from kvblend.generation.decode import StaticStep
 from kvblend.types import Segment
 
 ATOL = 1e-4
@@ -80,6 +81,22 @@ def test_the_static_step_a_cuda_graph_replays_equals_the_forward_pass(runner):
     with torch.inference_mode():
         for token in (5, 6):
             assert torch.allclose(half.step(token), eager.step(token), atol=ATOL)
+
+
+def test_generation_through_the_static_step_is_the_eager_generation(runner, monkeypatch):
+    """`generate` (the CLI's and server's sequence path) with every lone step taken by the static step, as on
+    CUDA: the same tokens and step logits as the eager steps."""
+    fused = fuse(runner, prompt_of(runner), "full")
+    sampling = SamplingConfig(max_new_tokens=6)
+    eager = generate(runner, fused, sampling, keep_logits=True)
+    monkeypatch.setattr("kvblend.generation.decode.graphed_by_default", lambda device: True)
+    fed = []
+    run = StaticStep.run
+    monkeypatch.setattr(StaticStep, "run", lambda self, token: fed.append(token) or run(self, token))
+    static = generate(runner, fused, sampling, keep_logits=True)
+    assert static.token_ids == eager.token_ids and len(static.token_ids) >= 2
+    assert fed == static.token_ids[: len(static.step_logits) - 1]  # every step after the first went through it
+    assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(static.step_logits, eager.step_logits))
 
 
 def test_greedy_generation_is_the_argmax_chain_and_deterministic(runner):
