@@ -10,6 +10,7 @@
 #   scripts/device_check.sh shapes  timings again, then Llama 3.2 1B- and 3B-shaped models, and a profile
 #                                   of one blend fusion
 #   scripts/device_check.sh final   main's checks and timings, and the 1B and 3B shapes' timings
+#   scripts/device_check.sh capture parity again, and a graph captured while a loader thread copies KV
 #   scripts/device_check.sh sdpa    fresh and seen shapes with cuDNN's attention on and off
 set -u
 phase=${1:-main}
@@ -33,6 +34,10 @@ elif [ "$phase" = final ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     timeout 540 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --shapes 1b,3b --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-400
+elif [ "$phase" = capture ]; then
+    timeout 300 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
+        --skip-streaming --skip-timings --capture --out "$out/device_check_capture.json" 2>&1 \
+        | tee "$out/device_check_capture.log" | cut -c1-300
 elif [ "$phase" = sdpa ]; then
     timeout 400 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
         --skip-parity --skip-streaming --skip-timings --sdpa --shapes 3b \

@@ -192,7 +192,9 @@ class StaticStep:
                 self._forward()
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a server's archive loader threads copy KV to the GPU on their own streams meanwhile;
+        # under the default ("global") any CUDA call they make during the capture would fail it.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward()
         self.graph = graph
 
