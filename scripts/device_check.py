@@ -131,6 +131,41 @@ def capture_beside_a_loader(config: ModelConfig) -> dict:
     }
 
 
+def batch_paths(config: ModelConfig) -> dict:
+    """A decode step of k sequences: one eager batched pass against each sequence's graph replayed in turn,
+    k = 1..16, on the timed prompt; and the two paths' logits for three sequences of different lengths."""
+    runner = runner_on(
+        config, random_weights(config, seed=7, device=TARGET, dtype=torch.bfloat16), TARGET, torch.bfloat16
+    )
+    passages = [tokens(PASSAGE, config.vocab_size, 80 + i) for i in range(6)]
+    segs = prompt(runner, passages, tokens(40, config.vocab_size, 10), tokens(60, config.vocab_size, 11))
+    out: dict = {}
+    from kvblend.generation import decode
+
+    limit = decode.GRAPHED_BATCH_MAX
+    with torch.inference_mode():
+        fused = [fuse(runner, segs[: 2 + i] + segs[-1:], "full") for i in range(3)]  # three lengths
+        for graphed in (False, True):
+            states = [DecodeState(runner, f, 8, graphed=graphed) for f in fused]
+            rows = [decode_step(runner, states, [int(f.last_logits.argmax()) for f in fused]) for _ in range(4)]
+            out[f"{'graphs' if graphed else 'eager'} logits"] = torch.stack(rows).float().cpu()
+        graphs, eager = out.pop("graphs logits"), out.pop("eager logits")
+        out["three ragged sequences, 4 steps: max KL graphs vs eager batch"] = max(
+            kl(a, b) for a, b in zip(eager.reshape(-1, eager.shape[-1]), graphs.reshape(-1, graphs.shape[-1]))
+        )
+        out["three ragged sequences, 4 steps: same argmax"] = bool((graphs.argmax(-1) == eager.argmax(-1)).all())
+        full = fuse(runner, segs, "full")
+        token = int(full.last_logits.argmax())
+        decode.GRAPHED_BATCH_MAX = 64  # measure the graphs past kvblend's own limit too
+        for k in (1, 2, 4, 8, 12, 16):
+            for graphed in (False, True):
+                states = [DecodeState(runner, full, 40, graphed=graphed) for _ in range(k)]
+                ms = 1000 * cuda_time(lambda: decode_step(runner, states, [token] * k), 20)
+                out[f"batch {k}, {'graphs in turn' if graphed else 'eager batched'} ms"] = ms
+    decode.GRAPHED_BATCH_MAX = limit
+    return out
+
+
 def sdpa_backends(config: ModelConfig) -> dict:
     """What cuDNN's attention costs at shapes it has not seen: cuDNN builds an execution plan per shape, and a
     decode step's key count is new at every step. Eager steps and fusions at fresh lengths (first sight) and
@@ -420,6 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="profile one blend fusion of the timed prompt")
     parser.add_argument("--sdpa", action="store_true", help="time fresh and seen shapes with cuDNN's SDPA on and off")
     parser.add_argument("--skip-smol-timings", action="store_true")
+    parser.add_argument("--batch", action="store_true", help="batched eager step against graphs in turn, k = 1..16")
     parser.add_argument("--capture", action="store_true", help="capture a graph while a loader thread copies KV")
     parser.add_argument("--model", help="also check a real checkpoint (a GGUF or HF folder) on the bundled documents")
     args = parser.parse_args(argv)
@@ -502,6 +538,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(report["capture"]), flush=True)
         except Exception as e:
             report["errors"].append(f"capture: {type(e).__name__}: {e}")
+        args.out.write_text(json.dumps(report, indent=1))
+    if args.batch:
+        try:
+            report["batch"] = batch_paths(smol)
+            for k, v in report["batch"].items():
+                print(k, round(v, 3))
+        except Exception as e:
+            report["errors"].append(f"batch: {type(e).__name__}: {e}")
         args.out.write_text(json.dumps(report, indent=1))
     if args.sdpa:
         try:

@@ -11,6 +11,7 @@
 #                                   of one blend fusion
 #   scripts/device_check.sh final   main's checks and timings, and the 1B and 3B shapes' timings
 #   scripts/device_check.sh capture parity again, and a graph captured while a loader thread copies KV
+#   scripts/device_check.sh batch   a step of k sequences: eager batched against graphs in turn
 #   scripts/device_check.sh sdpa    fresh and seen shapes with cuDNN's attention on and off
 set -u
 phase=${1:-main}
@@ -34,6 +35,10 @@ elif [ "$phase" = final ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     timeout 540 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --shapes 1b,3b --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-400
+elif [ "$phase" = batch ]; then
+    timeout 300 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
+        --skip-parity --skip-streaming --skip-timings --batch --out "$out/device_check_batch.json" 2>&1 \
+        | tee "$out/device_check_batch.log" | cut -c1-300
 elif [ "$phase" = capture ]; then
     timeout 300 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --skip-streaming --skip-timings --capture --out "$out/device_check_capture.json" 2>&1 \

@@ -36,6 +36,13 @@ class DecodePrompt:
     token_ids: list[int]
 
 
+#: Up to this many sequences step by replaying each one's CUDA graph in turn rather than in one eager batched
+#: pass. On an H100 (SmolLM2's shape, 2,980 tokens) a graph replay took 3.0-4.8 ms and an eager batch-8 step
+#: 35 ms: eight replays cost about what one eager batch-8 step does, and fewer cost less (BENCHMARKS.md,
+#: "On an H100"). Larger batches step eagerly, reading every weight once for all of them.
+GRAPHED_BATCH_MAX = 8
+
+
 def graphed_by_default(device: torch.device) -> bool:
     """Whether a sequence's lone steps replay a CUDA graph unless told: on CUDA, where launches are the step."""
     return device.type == "cuda"
@@ -110,9 +117,12 @@ def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int
     than one. Each sequence keeps its own KV buffers and position (ragged lengths, no padding): the
     projections and MLPs run batched, and each sequence's one query attends over its own keys, exactly as it
     would alone. Returns next-token logits, [len(states), vocab] in float32.
+
+    On CUDA a small model's step is bound by kernel launches instead, so up to GRAPHED_BATCH_MAX sequences
+    each replay their own captured step (StaticStep), in turn.
     """
-    if len(states) == 1 and states[0].graphed and states[0].length < states[0].capacity:
-        return states[0].static_step().run(tokens[0]).unsqueeze(0)
+    if len(states) <= GRAPHED_BATCH_MAX and all(st.graphed and st.length < st.capacity for st in states):
+        return torch.stack([st.static_step().run(token) for st, token in zip(states, tokens)])
     with runner.decoding():
         return _step(runner, states, tokens)
 
@@ -153,8 +163,8 @@ class StaticStep:
     most max_new_tokens more keys than the eager one, and the KV write is an index_copy_ at the position.
 
     On the CPU the same static step runs eagerly (`graph=False`): that is how the tests hold it to
-    the eager step (`_step`) without a GPU. Only a lone sequence takes this path (the CLI, or a server with
-    one request running); batches step eagerly, each sequence over its own ragged KV.
+    the eager step (`_step`) without a GPU. A batch of up to GRAPHED_BATCH_MAX such sequences replays
+    their graphs in turn (decode_step); larger ones step eagerly, each sequence over its own ragged KV.
     """
 
     def __init__(self, state: DecodeState, graph: bool):

@@ -26,7 +26,10 @@ def prompts(runner) -> list:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_sequence_decodes_the_same_alone_and_in_a_batch(arch):
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "static"])
+def test_a_sequence_decodes_the_same_alone_and_in_a_batch(arch, graphed):
+    """Eager: one batched pass over ragged KV. Static: each sequence's fixed-shape step in turn (CUDA replays
+    it as a graph; here it runs eagerly)."""
     runner = tiny_runner(arch)
     fused = prompts(runner)
     alone_tokens, alone_logits = [], []
@@ -39,7 +42,7 @@ def test_a_sequence_decodes_the_same_alone_and_in_a_batch(arch):
             token = greedy(step)
         alone_tokens.append(tokens)
         alone_logits.append(logits)
-    states = [DecodeState(runner, f, STEPS + 1) for f in fused]
+    states = [DecodeState(runner, f, STEPS + 1, graphed=graphed) for f in fused]
     tokens = [greedy(f.last_logits) for f in fused]
     batched_tokens: list[list[int]] = [[] for _ in fused]
     for step in range(STEPS):
