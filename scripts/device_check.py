@@ -18,6 +18,7 @@ Timing (SmolLM2's shape, ~3,000-token prompt of six cached passages and an
 uncached question, bf16 and fp32 on CUDA): TTFT of full, blend and reuse, and the
 decode step at batch 1 (eager and CUDA graph) and batch 8, per weight format.
 
+    python scripts/device_check.py --write-inputs .gpu     (here, before the lease)
     python scripts/device_check.py --config CONFIG.json --tiny-configs DIR --out OUT.json
 """
 
@@ -442,8 +443,34 @@ def streaming(config: ModelConfig, workdir: Path) -> dict:
     return out
 
 
+def write_inputs(folder: Path) -> None:
+    """Here, before a lease: the bundled model's config and tokenizer (folder/smol) and every family's tiny
+    test config (folder/tiny), which the GPU machine cannot make (it has neither the model nor our pins)."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support import ARCHS, tiny_config
+
+    from kvblend.model import load_model
+
+    from kvblend.model.loading import cached_conversion
+
+    runner = load_model(None, "cpu")  # converts the GGUF into the model cache if it is not there yet
+    converted = cached_conversion(runner.name, runner.fingerprint)
+    assert converted is not None, "the bundled GGUF's conversion is not in the model cache"
+    (folder / "smol").mkdir(parents=True, exist_ok=True)
+    (folder / "tiny").mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, folder / "smol" / name)
+    for arch in ARCHS:
+        (folder / "tiny" / f"{arch}.json").write_text(json.dumps(tiny_config(arch).to_dict()))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
+    if argv is None and sys.argv[1:2] == ["--write-inputs"]:
+        write_inputs(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / ".gpu")
+        return {}
     parser.add_argument("--config", type=Path, required=True, help="SmolLM2's config.json (the timed shape)")
     parser.add_argument("--tiny-configs", type=Path, required=True, help="folder of tiny <arch>.json configs")
     parser.add_argument("--out", type=Path, required=True)

@@ -2,7 +2,8 @@
 # The GPU check, run on a lent GPU machine from the repository root (the `device` tool's `run`).
 # That machine has torch with CUDA but not kvblend's other dependencies, and takes nothing from the
 # network: the wheels travel in .whl/ (python3.12 manylinux, `pip download --no-deps` of the pinned
-# versions), SmolLM2's config and tokenizer in .gpu/smol/, the tiny test configs in .gpu/tiny/.
+# versions), SmolLM2's config and tokenizer in .gpu/smol/, the tiny test configs in .gpu/tiny/ (both written
+# here by `python scripts/device_check.py --write-inputs .gpu`).
 #
 #   scripts/device_check.sh main    random weights: parity with the CPU, archive streaming, timings
 #   scripts/device_check.sh real    the bundled GGUF, sent in parts (.gpu/a then .gpu/b, one per call:
