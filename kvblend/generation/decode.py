@@ -44,7 +44,7 @@ GRAPHED_BATCH_MAX = 8
 
 
 def graphed_by_default(device: torch.device) -> bool:
-    """Whether a sequence's lone steps replay a CUDA graph unless told: on CUDA, where launches are the step."""
+    """Whether a sequence's steps replay a CUDA graph unless told: on CUDA, where launches are the step."""
     return device.type == "cuda"
 
 
@@ -70,7 +70,8 @@ class DecodeState:
         graphed: bool | None = None,
     ):
         self.runner = runner
-        # A lone sequence's steps replay one captured CUDA graph (see StaticStep); None: on CUDA, yes.
+        # Whether its steps replay a captured CUDA graph (StaticStep, in batches of up to GRAPHED_BATCH_MAX:
+        # decode_step); None: on CUDA, yes.
         self.graphed = graphed_by_default(runner.device) if graphed is None else graphed
         self._static: StaticStep | None = None
         self.length = len(fused.token_ids)
@@ -99,7 +100,7 @@ class DecodeState:
         self._static = None
 
     def static_step(self) -> StaticStep:
-        """This sequence's captured step (built at its first lone step on CUDA; kept until release)."""
+        """This sequence's static step (on CUDA captured at its first use; kept until release)."""
         if self._static is None:
             self._static = StaticStep(self, graph=self.runner.device.type == "cuda")
         return self._static
