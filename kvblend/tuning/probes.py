@@ -253,20 +253,21 @@ def measure_decompress(payloads: Sequence[bytes], codec: str, min_seconds: float
 # ───────────────────────────────── compute ─────────────────────────────────
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: a CUDA call returns once its kernels are queued, not run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _best_time(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
     """Minimum of `repeats` timed calls after one warm-up (the least-disturbed run on a shared box)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     fn()
-    sync()
+    _sync(device)
     best = math.inf
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         fn()
-        sync()
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -364,11 +365,13 @@ def measure_decode_weights(
         measured = _against(reference, _next_logits(runner, prompt, ids[-1]))
         for batch in batches:
             states = [DecodeState(runner, prompt, steps + 2) for _ in range(batch)]
-            decode_step(runner, states, [ids[-1]] * batch)  # warm-up
+            decode_step(runner, states, [ids[-1]] * batch)  # warm-up (on CUDA: the graphs' capture)
+            _sync(runner.device)
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
                 decode_step(runner, states, [ids[-1]] * batch)
+                _sync(runner.device)  # on CUDA the step was only queued: 0.15 ms "steps" on an H100 without this
                 times.append(time.perf_counter() - t0)
             measured[f"step_ms_{batch}"] = statistics.median(times) * 1000
         result[fmt] = measured
@@ -404,6 +407,7 @@ def measure_prefill_dtypes(
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
             _prefill(runner, prompt)
+            _sync(runner.device)
             times.append(time.perf_counter() - t0)
         result[dtype] = {"prefill_ms": statistics.median(times) * 1000, **_against(reference, logits)}
         del runner
