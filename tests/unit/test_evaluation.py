@@ -219,3 +219,14 @@ def test_drift_is_kl_per_position_and_the_first_token_greedy_decoding_would_chan
     (row,) = summarize(runs, {i: "x" for i in range(3)}, [blend])
     assert row["stale_mass_diverging"] == pytest.approx(0.3) and row["stale_mass_first"] == pytest.approx(0.15)
     assert row["top_stale_share"] == 1.0 and row["top_overlap_first"] == 0.5 and row["stale_share"] == 0.8
+
+
+def test_the_demo_says_slower_where_a_mode_lost_to_full():
+    """On a GPU the bundled model prefills faster than the archive streams its KV: blend at 0.1x full's speed
+    must read as ten times slower, not as "0.1x faster"."""
+    from kvblend.cli.query_cmds import _relative_speed
+
+    assert _relative_speed(4.52) == "4.5x faster"
+    assert _relative_speed(1.0) == "1.0x faster"
+    assert _relative_speed(0.1) == "10.0x slower"
+    assert _relative_speed(0.25) == "4.0x slower"
