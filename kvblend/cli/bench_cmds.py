@@ -31,6 +31,7 @@ from rich.table import Table
 from kvblend.cli.common import (
     ComputeOpt,
     DtypeOpt,
+    EagerOpt,
     JsonOpt,
     ModelOpt,
     WeightsOpt,
@@ -165,6 +166,7 @@ def bench(
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
     weights: Optional[WeightsFormat] = WeightsOpt,
+    enforce_eager: bool = EagerOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
@@ -206,7 +208,7 @@ def bench(
                 compute,
                 compute_dtype(dtype, target, model, compute),
                 sink=sink,
-                **decode_weights(weights, target, model, compute),
+                **decode_weights(weights, target, model, compute, enforce_eager),
             ) as engine,
             _progress(as_json) as on_progress,
         ):

@@ -53,21 +53,31 @@ WeightsOpt = typer.Option(
     help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine, fp32 if none did). Prefill and the archived KV always use the weights as loaded.",
     show_default=False,
 )
+EagerOpt = typer.Option(
+    False,
+    "--enforce-eager",
+    help="Decode without CUDA graphs (vLLM's flag): every step's kernels launched one by one, slower on a GPU; for debugging. No effect on the CPU.",
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (for scripts).")
 WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
 
 
 def decode_weights(
-    weights: str | None, archive: str | Path | None, model: str | None, compute: str | None
+    weights: str | None,
+    archive: str | Path | None,
+    model: str | None,
+    compute: str | None,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
-    """`--weights` as Engine keywords: a format as given, or for `auto` (the default) what the profiles
-    stored in the archive measured fastest on this machine for this model (fp32 where none did)."""
+    """`--weights` and `--enforce-eager` as Engine keywords: a format as given, or for `auto` (the default) what
+    the profiles stored in the archive measured fastest on this machine for this model (fp32 where none did)."""
+    eager = {"cuda_graphs": False} if enforce_eager else {}
     if weights not in (None, "auto"):
-        return {"weights": weights}
+        return {"weights": weights, **eager}
     from kvblend.tuning.profile import weights_choice
 
     chosen, rows = weights_choice(*_profiled(archive, model), compute)
-    return {"weights": chosen, "decode_rows": rows}
+    return {"weights": chosen, "decode_rows": rows, **eager}
 
 
 def compute_dtype(dtype: str | None, archive: str | Path | None, model: str | None, compute: str | None) -> str | None:

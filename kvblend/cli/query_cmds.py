@@ -28,6 +28,7 @@ from kvblend.cli.common import (
     ArchiveOpt,
     ComputeOpt,
     DtypeOpt,
+    EagerOpt,
     JsonOpt,
     ModelOpt,
     WeightsOpt,
@@ -234,6 +235,7 @@ def query(
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
     weights: Optional[WeightsFormat] = WeightsOpt,
+    enforce_eager: bool = EagerOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
@@ -260,7 +262,8 @@ def query(
     from kvblend.pipeline import Engine
 
     chosen = compute_dtype(dtype, archive, model, compute)
-    with Engine(archive, model, compute, chosen, **decode_weights(weights, archive, model, compute)) as engine:
+    decode = decode_weights(weights, archive, model, compute, enforce_eager)
+    with Engine(archive, model, compute, chosen, **decode) as engine:
         engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 
         def stream(piece: str) -> None:

@@ -16,6 +16,7 @@ from kvblend.cli.common import (
     ArchiveOpt,
     ComputeOpt,
     DtypeOpt,
+    EagerOpt,
     ModelOpt,
     WeightsOpt,
     compute_dtype,
@@ -78,6 +79,7 @@ def serve(
     compute: Optional[str] = ComputeOpt,
     dtype: Optional[ComputeDtype] = DtypeOpt,
     weights: Optional[WeightsFormat] = WeightsOpt,
+    enforce_eager: bool = EagerOpt,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) that reuses archived KV.
 
@@ -118,7 +120,7 @@ def serve(
             key,
             bound,
             max_stored_tokens,
-            decode_weights(weights, archive, model, compute),
+            decode_weights(weights, archive, model, compute, enforce_eager),
             shutdown_grace,
         )
     )

@@ -43,9 +43,10 @@ class DecodePrompt:
 GRAPHED_BATCH_MAX = 8
 
 
-def graphed_by_default(device: torch.device) -> bool:
-    """Whether a sequence's steps replay a CUDA graph unless told: on CUDA, where launches are the step."""
-    return device.type == "cuda"
+def graphed_by_default(runner: ModelRunner) -> bool:
+    """Whether a sequence's steps replay a CUDA graph unless told: on CUDA, where launches are the step,
+    unless the runner was loaded with `--enforce-eager`."""
+    return runner.device.type == "cuda" and runner.cuda_graphs
 
 
 class DecodeState:
@@ -72,7 +73,7 @@ class DecodeState:
         self.runner = runner
         # Whether its steps replay a captured CUDA graph (StaticStep, in batches of up to GRAPHED_BATCH_MAX:
         # decode_step); None: on CUDA, yes.
-        self.graphed = graphed_by_default(runner.device) if graphed is None else graphed
+        self.graphed = graphed_by_default(runner) if graphed is None else graphed
         self._static: StaticStep | None = None
         self.length = len(fused.token_ids)
         capacity = self.length + max_new_tokens

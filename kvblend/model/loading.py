@@ -70,13 +70,15 @@ def load_model(
     dtype: str | None = None,
     weights: str | None = None,
     decode_rows: int = DEFAULT_DECODE_ROWS,
+    cuda_graphs: bool = True,
 ) -> ModelRunner:
     """Load a checkpoint (default: the bundled SmolLM2 GGUF) as a layer-by-layer runner.
 
     config.json, safetensors and tokenizer.json are read directly (kvblend.model.config,
     .transformer, .tokenizer); transformers is imported only to convert a GGUF the first time.
     `weights` gives the linear layers a converted copy that decode batches of up to `decode_rows` read
-    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile).
+    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile). `cuda_graphs` False
+    (`--enforce-eager`) decodes on CUDA without graphs (kvblend.generation.decode.StaticStep).
     """
     weights = check_weights(weights, allow_auto=False)
     source = resolve_model_source(model)
@@ -95,7 +97,9 @@ def load_model(
         transformer = Transformer.from_state_dict(config, read_safetensors(directory))
     transformer.to(device=device, dtype=torch_dtype)
     report = apply_weights(transformer, weights, decode_rows)
-    return ModelRunner(transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report)
+    return ModelRunner(
+        transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs
+    )
 
 
 def avoid_cudnn_attention() -> None:

@@ -66,6 +66,7 @@ class ModelRunner:
     fingerprint: str = ""
     local_layers_skip_sink: bool = True
     weights: WeightReport | None = None  # how the linear layers are held (kvblend.model.weights); None: as loaded
+    cuda_graphs: bool = True  # on CUDA, decode steps replay captured graphs (False: `--enforce-eager`)
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ class Resources:
         sink: str = DEFAULT_SINK,
         weights: str | None = None,
         decode_rows: int = DEFAULT_DECODE_ROWS,
+        cuda_graphs: bool = True,
     ):
         self.sink = choice(Sink, sink, "--sink")  # how new segments are prefilled; reads honour each record's own
         self.location = resolve_location(archive)
@@ -58,6 +59,7 @@ class Resources:
         # what decode steps read (kvblend.model.weights): the CLI resolves `auto` from the stored profiles
         self.weights = check_weights(weights, allow_auto=False)
         self.decode_rows = decode_rows
+        self.cuda_graphs = cuda_graphs  # False: `--enforce-eager`
         self._runner = runner
         self._archive: Archive | None = None
         self._keys: KeyScheme | None = None
@@ -75,7 +77,9 @@ class Resources:
     def runner(self) -> ModelRunner:
         if self._runner is None:
             t0 = time.perf_counter()
-            self._runner = load_model(self.model_spec, self.compute, self.dtype, self.weights, self.decode_rows)
+            self._runner = load_model(
+                self.model_spec, self.compute, self.dtype, self.weights, self.decode_rows, self.cuda_graphs
+            )
             self.model_load_s = time.perf_counter() - t0
         return self._runner
 

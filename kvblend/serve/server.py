@@ -100,11 +100,12 @@ def run_server(options: ServeOptions) -> None:
         archive = engine.archive(create=True)  # a fresh archive is fine: client chunks fill it
         engine.warm_up()
         log.info(
-            "model loaded in %.1fs on %s (%s, %s weights in decode); batches of up to %d sequences",
+            "model loaded in %.1fs on %s (%s, %s weights in decode%s); batches of up to %d sequences",
             engine.model_load_s,
             engine.runner.device,
             engine.runner.dtype_name,
             engine.runner.weights_name,
+            ", CUDA graphs" if engine.runner.device.type == "cuda" and engine.runner.cuda_graphs else "",
             options.max_batch,
         )
         if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
@@ -153,5 +154,5 @@ class ServeOptions:
     api_key: str | None
     max_archive_bytes: int | None
     max_stored_tokens: int | None
-    weights: dict = field(default_factory=dict)  # Engine keywords: the format and its decode rows
+    weights: dict = field(default_factory=dict)  # Engine keywords: the format, its decode rows, CUDA graphs or not
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S

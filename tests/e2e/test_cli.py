@@ -94,7 +94,7 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     assert again["prefix_cached"] and again["answer"] == first["answer"]
     assert again["recomputed_tokens"] < first["recomputed_tokens"]
     assert "TTFT" in second.stderr and "instruction prefix" in second.stderr
-    off = json.loads(run(*base, "--no-prefix-cache", check=True).stdout)
+    off = json.loads(run(*base, "--no-prefix-cache", "--enforce-eager", check=True).stdout)  # eager: a no-op here
     assert not off["prefix_cached"] and off["recomputed_tokens"] == first["recomputed_tokens"]
 
     bf16 = json.loads(run(*base, "--dtype", "bf16", check=True).stdout)

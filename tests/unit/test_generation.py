@@ -89,7 +89,7 @@ def test_generation_through_the_static_step_is_the_eager_generation(runner, monk
     fused = fuse(runner, prompt_of(runner), "full")
     sampling = SamplingConfig(max_new_tokens=6)
     eager = generate(runner, fused, sampling, keep_logits=True)
-    monkeypatch.setattr("kvblend.generation.decode.graphed_by_default", lambda device: True)
+    monkeypatch.setattr("kvblend.generation.decode.graphed_by_default", lambda runner: True)
     fed = []
     run = StaticStep.run
     monkeypatch.setattr(StaticStep, "run", lambda self, token: fed.append(token) or run(self, token))
@@ -97,6 +97,18 @@ def test_generation_through_the_static_step_is_the_eager_generation(runner, monk
     assert static.token_ids == eager.token_ids and len(static.token_ids) >= 2
     assert fed == static.token_ids[: len(static.step_logits) - 1]  # every step after the first went through it
     assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(static.step_logits, eager.step_logits))
+
+
+def test_cuda_graphs_by_default_on_cuda_unless_enforce_eager():
+    """Who replays graphs when DecodeState is not told: CUDA runners, unless loaded with `--enforce-eager`."""
+    from types import SimpleNamespace
+
+    from kvblend.generation.decode import graphed_by_default
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphed_by_default(SimpleNamespace(device=cuda, cuda_graphs=True))
+    assert not graphed_by_default(SimpleNamespace(device=cuda, cuda_graphs=False))
+    assert not graphed_by_default(SimpleNamespace(device=cpu, cuda_graphs=True))
 
 
 def test_greedy_generation_is_the_argmax_chain_and_deterministic(runner):
