@@ -361,6 +361,13 @@ def demo(
         "[dim]The bundled model is tiny and often wrong even with full prefill: what kvblend promises is "
         "blend's closeness to full (low KL, same answers) at a fraction of full's time to first token.[/]"
     )
+    if any(m.mode != "full" and 0 < m.speedup_vs_full < 1 for m in run.modes):
+        out.print(
+            "[dim]Here full prefill was faster than reusing cached KV: a fast device (a GPU) prefills this 135M "
+            "model's few thousand tokens in tens of milliseconds, less than streaming and placing the cached KV "
+            'costs (BENCHMARKS.md, "On an H100"). Reuse pays where prefill is expensive: larger models, longer '
+            "prompts, CPUs.[/]"
+        )
 
 
 def _demo_table(run) -> Table:
