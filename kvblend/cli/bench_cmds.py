@@ -37,7 +37,7 @@ from kvblend.cli.common import (
     WeightsOpt,
     archive_dir_or_scratch,
     compute_dtype,
-    decode_weights,
+    decode_settings,
     err,
     out,
     print_json,
@@ -208,7 +208,7 @@ def bench(
                 compute,
                 compute_dtype(dtype, target, model, compute),
                 sink=sink,
-                **decode_weights(weights, target, model, compute, enforce_eager),
+                **decode_settings(weights, target, model, compute, enforce_eager),
             ) as engine,
             _progress(as_json) as on_progress,
         ):

@@ -62,7 +62,7 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (f
 WaitOpt = typer.Option(False, "--wait", help="Wait for another writer to finish instead of exiting.")
 
 
-def decode_weights(
+def decode_settings(
     weights: str | None,
     archive: str | Path | None,
     model: str | None,

@@ -34,7 +34,7 @@ from kvblend.cli.common import (
     WeightsOpt,
     archive_dir_or_scratch,
     compute_dtype,
-    decode_weights,
+    decode_settings,
     err,
     human_bytes,
     open_existing,
@@ -262,7 +262,7 @@ def query(
     from kvblend.pipeline import Engine
 
     chosen = compute_dtype(dtype, archive, model, compute)
-    decode = decode_weights(weights, archive, model, compute, enforce_eager)
+    decode = decode_settings(weights, archive, model, compute, enforce_eager)
     with Engine(archive, model, compute, chosen, **decode) as engine:
         engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 

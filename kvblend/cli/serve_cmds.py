@@ -20,7 +20,7 @@ from kvblend.cli.common import (
     ModelOpt,
     WeightsOpt,
     compute_dtype,
-    decode_weights,
+    decode_settings,
     parse_size,
 )
 from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
@@ -120,7 +120,7 @@ def serve(
             key,
             bound,
             max_stored_tokens,
-            decode_weights(weights, archive, model, compute, enforce_eager),
+            decode_settings(weights, archive, model, compute, enforce_eager),
             shutdown_grace,
         )
     )
