@@ -71,7 +71,7 @@ def random_weights(
     return tensors
 
 
-#: Larger Llama shapes (Llama 3.2 1B and 3B) for `--shapes`: where blend's saving outweighs its orchestration.
+#: Larger Llama shapes (Llama 3.2 1B and 3B) for `--shapes`: does blend's saving outgrow its orchestration?
 SHAPES = {
     "1b": dict(
         hidden_size=2048,
@@ -158,12 +158,14 @@ def batch_paths(config: ModelConfig) -> dict:
         full = fuse(runner, segs, "full")
         token = int(full.last_logits.argmax())
         decode.GRAPHED_BATCH_MAX = 64  # measure the graphs past kvblend's own limit too
-        for k in (1, 2, 4, 8, 12, 16):
-            for graphed in (False, True):
-                states = [DecodeState(runner, full, 40, graphed=graphed) for _ in range(k)]
-                ms = 1000 * cuda_time(lambda: decode_step(runner, states, [token] * k), 20)
-                out[f"batch {k}, {'graphs in turn' if graphed else 'eager batched'} ms"] = ms
-    decode.GRAPHED_BATCH_MAX = limit
+        try:
+            for k in (1, 2, 4, 8, 12, 16):
+                for graphed in (False, True):
+                    states = [DecodeState(runner, full, 40, graphed=graphed) for _ in range(k)]
+                    ms = 1000 * cuda_time(lambda: decode_step(runner, states, [token] * k), 20)
+                    out[f"batch {k}, {'graphs in turn' if graphed else 'eager batched'} ms"] = ms
+        finally:
+            decode.GRAPHED_BATCH_MAX = limit
     return out
 
 
@@ -297,8 +299,9 @@ def parity(
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         gpu = runner_on(config, tensors, TARGET, dtype)
         gpu_prompt = prompt(gpu, passages, head, tail)
+        fusions = {}
         for mode, blend in MODES.items():
-            fused = fuse(gpu, gpu_prompt, mode, blend)
+            fused = fusions[mode] = fuse(gpu, gpu_prompt, mode, blend)
             result[f"{dtype_name} {mode} first-token KL"] = kl(reference[mode].last_logits, fused.last_logits)
             result[f"{dtype_name} {mode} max |Δlogit|"] = float(
                 (reference[mode].last_logits - fused.last_logits.float().cpu()).abs().max()
@@ -306,13 +309,12 @@ def parity(
             if mode == "blend":
                 result[f"{dtype_name} blend recompute share"] = fused.recompute_share
                 result["cpu blend recompute share"] = reference[mode].recompute_share
-        full = fuse(gpu, gpu_prompt, "full")
-        for graphed in (False, True):
-            got, logits = greedy(gpu, full, steps, graphed)
+        runs = {graphed: greedy(gpu, fusions["full"], steps, graphed) for graphed in (False, True)}
+        for graphed, (got, logits) in runs.items():
             label = f"{dtype_name} decode {'graph' if graphed else 'eager'}"
             result[f"{label} greedy agreement"] = sum(a == b for a, b in zip(got, cpu_tokens)) / steps
             result[f"{label} mean step KL"] = statistics.fmean(kl(a, b) for a, b in zip(cpu_logits, logits))
-        fp32_logits = greedy(gpu, full, 4, graphed=False)[1]
+        fp32_logits = runs[False][1][:4]  # the loaded weights' first eager steps: what each format is held to
         for weights in WEIGHT_FORMATS[1:]:
             quant = runner_on(config, tensors, TARGET, dtype, weights)
             q_logits = greedy(quant, fuse(quant, gpu_prompt, "full"), 4, graphed=True)[1]
@@ -378,7 +380,7 @@ def timings(config: ModelConfig, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> 
                     row[f"batch-1 step {'graph' if graphed else 'eager'} ms"] = 1000 * cuda_time(
                         lambda: decode_step(runner, [state], [token]), 60
                     )
-                states = [DecodeState(runner, fused, 40) for _ in range(8)]
+                states = [DecodeState(runner, fused, 40, graphed=False) for _ in range(8)]  # one eager pass
                 row["batch-8 step ms"] = 1000 * cuda_time(lambda: decode_step(runner, states, [token] * 8), 20)
             rows[f"{dtype_name} compute, {weights} weights"] = row
             del runner, segs, fused

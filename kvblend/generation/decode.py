@@ -84,8 +84,9 @@ class DecodeState:
         # finite (0 · NaN is NaN), so its buffers start zeroed.
         alloc = torch.zeros if self.graphed else torch.empty
         for k, v in fused.kv:
-            kb = alloc((*k.shape[:2], capacity, k.shape[3]), dtype=dtype, device=runner.device)
-            vb = torch.zeros_like(kb) if self.graphed else torch.empty_like(kb)
+            shape = (*k.shape[:2], capacity, k.shape[3])
+            kb = alloc(shape, dtype=dtype, device=runner.device)
+            vb = alloc(shape, dtype=dtype, device=runner.device)
             kb[:, :, : self.length] = k
             vb[:, :, : self.length] = v
             self.k.append(kb)
