@@ -15,9 +15,10 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install demo lint test test-unit test-e2e bench bench-venv lock clean
 # Tests run in parallel, one process per core (pytest-xdist), each torch on one thread: the CLI and server
 # subprocesses the tests start overlap with the other worker's compute instead of fighting it for cores.
+# Modules go to the workers longest first (tests/conftest.py, from tests/durations.json), not in xdist's own order.
 # kvblend's bytecode is compiled first: where PYTHONDONTWRITEBYTECODE is set (as on CI's image) every `kvblend`
 # process the tests start would otherwise compile its modules from source again (~0.15 s of 0.45 s for `ls`).
-PYTEST := $(BIN)/python -m compileall -q kvblend && OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadscope
+PYTEST := $(BIN)/python -m compileall -q kvblend && OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder
 
 install: $(STAMP)
 

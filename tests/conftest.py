@@ -6,6 +6,7 @@ Everything under tests/e2e is marked `e2e` (the real default model; slower), so
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,13 +18,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from support import ...` from any folder
 
-E2E_DIR = Path(__file__).resolve().parent / "e2e"
+TESTS = Path(__file__).resolve().parent
+E2E_DIR = TESTS / "e2e"
+# Seconds each module took (scripts/test_durations.py refreshes it); a module not listed yet counts as this.
+DURATIONS = TESTS / "durations.json"
+UNLISTED_MODULE_S = 10.0
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+    # Longest modules first, so `--dist loadscope --no-loadscope-reorder` (make test) deals them to the workers in
+    # that order and the short ones fill in at the end, instead of a 60-second module starting last on one
+    # worker while the other has nothing left. Within a module the order is unchanged (the sort is stable).
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    root = TESTS.parent
+
+    def module_cost(item) -> float:
+        try:
+            name = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        except ValueError:
+            return UNLISTED_MODULE_S
+        return seconds.get(name, UNLISTED_MODULE_S)
+
+    items.sort(key=lambda item: -module_cost(item))
 
 
 @pytest.fixture(scope="session")

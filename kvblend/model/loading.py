@@ -130,7 +130,7 @@ def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
 
 
 def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
-    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not the ~10 s a conversion takes.
+    """Load a GGUF once, de-quantise, and keep an HF copy so later loads take ~0.5 s, not the 8-22 s a conversion takes.
 
     The copy goes to the model cache; a user whose cache cannot be written (no home, a
     read-only home) gets it under the system temp directory instead of an error.
@@ -205,17 +205,43 @@ def _gguf_parsed_once() -> Iterator[None]:
     install took ~19 s to convert. Both are pure functions of their arguments,
     which transformers looks up on the `gguf` module at call time, so memoising
     them there for the duration of the conversion changes nothing but the time.
+    The one parse is also made 3x faster (`_plain_array_reader`): SmolLM2's conversion now takes 8.4 s
+    and Gemma 3's 21.8 s, against 11.4 and 35.8 s (2-core AMD EPYC; the converted files are byte-identical).
     """
     import gguf
 
     originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
-    for name, original in originals.items():
-        setattr(gguf, name, _memoised(original))
+    replacements = {
+        "GGUFReader": _plain_array_reader(originals["GGUFReader"]),
+        "get_tensor_name_map": originals["get_tensor_name_map"],
+    }
+    for name, replacement in replacements.items():
+        setattr(gguf, name, _memoised(replacement))
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(gguf, name, original)
+
+
+def _plain_array_reader(reader: type) -> type:
+    """gguf's GGUFReader, slicing the file through a plain ndarray view of its memory map instead of the
+    np.memmap itself: the same bytes, fields and tensors (its parts are views of the same mapping), without
+    np.memmap's Python-level __getitem__/__array_finalize__ on each of the ~800k slices a 262k-entry
+    vocabulary takes. Gemma 3's file parsed in 13.8 s that way and parses in 4.3 s this way (2-core AMD EPYC).
+    `_get` is the reader's one slicing helper (gguf 0.19.0, pinned); its logic is kept, only the array differs."""
+    import numpy as np
+
+    class PlainArrayReader(reader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return PlainArrayReader
 
 
 def _memoised(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,6 +23,41 @@ def test_the_conversion_parses_once_and_leaves_gguf_as_it_was():
     assert gguf.get_tensor_name_map(arch, 30) is not gguf.get_tensor_name_map(arch, 30)
 
 
+def test_the_conversion_reader_reads_what_ggufs_own_reader_reads(tmp_path):
+    """The conversion's reader slices a plain view of the file's memory map (3x faster on a 262k-entry
+    vocabulary): every field's parts, types and data indices, and every tensor, equal gguf's own reader's."""
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_string("general.name", "tiny ü")
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "▁the", "é", "", "x" * 300])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, -2.25, 3.0, 0.5])
+    writer.add_array("tokenizer.ggml.token_type", [1, 2, 3, 1, 6])
+    writer.add_float32("llama.rope.freq_base", 500000.0)
+    writer.add_tensor("token_embd.weight", np.arange(40, dtype=np.float32).reshape(5, 8))
+    writer.add_tensor("output_norm.weight", np.linspace(-1, 1, 8, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = gguf.GGUFReader(path)
+    with _gguf_parsed_once():
+        read = gguf.GGUFReader(path)
+    assert type(read) is not gguf.GGUFReader and list(read.fields) == list(expected.fields)
+    for name, field in expected.fields.items():
+        got = read.fields[name]
+        assert (got.offset, got.data, got.types) == (field.offset, field.data, field.types), name
+        assert len(got.parts) == len(field.parts), name
+        for a, b in zip(got.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in read.tensors] == [t.name for t in expected.tensors]
+    for got, tensor in zip(read.tensors, expected.tensors):
+        assert got.tensor_type == tensor.tensor_type and np.array_equal(got.data, tensor.data)
+        assert got.data.dtype == tensor.data.dtype and got.data.shape == tensor.data.shape
+
+
 def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
     """An unsupported family is refused from the header in milliseconds (a full parse of Gemma 3's took 16 s)."""
     import pytest
