@@ -8,7 +8,6 @@ Kept small for a CPU: short passages and questions, max_tokens of a few tokens.
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 import uuid
@@ -150,31 +149,3 @@ def test_a_client_that_disconnects_cancels_its_generation(server):
     after = ask(client, PASSAGES, "Who sells the Skua-7?")
     # 400 tokens would take minutes on a CPU; the cancelled stream stopped at its next token.
     assert report(after)["queue_wait_s"] < 30 and time.perf_counter() - started < 60
-
-
-def test_sigterm_mid_stream_ends_the_stream_and_leaves_the_archive_clean(tmp_path):
-    """SIGTERM two tokens into a 200-token stream: with --shutdown-grace 1 the stream cannot finish (~14 s of
-    decoding on a CPU), so it is cut with an error event after a second, the server exits and the archive (a
-    passage stored by this very request) verifies."""
-    srv = Server(tmp_path / "archive", tmp_path / "server.log", 8, "--shutdown-grace", "1")
-    try:
-        client = srv.client()
-        passages = [f"A passage stored while stopping, {uuid.uuid4().hex}."]
-        stream = ask(client, passages, "Tell me a long story.", max_tokens=200, stream=True)
-        received, outcome = 0, "finished"
-        try:
-            for chunk in stream:
-                received += 1
-                if received == 2:
-                    srv.proc.send_signal(signal.SIGTERM)
-        except openai.APIError as exc:  # cut after the grace period: an error event, not a torn stream
-            assert "shutting down" in str(exc)
-            outcome = "cut"
-        assert received >= 2 and outcome == "cut", (received, outcome)
-        assert srv.proc.wait(timeout=90) in (0, -signal.SIGTERM)
-    finally:
-        srv.stop()
-    log = srv.log.read_text()
-    assert "Traceback" not in log, log
-    verified = run_cli("verify", "--archive", srv.archive)
-    assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 
 from serve_support import Server, ask, get
+from support import run_cli
 
 PASSAGES = ["Skua-7: built in Halifax.", "Norrow Marine: in Aberdeen."]  # a few tokens each
 REQUESTS = 200
@@ -146,14 +147,16 @@ def test_two_hundred_misbehaving_clients_then_sigterm(copy_of_bundled_archive, t
         assert finished["error"] == 0 and finished["stop"] + finished["length"] >= outcomes.count("answer")
         assert metric(text, "kvblend_running_sequences") == 0 and metric(text, "kvblend_queue_depth") == 0
 
-        # SIGTERM while four long streams run: each ends within the grace period (2 s here), answered or cut with
-        # an error event (never a torn stream), and the server exits.
+        # SIGTERM while four long streams run: 300 tokens cannot be decoded within the grace period (2 s here), so
+        # each is cut with an error event after it (never a torn stream), and the server exits. One stream's
+        # passage is new: stored by that very request while the server stops, and the archive still verifies.
         ends: list[str] = []
         lock = threading.Lock()
         first_chunk = threading.Barrier(5, timeout=CALL_TIMEOUT_S)
 
         def long_stream(i: int) -> None:
-            stream = ask(srv.client().with_options(timeout=CALL_TIMEOUT_S), PASSAGES, f"Story {i}, at length.",
+            passages = [f"A passage stored while stopping, {uuid.uuid4().hex}."] if i == 0 else PASSAGES
+            stream = ask(srv.client().with_options(timeout=CALL_TIMEOUT_S), passages, f"Story {i}, at length.",
                          max_tokens=300, stream=True, extra_body={"ignore_eos": True})
             end = "finished"
             try:
@@ -173,12 +176,14 @@ def test_two_hundred_misbehaving_clients_then_sigterm(copy_of_bundled_archive, t
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=CALL_TIMEOUT_S)
-        assert not any(t.is_alive() for t in threads) and len(ends) == 4, ends
+        assert not any(t.is_alive() for t in threads) and ends == ["cut"] * 4, ends
         assert srv.proc.wait(timeout=CALL_TIMEOUT_S) in (0, -signal.SIGTERM)
     finally:
         srv.stop()
     log = srv.log.read_text()
     assert "Traceback" not in log and "model thread failed" not in log, log[-3000:]
+    verified = run_cli("verify", "--archive", srv.archive)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     print(f"stress: {time.monotonic() - started:.1f}s in all, {storm_s:.1f}s for {REQUESTS} requests "
           f"({len(sent) - 1} HTTP requests, {statuses.get(429, 0)} refused with 429); outcomes "
           f"{ {k: outcomes.count(k) for k in set(outcomes)} }; finished {finished}")
