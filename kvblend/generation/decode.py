@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch.nn import functional as F
 
+from kvblend.model.attention import last_query, visible_keys
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV
 
@@ -176,7 +176,6 @@ class StaticStep:
         device = runner.device
         self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self.key_positions = torch.arange(state.capacity, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self._use_graph = graph
@@ -218,27 +217,13 @@ class StaticStep:
             cos, sin = runner.rope(self.position)
             hidden = runner.embed(self.token)
             where = self.position.view(1)
-            seen = self.key_positions <= self.position.view(1)
+            capacity = state.capacity
+            visible = {w: visible_keys(where, capacity, w) for w in {runner.window(i) for i in range(runner.n_layers)}}
             for layer in range(runner.n_layers):
                 q, k, v = runner.project_qkv(layer, hidden, cos, sin)
                 kb, vb = state.k[layer], state.v[layer]
                 kb.index_copy_(2, where, k.to(kb.dtype))
                 vb.index_copy_(2, where, v.to(vb.dtype))
-                window = runner.window(layer)
-                mask = seen if window is None else seen & (self.key_positions > self.position.view(1) - window)
-                out = masked_query(q, kb, vb, mask, runner.attention_scale(layer))
+                out = last_query(q, kb, vb, runner.attention_scale(layer), visible[runner.window(layer)])
                 hidden = runner.finish_layer(layer, hidden, out.transpose(1, 2).reshape(1, 1, -1))
             return runner.logits(hidden)[:, -1]
-
-
-def masked_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query over a whole KV buffer, keys where `mask` [Tk] is False left out (GQA native).
-
-    K/V in another dtype than q (16-bit buffers under fp32 compute) are widened, as last_query does."""
-    if k.dtype == q.dtype:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, 1, -1), scale=scale, enable_gqa=True)
-    b, heads, tq, hd = q.shape
-    grouped = q.reshape(b, k.shape[1], heads // k.shape[1] * tq, hd)
-    scores = torch.matmul(grouped, k.to(q.dtype).transpose(-1, -2)).mul_(scale)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype)).view(b, heads, tq, hd)

@@ -27,8 +27,12 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
-def last_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def last_query(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None = None
+) -> torch.Tensor:
     """One query at the newest position: it may see every key, so no mask (decoding, one token per step).
+    `visible` ([1, Tk] bool, visible_keys) leaves keys out instead, for a step that attends over a whole
+    fixed-size buffer (kvblend.generation.decode.StaticStep: positions past the query, or outside a window).
 
     K/V held in 16 bits under fp32 compute (a decode step's buffers: kvblend.generation.decode) are widened
     one layer at a time, so the widened copy is read back from cache rather than memory, and attended as a
@@ -36,11 +40,14 @@ def last_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     18.3 ms for SDPA over fp32 K/V, while SDPA over the widened tensors took 83 ms and SDPA in bf16 or fp16
     79-124 ms (no native 16-bit arithmetic there)."""
     if k.dtype == q.dtype:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        mask = None if visible is None else visible.view(1, 1, 1, -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, heads, tq, hd = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * tq, hd)  # GQA: a KV head's query heads stacked
     scores = torch.matmul(grouped, k.to(q.dtype).transpose(-1, -2)).mul_(scale)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype))
     return out.view(b, heads, tq, hd)
 
@@ -132,13 +139,20 @@ def sparse_queries(
     return torch.cat(outs, dim=2)
 
 
+def visible_keys(query_positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
+    """[Tq, Tk] bool: True where a query at its absolute position may see a key (at or before it, and inside
+    `window` positions of it when the layer has one). Device ops only, so a CUDA graph can capture it."""
+    delta = query_positions[:, None] - torch.arange(n_keys, device=query_positions.device)[None]
+    visible = delta >= 0
+    if window is not None:
+        visible &= delta < window
+    return visible
+
+
 def causal_bias(query_positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
     """[Tq, Tk] fp32 additive mask: 0 where a query at its absolute position may see a key, -inf elsewhere."""
-    delta = query_positions[:, None] - torch.arange(n_keys, device=query_positions.device)[None]
-    hidden = delta < 0
-    if window is not None:
-        hidden |= delta >= window
-    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+    visible = visible_keys(query_positions, n_keys, window)
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
