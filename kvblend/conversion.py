@@ -1,4 +1,4 @@
-"""Turn PDF, HTML and DOCX files into Markdown-flavoured text, or say in one line why not (issue 32).
+"""Turn PDF, HTML, DOCX and PPTX files into Markdown-flavoured text, or say in one line why not (issue 32).
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -17,6 +17,13 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   A page too short for it to find an article is read whole (its text only).
 * **DOCX** — python-docx: Word's own heading, list and table structure, in
   body order; 1.5x faster than mammoth's HTML, with no second conversion.
+* **PPTX** — python-pptx (the library markitdown itself reads decks with): a
+  slide is a page (PowerPoint prints and exports a slide per page, so "p. 3"
+  is slide 3), its title a ``##`` heading, then its shapes top to bottom and
+  left to right: a body placeholder's paragraphs as list items by level,
+  other text boxes as paragraphs, tables as pipe rows, a chart as its title
+  and its data's pipe rows, groups opened, and the speaker notes last. Footers, dates and slide numbers are left out (they
+  repeat on every slide, as a web page's navigation does).
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -62,14 +69,14 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
 _TEXT_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".json": "text", ".jsonl": "text"}
-# Office formats that are ZIPs too, so a .pptx is named as one rather than called "binary"
+# Office formats that are ZIPs too, so an .xlsx is named as one rather than called "binary"
 _OTHER_ZIPS = {
-    "ppt/presentation.xml": "PowerPoint (.pptx)",
+    "ppt/presentation.xml": "PowerPoint (.pptx)",  # read (below); named when a file claims to be something else
     "xl/workbook.xml": "Excel (.xlsx)",
     "content.xml": "OpenDocument",
     "META-INF/container.xml": "EPUB",
@@ -116,6 +123,10 @@ def classify(suffix: str, data: bytes) -> str:
         if not _is_zip(data) or (_zip_names(data) is not None and not _is_docx(data)):
             raise ConversionError(f"not a DOCX (content looks like {_describe(data)})")
         return "docx"
+    if suffix == ".pptx":
+        if not _is_zip(data) or (_zip_names(data) is not None and not _is_pptx(data)):
+            raise ConversionError(f"not a PPTX (content looks like {_describe(data)})")
+        return "pptx"
     if suffix in _HTML_EXTENSIONS:
         if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
@@ -125,6 +136,8 @@ def classify(suffix: str, data: bytes) -> str:
     if _is_zip(data):
         if _is_docx(data):
             return "docx"
+        if _is_pptx(data):
+            return "pptx"
         raise ConversionError(f"unsupported format ({_describe(data)})")
     if data.startswith(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
@@ -151,8 +164,16 @@ def _zip_names(data: bytes) -> set[str] | None:
 
 
 def _is_docx(data: bytes) -> bool:
+    return _zip_has(data, "word/document.xml")
+
+
+def _is_pptx(data: bytes) -> bool:
+    return _zip_has(data, "ppt/presentation.xml")
+
+
+def _zip_has(data: bytes, member: str) -> bool:
     names = _zip_names(data) if _is_zip(data) else None
-    return names is not None and "word/document.xml" in names
+    return names is not None and member in names
 
 
 _LEADING_MARKUP = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->)", re.S)
@@ -182,6 +203,8 @@ def _describe(data: bytes) -> str:
     if _is_zip(data):
         if _is_docx(data):
             return "a DOCX"
+        if _is_pptx(data):
+            return "a PPTX"
         names = _zip_names(data)
         if names is None:
             return "a damaged ZIP archive"
@@ -218,10 +241,12 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_html(data)
         if fmt == "docx":
             return _convert_docx(data)
+        if fmt == "pptx":
+            return _convert_pptx(data, started)
     raise ValueError(f"no converter for {fmt!r}")
 
 
-_NOISY_LOGGERS = ("trafilatura", "htmldate", "courlan", "justext", "readability", "charset_normalizer", "docx")
+_NOISY_LOGGERS = ("trafilatura", "htmldate", "courlan", "justext", "readability", "charset_normalizer", "docx", "pptx")
 
 
 @contextmanager
@@ -298,12 +323,17 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
         raise ConversionError("PDF has no pages")
     if not any(p.strip() for p in pages):
         raise ConversionError("no text layer (a scanned or image-only PDF; run OCR on it first)")
+    return _paged(pages, "pdf")
+
+
+def _paged(pages: list[str], fmt: str) -> Converted:
+    """Pages joined by a blank line (no paragraph spans a page join), with the offset where each begins."""
     starts: list[int] = []
     offset = 0
     for page_text in pages:
         starts.append(offset)
-        offset += len(page_text) + 2  # the blank line between pages: no paragraph spans a page join
-    return Converted("\n\n".join(pages), "pdf", tuple(starts))
+        offset += len(page_text) + 2
+    return Converted("\n\n".join(pages), fmt, tuple(starts))
 
 
 def _pdf_headings(pdf) -> dict[int, list[tuple[str, int]]]:
@@ -466,10 +496,116 @@ def _heading_level(style_name: str) -> int:
 
 
 def _docx_table(table) -> str:
-    """A Word table as Markdown pipe rows, the first row as the header (Word has no other header notion);
-    a merged cell's text appears once per grid column it spans, as python-docx reports it."""
-    rows = [[" ".join(cell.text.split()).replace("|", "\\|") for cell in row.cells] for row in table.rows]
+    """A Word table as Markdown pipe rows; a merged cell's text appears once per grid column it spans, as
+    python-docx reports it."""
+    return _pipe_rows([[cell.text for cell in row.cells] for row in table.rows])
+
+
+def _pipe_rows(rows: list[list[str]]) -> str:
+    """A table's cells as Markdown pipe rows, the first row as the header (Word and PowerPoint have no other
+    header notion), each cell's whitespace collapsed and its pipes escaped."""
     if not rows:
         return ""
-    lines = ["| " + " | ".join(cells) + " |" for cells in rows]
+    lines = ["| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |" for cells in rows]
     return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
+# PPTX ───────────────────────────────────────────────────────────────────────
+
+
+def _convert_pptx(data: bytes, started: float) -> Converted:
+    _check_zip(data, "PPTX")
+    import pptx  # lazy: python-pptx and lxml
+
+    try:
+        deck = pptx.Presentation(io.BytesIO(data))  # reads the package: damage shows here or at a slide's parts
+        pages = []
+        for slide in deck.slides:
+            _check_time(started)
+            pages.append(_tidy(_pptx_slide(slide)))
+    except ConversionError:
+        raise
+    except Exception as e:  # BadZipFile (a bad CRC), lxml's XMLSyntaxError, KeyError (a missing part)
+        raise ConversionError(f"corrupt PPTX ({describe_error(e)})") from None
+    if not pages:
+        raise ConversionError("empty (the PPTX has no slides)")
+    if not any(pages):
+        raise ConversionError("no text in the PPTX (its slides hold only pictures or drawings)")
+    return _paged(pages, "pptx")
+
+
+def _pptx_slide(slide) -> str:
+    """One slide as text: its title as a ``##`` heading, then its shapes in reading order, then its notes."""
+    from pptx.enum.shapes import PP_PLACEHOLDER
+
+    title_shape = slide.shapes.title
+    blocks: list[str] = []
+    if title_shape is not None and (title := " ".join(title_shape.text_frame.text.split())):
+        blocks.append("## " + title)
+    for shape in _reading_order(slide.shapes):
+        if title_shape is not None and shape.shape_id == title_shape.shape_id:
+            continue
+        kind = shape.placeholder_format.type if shape.is_placeholder else None
+        if kind in (PP_PLACEHOLDER.FOOTER, PP_PLACEHOLDER.DATE, PP_PLACEHOLDER.SLIDE_NUMBER, PP_PLACEHOLDER.HEADER):
+            continue
+        if shape.has_table:
+            blocks.append(_pipe_rows([[cell.text for cell in row.cells] for row in shape.table.rows]))
+        elif shape.has_chart:
+            blocks.append(_pptx_chart(shape.chart))
+        elif shape.has_text_frame:
+            bullets = kind in (PP_PLACEHOLDER.BODY, PP_PLACEHOLDER.OBJECT)
+            blocks.append(_pptx_text(shape.text_frame, bullets))
+    frame = slide.notes_slide.notes_text_frame if slide.has_notes_slide else None
+    if frame is not None and (notes := _pptx_text(frame, bullets=False)):
+        blocks.append("Notes: " + notes)
+    return "\n\n".join(b for b in blocks if b)
+
+
+def _pptx_chart(chart) -> str:
+    """A chart as what it says: its title, then its data as pipe rows (a row per category, a column per series),
+    from the numbers the deck stores with it. Text a picture of the chart would not give a retriever."""
+    title = " ".join(chart.chart_title.text_frame.text.split()) if chart.has_title else ""
+    tables = []
+    for plot in chart.plots:
+        series = list(plot.series)
+        categories = [str(c) for c in plot.categories]
+        if not series or not categories:
+            continue
+        values = [list(s.values) for s in series]
+        rows = [["", *[s.name or "" for s in series]]]
+        for i, category in enumerate(categories):
+            rows.append([category, *[_number(v[i]) if i < len(v) else "" for v in values]])
+        tables.append(_pipe_rows(rows))
+    return "\n\n".join(t for t in [f"Chart: {title}" if title else "", *tables] if t)
+
+
+def _number(value: float | None) -> str:
+    """A chart value as written: 4 rather than 4.0; an empty point as nothing."""
+    if value is None:
+        return ""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _reading_order(shapes) -> list:
+    """The shapes top to bottom, then left to right (a group's shapes in their place), not in z-order."""
+    from pptx.enum.shapes import MSO_SHAPE_TYPE
+
+    flat = []
+    for shape in shapes:
+        if shape.shape_type == MSO_SHAPE_TYPE.GROUP:
+            flat.extend(_reading_order(shape.shapes))
+        else:
+            flat.append(shape)
+    return sorted(flat, key=lambda s: (s.top or 0, s.left or 0))
+
+
+def _pptx_text(frame, bullets: bool) -> str:
+    """A text frame's paragraphs: list items indented by level in a body placeholder (or wherever a
+    paragraph is indented), else paragraphs; a soft line break within one becomes a space."""
+    lines = []
+    for para in frame.paragraphs:
+        text = " ".join(para.text.replace("\v", " ").split())
+        if text:
+            lines.append("  " * para.level + "- " + text if bullets or para.level else text)
+    items = all(line.lstrip().startswith("- ") for line in lines)
+    return "\n".join(lines) if items else "\n\n".join(lines)

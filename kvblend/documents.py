@@ -6,11 +6,12 @@ found plus the files (or records) it had to skip, each with a short reason.
 * Directories are walked recursively in sorted order; hidden entries (names
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
   directories (no loops).  A hidden file named explicitly is read.
-* PDF, HTML and DOCX files are converted to Markdown-flavoured text by
+* PDF, HTML, DOCX and PPTX files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
-  web page without its navigation, banners and footer; a PDF's pages apart by
-  a blank line, where each begins in :attr:`Document.page_starts`).  What a
-  file is comes from its first bytes and its extension together; a file that
+  web page without its navigation, banners and footer; a PDF's pages, or a
+  deck's slides, apart by a blank line, where each begins in
+  :attr:`Document.page_starts`).  What a file is comes from its first bytes
+  and its extension together; a file that
   is not what its extension claims, an encrypted, scanned (no text layer),
   truncated or corrupt file, a ZIP bomb or an oversized web page is skipped
   with a one-line reason, and so is anything a converter raises.
@@ -74,8 +75,8 @@ class Document:
     text: str
     content_hash: str
     name: str = ""  # relative to the directory it was found under (a file given alone: its file name)
-    # What the file was read as: "text", "markdown", "json", "pdf", "html", "docx", ... Converted formats come out
-    # as Markdown-flavoured text: headings are ATX lines ("## Safety"), so segments can name their section.
+    # What the file was read as: "text", "markdown", "json", "pdf", "html", "docx", "pptx", ... Converted formats come
+    # out as Markdown-flavoured text: headings are ATX lines ("## Safety"), so segments can name their section.
     format: str = "text"
     # Offsets into `text` where pages 1, 2, ... begin (page_starts[0] == 0); empty for formats without pages.
     page_starts: tuple[int, ...] = ()

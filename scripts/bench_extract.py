@@ -1,8 +1,9 @@
 """Document extraction benchmark (issue 32): kvblend's converters beside the alternatives, time and quality.
 
-For each format, kvblend's conversion (kvblend.conversion: pypdfium2, trafilatura, python-docx) and the
-libraries it was chosen over are timed on the committed fixtures (fixtures/documents/) and on larger files
-made here with the same producers (a 50-page PDF, a 50-section web page and DOCX), best of 5 runs (of 2 for
+For each format, kvblend's conversion (kvblend.conversion: pypdfium2, trafilatura, python-docx, python-pptx)
+and the libraries it was chosen over are timed on the committed fixtures (fixtures/documents/) and on larger
+files made here with the same producers (a 50-page PDF, a 50-section web page and DOCX, a 50-slide deck), best
+of 5 runs (of 2 for
 an extractor slower than a second), in one process. Reported: ms per file, ms per page (PDF), MB/s of input,
 and quality checks that say whether the table survives as rows, headings come out as '#' lines, the page-3
 fact is found, and whether the web page's boilerplate (navigation, cookie banner, footer, scripts) is
@@ -12,8 +13,9 @@ dependencies').
 The alternatives are not kvblend dependencies; those not installed are left out of the table. To run it all:
 
     python -m venv /tmp/extract-env && /tmp/extract-env/bin/pip install -c constraints.txt \\
-        pypdfium2 trafilatura lxml_html_clean python-docx fpdf2 pypdf pdfminer.six mammoth html2text markitdown
-    /tmp/extract-env/bin/python scripts/bench_extract.py [--out bench-out/extract.json]
+        pypdfium2 trafilatura lxml_html_clean python-docx python-pptx fpdf2 pypdf pdfminer.six mammoth html2text \\
+        "markitdown[pptx]"
+    /tmp/extract-env/bin/python scripts/bench_extract.py [--out bench-out/extract.json] [--formats pptx]
     .venv/bin/python scripts/bench_extract.py --plain-text-vs HEAD   # plain-text reading, before vs after
 
 (kvblend.conversion imports nothing of kvblend's heavy stack, so the repository on sys.path is enough.)
@@ -39,14 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_fixtures import PAGE3_FACT, WEB_PAGE  # noqa: E402
+from make_fixtures import PAGE3_FACT, SLIDE3_FACT, WEB_PAGE  # noqa: E402
 
 from kvblend import conversion  # noqa: E402
 
 DOCS = ROOT / "fixtures" / "documents"
 BOILERPLATE = ("cookies", "Careers", "Copyright", "Privacy policy", "Related stories", "gtag", "dataLayer")
 REPS = 5
-SMALL = {"manual.pdf (4 pages)", "article.html", "report.docx"}  # the fixtures, whose content the checks know
+SMALL = {
+    "manual.pdf (4 pages)",
+    "article.html",
+    "report.docx",
+    "briefing.pptx (6 slides)",
+}  # the fixtures, whose content the checks know
 
 
 def cpu_model() -> str:
@@ -115,6 +122,29 @@ def big_docx(path: Path, sections: int = 50) -> None:
             for c in range(3):
                 table.cell(r, c).text = f"r{r}c{c}"
     doc.save(str(path))
+
+
+def big_pptx(path: Path, slides: int = 50) -> None:
+    """A 50-slide deck on python-pptx's default template: a title, five bullets at two levels, a table and notes
+    on each slide."""
+    from pptx import Presentation
+    from pptx.util import Inches
+
+    deck = Presentation()
+    for s in range(slides):
+        slide = deck.slides.add_slide(deck.slide_layouts[1])
+        slide.shapes.title.text = f"Site review {s + 1}"
+        body = slide.placeholders[1].text_frame
+        body.text = "The Orca pumps at this site were tested for flow, pressure and vibration."
+        for k in range(4):
+            para = body.add_paragraph()
+            para.text, para.level = f"Unit {k}: flow 180 L/min, pressure 412 kPa, within limits.", k % 2
+        table = slide.shapes.add_table(4, 3, Inches(1), Inches(5), Inches(8), Inches(1.5)).table
+        for r in range(4):
+            for c in range(3):
+                table.cell(r, c).text = f"r{r}c{c}"
+        slide.notes_slide.notes_text_frame.text = f"Speaker notes for site {s + 1}: mention the dock delay."
+    deck.save(str(path))
 
 
 # ─────────────────────────────── extractors ───────────────────────────────
@@ -196,6 +226,10 @@ CANDIDATES: dict[str, list[tuple[str, str, Callable[[bytes], str]]]] = {
         ("mammoth (to HTML)", "mammoth", mammoth_html),
         ("markitdown", "markitdown", markitdown_for(".docx")),
     ],
+    "pptx": [
+        ("kvblend (python-pptx)", "pptx", kvblend_convert("pptx")),
+        ("markitdown (python-pptx inside)", "markitdown", markitdown_for(".pptx")),
+    ],
 }
 
 
@@ -217,6 +251,15 @@ def quality(fmt: str, name: str, text: str) -> str:
         else:
             notes.append("table as rows without outer pipes" if "3.1| 0.4| 1.2" in text else "table not as rows")
         notes.append("headings as #" if "## Measured drift" in text else "no # headings")
+    elif fmt == "pptx":
+        notes.append("slide-3 fact found" if SLIDE3_FACT in flat else "slide-3 fact MISSING")
+        notes.append("table as pipe rows" if "| Halifax | 1,450 | 6 |" in text else "table not as pipe rows")
+        notes.append("titles as #" if "# Service costs" in text else "titles not marked")
+        notes.append("bullets as '- '" if "- Nine run firmware" in text else "bullets not marked")
+        notes.append("footer dropped" if "confidential" not in text else "footer kept")
+        notes.append("notes kept" if "Halifax dock delay" in text else "notes lost")
+        chart = "| 2026 | 4 | 3.5 |" in text or "| 2026 | 4.0 | 3.5 |" in text
+        notes.append("chart data as rows" if chart else "chart data not as pipe rows")
     else:
         pipe = "| 2 | 3.4 | 298 |" in text
         html_table = "<table>" in text
@@ -259,6 +302,7 @@ DISTS = {
     "trafilatura": ["trafilatura"],
     "html2text": ["html2text"],
     "docx": ["python-docx"],
+    "pptx": ["python-pptx"],
     "mammoth": ["mammoth"],
     "markitdown": ["markitdown"],
 }
@@ -332,6 +376,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out" / "extract.json")
     ap.add_argument("--plain-text-vs", metavar="REV", help="only compare plain-text reading with git REV's")
+    ap.add_argument("--formats", default=",".join(CANDIDATES), help="comma-separated formats to measure")
     args = ap.parse_args()
     if args.plain_text_vs:
         plain_text_vs(args.plain_text_vs)
@@ -341,6 +386,8 @@ def main() -> None:
         big_pdf(big)
         bigdoc = Path(tmp) / "big.docx"
         big_docx(bigdoc)
+        bigdeck = Path(tmp) / "big.pptx"
+        big_pptx(bigdeck)
         inputs = {
             "pdf": [
                 ("manual.pdf (4 pages)", (DOCS / "manual.pdf").read_bytes(), 4),
@@ -354,9 +401,15 @@ def main() -> None:
                 ("report.docx", (DOCS / "report.docx").read_bytes(), 0),
                 ("50-section DOCX", bigdoc.read_bytes(), 0),
             ],
+            "pptx": [
+                ("briefing.pptx (6 slides)", (DOCS / "briefing.pptx").read_bytes(), 6),
+                ("50-slide deck", bigdeck.read_bytes(), 50),
+            ],
         }
     rows = []
     for fmt, candidates in CANDIDATES.items():
+        if fmt not in args.formats.split(","):
+            continue
         for name, module, fn in candidates:
             try:
                 importlib.import_module(module)

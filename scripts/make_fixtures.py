@@ -3,14 +3,14 @@
 Conversion is tested on files that real software wrote, not on hand-made
 bytes: fpdf2 writes the PDFs (a 4-page manual with an outline, headings, a
 table and a list; an image-only "scan"; one that needs a password),
-python-docx the DOCX. The web
+python-docx the DOCX, python-pptx the slide deck. The web
 page and the Markdown file are text a site or a person writes, so they are
 written as they are. The outputs are committed (a few KB each), so the tests
 need none of these producers at run time; run this again only to change them:
 
     .venv/bin/python scripts/make_fixtures.py [OUT_DIR]
 
-fpdf2 is in the ``dev`` extra; python-docx is a runtime dependency.
+fpdf2 is in the ``dev`` extra; python-docx and python-pptx are runtime dependencies.
 Every output is deterministic (fixed creation dates and ZIP dates), so
 running it twice changes nothing in git.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -165,14 +166,103 @@ def make_docx(path: Path) -> None:
     path.write_bytes(_fixed_zip_dates(buf.getvalue()))
 
 
+# The fact on slide 3 of the deck that tests look for.
+SLIDE3_FACT = "The Skua-7 refit at Halifax costs 1,450 thousand euros."
+
+
+def make_pptx(path: Path) -> None:
+    """A 6-slide deck written by python-pptx on its default template: a title slide; bullets at two levels with
+    speaker notes; a text box, a table and the layout's footer and slide-number placeholders (text that repeats
+    on every slide); a group whose shapes sit out of z-order; a column chart; and a slide with no text at all."""
+    from pptx import Presentation
+    from pptx.chart.data import CategoryChartData
+    from pptx.enum.chart import XL_CHART_TYPE
+    from pptx.enum.shapes import PP_PLACEHOLDER
+    from pptx.util import Inches
+
+    deck = Presentation()
+    deck.core_properties.created = FIXED_DATE.replace(tzinfo=None)
+    deck.core_properties.modified = FIXED_DATE.replace(tzinfo=None)
+    deck.core_properties.author = "Kestrel Marine Ltd"
+    title_layout, bullets_layout, title_only, blank = (deck.slide_layouts[i] for i in (0, 1, 5, 6))
+
+    slide = deck.slides.add_slide(title_layout)
+    slide.shapes.title.text = "Skua-7 fleet briefing"
+    slide.placeholders[1].text = "Operations review, March 2026"
+
+    slide = deck.slides.add_slide(bullets_layout)
+    slide.shapes.title.text = "Fleet status"
+    body = slide.placeholders[1].text_frame
+    body.text = "Twelve Skua-7 sonars are at sea."
+    for text, level in (
+        ("Nine run firmware 3.1.", 1),
+        ("Three wait for a dock slot.", 1),
+        ("No heading faults since May.", 0),
+    ):
+        para = body.add_paragraph()
+        para.text, para.level = text, level
+    slide.notes_slide.notes_text_frame.text = "Mention the Halifax dock delay."
+
+    slide = deck.slides.add_slide(title_only)
+    slide.shapes.title.text = "Service costs"
+    box = slide.shapes.add_textbox(Inches(0.5), Inches(1.4), Inches(9), Inches(0.6))
+    box.text_frame.text = SLIDE3_FACT
+    rows = (("Site", "Refit (k EUR)", "Weeks"), ("Halifax", "1,450", "6"), ("Aberdeen", "980", "4"))
+    table = slide.shapes.add_table(3, 3, Inches(0.5), Inches(2.2), Inches(9), Inches(1.2)).table
+    for r, row in enumerate(rows):
+        for c, value in enumerate(row):
+            table.cell(r, c).text = value
+    for placeholder in title_only.placeholders:  # as PowerPoint's "show footer" and "slide number" add them
+        kind = placeholder.placeholder_format.type
+        if kind in (PP_PLACEHOLDER.FOOTER, PP_PLACEHOLDER.SLIDE_NUMBER):
+            slide.shapes.clone_placeholder(placeholder)
+    for shape in slide.placeholders:
+        if shape.placeholder_format.type == PP_PLACEHOLDER.FOOTER:
+            shape.text = "Kestrel Marine confidential"
+        elif shape.placeholder_format.type == PP_PLACEHOLDER.SLIDE_NUMBER:
+            shape.text = "3"
+
+    slide = deck.slides.add_slide(title_only)
+    slide.shapes.title.text = "Next steps"
+    group = slide.shapes.add_group_shape()
+    later = group.shapes.add_textbox(Inches(0.5), Inches(3.0), Inches(9), Inches(0.6))  # drawn first, read second
+    later.text_frame.text = "Then refit the three waiting sonars."
+    first = group.shapes.add_textbox(Inches(0.5), Inches(1.5), Inches(9), Inches(0.6))
+    first.text_frame.text = "First book the Halifax dock for June."
+
+    slide = deck.slides.add_slide(title_only)
+    slide.shapes.title.text = "Refits per year"
+    data = CategoryChartData()
+    data.categories = ["2024", "2025", "2026"]
+    data.add_series("Halifax", (3, 5, 4))
+    data.add_series("Aberdeen", (2, 2, 3.5))
+    chart = slide.shapes.add_chart(
+        XL_CHART_TYPE.COLUMN_CLUSTERED, Inches(1), Inches(1.5), Inches(8), Inches(5), data
+    ).chart
+    chart.has_title = True
+    chart.chart_title.text_frame.text = "Refits by site"
+
+    deck.slides.add_slide(blank)
+    buf = io.BytesIO()
+    deck.save(buf)
+    path.write_bytes(_fixed_zip_dates(buf.getvalue()))
+
+
 def _fixed_zip_dates(data: bytes) -> bytes:
-    """The same zip with every member dated FIXED_DATE, so the DOCX's bytes do not change from run to run."""
+    """The same zip with every member dated FIXED_DATE, so the file's bytes do not change from run to run (a
+    chart's embedded workbook too: XlsxWriter stamps its creation time in it)."""
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         for info in src.infolist():
             fixed = zipfile.ZipInfo(info.filename, date_time=(2026, 1, 1, 0, 0, 0))
             fixed.compress_type = zipfile.ZIP_DEFLATED
-            dst.writestr(fixed, src.read(info.filename))
+            member = src.read(info.filename)
+            if info.filename.endswith("/core.xml"):
+                stamp = FIXED_DATE.strftime("%Y-%m-%dT%H:%M:%SZ")
+                member = re.sub(rb"(<dcterms:(?:created|modified)[^>]*>)[^<]*", rb"\g<1>" + stamp.encode(), member)
+            elif info.filename.endswith(".xlsx"):
+                member = _fixed_zip_dates(member)
+            dst.writestr(fixed, member)
     return out.getvalue()
 
 
@@ -270,6 +360,7 @@ def main(out: Path = OUT) -> None:
     make_scanned_pdf(out / "scanned.pdf")
     make_encrypted_pdf(out / "encrypted.pdf")
     make_docx(out / "report.docx")
+    make_pptx(out / "briefing.pptx")
     (out / "article.html").write_text(WEB_PAGE, encoding="utf-8")
     (out / "quickstart.md").write_text(MARKDOWN, encoding="utf-8")
     for p in sorted(out.iterdir()):

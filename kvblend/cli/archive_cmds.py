@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -59,6 +60,13 @@ def _ago(ts: float | None) -> str:
         if d >= sec:
             return f"{d / sec:.0f}{unit} ago"
     return "just now"
+
+
+def _when(ts: float | None) -> str:
+    """A time as people read it, local, with how long ago (JSON output keeps the epoch seconds)."""
+    if not ts:
+        return "never"
+    return f"{datetime.fromtimestamp(ts).astimezone():%Y-%m-%d %H:%M:%S %Z} ({_ago(ts)})"
 
 
 def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
@@ -113,7 +121,8 @@ def show(
                 print_json({**info, "sources": [doc.source(i) for i in range(len(doc.segment_keys))]})
             else:
                 for k, v in info.items():
-                    out.print(f"[bold]{k}[/]: {escape(str(v))}")
+                    shown = _when(doc.ingested) if k == "ingested" else str(v)
+                    out.print(f"[bold]{k}[/]: {escape(shown)}")
                 wheres = [describe(**doc.source(i)) for i in range(len(doc.segment_keys))]
                 if any(wheres):  # where each segment came from (records of older kvblends do not say)
                     out.print("[bold]sources[/]:")

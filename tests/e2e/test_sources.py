@@ -1,6 +1,6 @@
 """Answers cite their sources (issue 32): a fact on page 3 of a PDF is answered from page 3, and says so.
 
-One real ingest (the default model, in this process) of the service manual PDF and a Markdown guide; one
+One real ingest (the default model, in this process) of the service manual PDF, a slide deck and a Markdown guide; one
 query in process (its `to_dict()` is what `query --json` prints) and one through the CLI for the human
 `Sources:` line; `ls` and `show` load no model.
 """
@@ -8,6 +8,7 @@ query in process (its `to_dict()` is what `query --json` prints) and one through
 from __future__ import annotations
 
 import json
+import re
 
 from kvblend.generation import SamplingConfig
 from kvblend.pipeline import Engine, QueryOptions
@@ -22,7 +23,9 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     arc = tmp_path / "arc"
     with Engine(arc, runner=default_runner) as engine:
         # 128 tokens: the 4-page manual (~330 tokens) is one segment per page, each starting at its heading
-        engine.ingest([DOCUMENTS / "manual.pdf", DOCUMENTS / "quickstart.md"], chunk_tokens=128)
+        engine.ingest(
+            [DOCUMENTS / "manual.pdf", DOCUMENTS / "briefing.pptx", DOCUMENTS / "quickstart.md"], chunk_tokens=128
+        )
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
     assert segment["document"] == "manual.pdf"
@@ -36,6 +39,15 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert shown["format"] == "pdf" and shown["pages"] == 4
     assert len(shown["sources"]) == len(shown["segments"]) == 4 and shown["sources"][2] == PAGE_3
     assert [s["pages"] for s in shown["sources"]] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    # a deck's slides are its pages; each slide's title names its section
+    assert (listed["briefing.pptx"]["format"], listed["briefing.pptx"]["pages"]) == ("pptx", 6)
+    deck = json.loads(run_cli("show", "briefing.pptx", "--archive", arc, "--json", check=True).stdout)
+    assert {"pages": [3, 3], "section": "Service costs"} in deck["sources"], deck["sources"]
+    human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
+    assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
+    assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human
+    # when, as people read it (the JSON keeps epoch seconds)
+    assert re.search(r"^ingested: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+ \((just now|\d+[mhd] ago)\)$", human, re.M), human
 
     proc = run_cli("query", QUESTION, "--archive", arc, "--top-k", "1", "--max-tokens", "16", check=True)
     answer, sources = proc.stdout.rstrip("\n").rsplit("\n", 1)

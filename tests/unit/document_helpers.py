@@ -28,6 +28,7 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     pdf = (DOCS / "manual.pdf").read_bytes()
     docx = (DOCS / "report.docx").read_bytes()
+    pptx = (DOCS / "briefing.pptx").read_bytes()
     (root / "encrypted.pdf").write_bytes((DOCS / "encrypted.pdf").read_bytes())
     (root / "scanned.pdf").write_bytes((DOCS / "scanned.pdf").read_bytes())
     (root / "truncated.pdf").write_bytes(pdf[: len(pdf) // 2])
@@ -48,7 +49,10 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "error-page.pdf").write_text("<!DOCTYPE html><html><body><h1>404 Not Found</h1></body></html>")
     (root / "noise.pdf").write_bytes(bytes((i * 7919 + 13) % 256 for i in range(4096)))
     (root / "notes.docx").write_text("Only text, saved under the wrong name.")
-    (root / "slides.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))
+    (root / "truncated.pptx").write_bytes(pptx[: len(pptx) // 2])
+    (root / "hollow.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))  # no package parts
+    (root / "memo.pptx").write_bytes(docx)
+    (root / "sheet.xlsx").write_bytes(zip_bytes({"xl/workbook.xml": b"<workbook/>"}))
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
         "scanned.pdf": r"^no text layer \(",
@@ -61,5 +65,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "error-page.pdf": r"^not a PDF \(content looks like HTML\)$",
         "noise.pdf": r"^not a PDF \(content looks like binary data\)$",
         "notes.docx": r"^not a DOCX \(content looks like text\)$",
-        "slides.pptx": r"^unsupported format \(PowerPoint \(.pptx\) file\)$",
+        "truncated.pptx": r"^corrupt PPTX \(not a complete ZIP archive\)$",
+        "hollow.pptx": r"^corrupt PPTX \(",
+        "memo.pptx": r"^not a PPTX \(content looks like a DOCX\)$",
+        "sheet.xlsx": r"^unsupported format \(Excel \(.xlsx\) file\)$",
     }

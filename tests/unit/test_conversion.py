@@ -1,6 +1,8 @@
-"""PDF, HTML, DOCX and Markdown documents (issue 32): the text each becomes, and each bad file skipped in one line.
+"""PDF, HTML, DOCX, PPTX and Markdown documents (issue 32): the text each becomes, and each bad file skipped in one
+line.
 
-The good files are fixtures/documents/, written by real producers (fpdf2, python-docx; scripts/make_fixtures.py).
+The good files are fixtures/documents/, written by real producers (fpdf2, python-docx, python-pptx;
+scripts/make_fixtures.py).
 The bad ones are made here from them: cut short, bytes flipped, a ZIP bomb, a 50 MB page, a wrong extension.
 """
 
@@ -113,6 +115,32 @@ def test_docx_has_headings_list_and_table_in_body_order():
     )
 
 
+def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in_reading_order():
+    doc = read_one(DOCS / "briefing.pptx")
+    assert doc.format == "pptx"
+    text, starts = doc.text, doc.page_starts
+    assert len(starts) == 6  # six slides, the last one without text
+    slides = [text[a:b].strip() for a, b in zip(starts, [*starts[1:], len(text)])]
+    assert slides[0] == "## Skua-7 fleet briefing\n\nOperations review, March 2026"
+    assert slides[1] == (
+        "## Fleet status\n\n- Twelve Skua-7 sonars are at sea.\n  - Nine run firmware 3.1.\n"
+        "  - Three wait for a dock slot.\n- No heading faults since May.\n\nNotes: Mention the Halifax dock delay."
+    )
+    assert slides[2] == (
+        "## Service costs\n\nThe Skua-7 refit at Halifax costs 1,450 thousand euros.\n\n"
+        "| Site | Refit (k EUR) | Weeks |\n|---|---|---|\n| Halifax | 1,450 | 6 |\n| Aberdeen | 980 | 4 |"
+    )  # the footer and the slide number on it are left out
+    assert "confidential" not in text
+    # the group's boxes by their place on the slide, not by the order they were drawn in
+    assert slides[3] == "## Next steps\n\nFirst book the Halifax dock for June.\n\nThen refit the three waiting sonars."
+    # a chart is its title and the numbers stored with it, a row per category and a column per series
+    assert slides[4] == (
+        "## Refits per year\n\nChart: Refits by site\n\n|  | Halifax | Aberdeen |\n|---|---|---|\n"
+        "| 2024 | 3 | 2 |\n| 2025 | 5 | 2 |\n| 2026 | 4 | 3.5 |"
+    )
+    assert slides[5] == ""
+
+
 def test_markdown_and_text_are_read_unchanged(tmp_path):
     md = read_one(DOCS / "quickstart.md")
     assert md.format == "markdown" and md.text == (DOCS / "quickstart.md").read_text(encoding="utf-8")
@@ -131,11 +159,17 @@ def test_markdown_and_text_are_read_unchanged(tmp_path):
 def test_format_comes_from_content_when_the_extension_says_nothing(tmp_path):
     (tmp_path / "manual").write_bytes((DOCS / "manual.pdf").read_bytes())
     (tmp_path / "report.dat").write_bytes((DOCS / "report.docx").read_bytes())
+    (tmp_path / "deck").write_bytes((DOCS / "briefing.pptx").read_bytes())
     saved = "<!-- saved from url=(0022)https://example.com/ -->\n" + (DOCS / "article.html").read_text()
     (tmp_path / "page.txt").write_text(saved)
     docs, skipped = iter_documents([tmp_path])
     assert skipped == []
-    assert {d.name: d.format for d in docs} == {"manual": "pdf", "page.txt": "html", "report.dat": "docx"}
+    assert {d.name: d.format for d in docs} == {
+        "deck": "pptx",
+        "manual": "pdf",
+        "page.txt": "html",
+        "report.dat": "docx",
+    }
     assert "## Measured drift" in next(d for d in docs if d.name == "page.txt").text
 
 
@@ -158,7 +192,7 @@ def test_heavy_converters_are_imported_only_when_needed():
     code = (
         "import sys; from pathlib import Path; from kvblend.documents import iter_documents;"
         "docs, _ = iter_documents([Path(sys.argv[1])]); assert len(docs) == 12;"
-        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'lxml') if m in sys.modules])"
+        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'lxml') if m in sys.modules])"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(REPO / "kvblend" / "data" / "docs")],
@@ -186,12 +220,14 @@ def test_each_bad_document_is_skipped_with_its_reason_and_the_rest_is_read(tmp_p
     assert out == "" and err == ""  # no converter printed a word of its own
 
 
-def test_zip_bomb_is_refused_by_its_declared_total_too(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt,fixture", [("docx", "report.docx"), ("pptx", "briefing.pptx")])
+def test_zip_bomb_is_refused_by_its_declared_total_too(monkeypatch, fmt, fixture):
     """Parts that are each plausible but add up past the cap: refused before anything is inflated."""
-    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 50_000)
-    docx = (DOCS / "report.docx").read_bytes()
-    with pytest.raises(conversion.ConversionError, match=r"^DOCX would inflate to over 0 MiB \(a ZIP bomb\?\)"):
-        conversion.convert("docx", docx)
+    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 30_000)
+    data = (DOCS / fixture).read_bytes()
+    what = fmt.upper()
+    with pytest.raises(conversion.ConversionError, match=rf"^{what} would inflate to over 0 MiB \(a ZIP bomb\?\)"):
+        conversion.convert(fmt, data)
 
 
 def test_a_converter_that_raises_or_runs_long_costs_one_line_not_the_run(tmp_path, monkeypatch):
