@@ -22,8 +22,10 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   is slide 3), its title a ``##`` heading, then its shapes top to bottom and
   left to right: a body placeholder's paragraphs as list items by level,
   other text boxes as paragraphs, tables as pipe rows, a chart as its title
-  and its data's pipe rows, groups opened, and the speaker notes last. Footers, dates and slide numbers are left out (they
-  repeat on every slide, as a web page's navigation does).
+  and its data's pipe rows, groups opened, and the speaker notes last.
+  Footers, dates and slide numbers are left out (they repeat on every
+  slide, as a web page's navigation does). A deck or document saved with a
+  password is an OLE file, not a ZIP: named as encrypted (olefile).
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -114,6 +116,9 @@ def classify(suffix: str, data: bytes) -> str:
     suffix = suffix.lower()
     if suffix in _TEXT_EXTENSIONS:
         return _TEXT_EXTENSIONS[suffix]
+    if data.startswith(_OLE_MAGIC) and _ole_encrypted(data):
+        what = suffix[1:].upper() if suffix in (".docx", ".pptx", ".xlsx") else "Office file"
+        raise ConversionError(f"encrypted {what} (password protected)")
     if suffix == ".pdf":
         if b"%PDF-" not in data[:1024]:  # where Acrobat looks for the header
             raise ConversionError(f"not a PDF (content looks like {_describe(data)})")
@@ -139,11 +144,27 @@ def classify(suffix: str, data: bytes) -> str:
         if _is_pptx(data):
             return "pptx"
         raise ConversionError(f"unsupported format ({_describe(data)})")
-    if data.startswith(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"):
+    if data.startswith(_OLE_MAGIC):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
     if _looks_like_html(data):
         return "html"
     return "text"
+
+
+_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # an OLE compound file: legacy Office, or OOXML under a password
+
+
+def _ole_encrypted(data: bytes) -> bool:
+    """Whether an OLE compound file is an Office document saved with a password: Word, PowerPoint and Excel
+    then store the whole OOXML package AES-encrypted in an ``EncryptedPackage`` stream (MS-OFFCRYPTO), so a
+    locked .docx or .pptx is no ZIP at all. olefile reads the compound file's directory; nothing is decrypted."""
+    import olefile  # lazy: only OLE files need it
+
+    try:
+        with olefile.OleFileIO(data) as ole:
+            return bool(ole.exists("EncryptedPackage"))
+    except Exception:  # a damaged compound file: whatever it is, it is not read (the caller's reason stands)
+        return False
 
 
 def _is_pdf(data: bytes) -> bool:
@@ -200,6 +221,8 @@ def _describe(data: bytes) -> str:
         return "an empty file"
     if _is_pdf(data):
         return "a PDF"
+    if data.startswith(_OLE_MAGIC):
+        return "a legacy Office file"
     if _is_zip(data):
         if _is_docx(data):
             return "a DOCX"

@@ -3,7 +3,7 @@
 Conversion is tested on files that real software wrote, not on hand-made
 bytes: fpdf2 writes the PDFs (a 4-page manual with an outline, headings, a
 table and a list; an image-only "scan"; one that needs a password),
-python-docx the DOCX, python-pptx the slide deck. The web
+python-docx the DOCX, python-pptx the slide decks (msoffcrypto-tool locks one with a password). The web
 page and the Markdown file are text a site or a person writes, so they are
 written as they are. The outputs are committed (a few KB each), so the tests
 need none of these producers at run time; run this again only to change them:
@@ -248,6 +248,28 @@ def make_pptx(path: Path) -> None:
     path.write_bytes(_fixed_zip_dates(buf.getvalue()))
 
 
+def make_locked_pptx(path: Path) -> None:
+    """A one-slide deck that opens only with a password, as PowerPoint saves one: the package AES-encrypted inside
+    an OLE compound file, by msoffcrypto-tool (Office's own "Agile" encryption). Its salt is random, so the file
+    is written once and kept (running this again leaves it, and git, unchanged); msoffcrypto-tool is needed
+    only to write it: ``pip install msoffcrypto-tool``."""
+    if path.exists():
+        return
+    from msoffcrypto.format.ooxml import OOXMLFile
+    from pptx import Presentation
+
+    deck = Presentation()
+    deck.core_properties.created = FIXED_DATE.replace(tzinfo=None)
+    deck.core_properties.modified = FIXED_DATE.replace(tzinfo=None)
+    slide = deck.slides.add_slide(deck.slide_layouts[5])
+    slide.shapes.title.text = "Confidential: the Skua-9 tender price"
+    plain = io.BytesIO()
+    deck.save(plain)
+    locked = io.BytesIO()
+    OOXMLFile(io.BytesIO(_fixed_zip_dates(plain.getvalue()))).encrypt("deck-secret", locked)
+    path.write_bytes(locked.getvalue())
+
+
 def _fixed_zip_dates(data: bytes) -> bytes:
     """The same zip with every member dated FIXED_DATE, so the file's bytes do not change from run to run (a
     chart's embedded workbook too: XlsxWriter stamps its creation time in it)."""
@@ -361,6 +383,7 @@ def main(out: Path = OUT) -> None:
     make_encrypted_pdf(out / "encrypted.pdf")
     make_docx(out / "report.docx")
     make_pptx(out / "briefing.pptx")
+    make_locked_pptx(out / "locked.pptx")
     (out / "article.html").write_text(WEB_PAGE, encoding="utf-8")
     (out / "quickstart.md").write_text(MARKDOWN, encoding="utf-8")
     for p in sorted(out.iterdir()):

@@ -49,6 +49,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "error-page.pdf").write_text("<!DOCTYPE html><html><body><h1>404 Not Found</h1></body></html>")
     (root / "noise.pdf").write_bytes(bytes((i * 7919 + 13) % 256 for i in range(4096)))
     (root / "notes.docx").write_text("Only text, saved under the wrong name.")
+    (root / "locked.pptx").write_bytes((DOCS / "locked.pptx").read_bytes())
+    (root / "locked.docx").write_bytes((DOCS / "locked.pptx").read_bytes())  # Word locks a DOCX the same way
     (root / "truncated.pptx").write_bytes(pptx[: len(pptx) // 2])
     (root / "hollow.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))  # no package parts
     (root / "memo.pptx").write_bytes(docx)
@@ -65,6 +67,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "error-page.pdf": r"^not a PDF \(content looks like HTML\)$",
         "noise.pdf": r"^not a PDF \(content looks like binary data\)$",
         "notes.docx": r"^not a DOCX \(content looks like text\)$",
+        "locked.pptx": r"^encrypted PPTX \(password protected\)$",
+        "locked.docx": r"^encrypted DOCX \(password protected\)$",
         "truncated.pptx": r"^corrupt PPTX \(not a complete ZIP archive\)$",
         "hollow.pptx": r"^corrupt PPTX \(",
         "memo.pptx": r"^not a PPTX \(content looks like a DOCX\)$",

@@ -192,7 +192,7 @@ def test_heavy_converters_are_imported_only_when_needed():
     code = (
         "import sys; from pathlib import Path; from kvblend.documents import iter_documents;"
         "docs, _ = iter_documents([Path(sys.argv[1])]); assert len(docs) == 12;"
-        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'lxml') if m in sys.modules])"
+        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'olefile', 'lxml') if m in sys.modules])"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(REPO / "kvblend" / "data" / "docs")],
