@@ -147,3 +147,21 @@ def test_dtype_auto_takes_the_fastest_prefill_within_the_kl_bound(tmp_path):
     assert dtype_choice(resolve_location(path), "fp-1", "cpu") == "bf16"
     assert dtype_choice(resolve_location(path), "another model", "cpu") is None
     assert dtype_choice(resolve_location(tmp_path / "none"), "fp-1", "cpu") is None
+
+
+def test_the_cpu_is_named_with_the_instruction_sets_that_decide_what_pays(tmp_path):
+    """Two cloud VMs both called "vm" with an "AMD EPYC" are not one machine when one has AVX-512 and BF16 (its
+    bf16 matmuls run ~2x its fp32 ones) and the other AVX2 only: a profile of one must not be applied on the other."""
+    from kvblend.machine import cpu_model, same_machine
+
+    def cpuinfo(flags: str) -> str:
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        path.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n")
+        return str(path)
+
+    zen4 = cpu_model(cpuinfo("avx2 avx512f avx512bw avx512_bf16 avx512_vnni"))
+    zen2 = cpu_model(cpuinfo("avx2 fma"))
+    assert zen4 == "AMD EPYC (AVX512-BF16, AVX-512, AVX2)" and zen2 == "AMD EPYC (AVX2)"
+    assert cpu_model(cpuinfo("")) == "AMD EPYC"  # no vector flags listed: the name alone
+    assert not same_machine(Machine("vm", zen4, 2), Machine("vm", zen2, 2))
+    assert cpu_model(str(tmp_path / "missing")) != ""  # no /proc: what `platform` knows
