@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX and PPTX files into Markdown-flavoured text, or say in one line why not (issue 32).
+"""Turn PDF, HTML, DOCX, PPTX and EPUB files into Markdown-flavoured text, or say in one line why not (issue 32).
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -26,6 +26,14 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   Footers, dates and slide numbers are left out (they repeat on every
   slide, as a web page's navigation does). A deck or document saved with a
   password is an OLE file, not a ZIP: named as encrypted (olefile).
+* **EPUB** — the book's chapters in its spine's reading order (the package
+  file's own list, read with lxml), each chapter's XHTML body converted by
+  markdownify: headings as ``#`` lines, lists, tables as pipe rows. Not
+  trafilatura, which looks for a web page's article in each chapter and on
+  short ones drops their headings and lists. The navigation document (the
+  table of contents) is left out; a book under DRM is named as such. EPUBs
+  are reflowable, so they have no page numbers: chapters and headings
+  name the sections.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -71,7 +79,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -81,7 +89,7 @@ _OTHER_ZIPS = {
     "ppt/presentation.xml": "PowerPoint (.pptx)",  # read (below); named when a file claims to be something else
     "xl/workbook.xml": "Excel (.xlsx)",
     "content.xml": "OpenDocument",
-    "META-INF/container.xml": "EPUB",
+    "META-INF/container.xml": "EPUB",  # read (below)
 }
 
 
@@ -132,6 +140,10 @@ def classify(suffix: str, data: bytes) -> str:
         if not _is_zip(data) or (_zip_names(data) is not None and not _is_pptx(data)):
             raise ConversionError(f"not a PPTX (content looks like {_describe(data)})")
         return "pptx"
+    if suffix == ".epub":
+        if not _is_zip(data) or (_zip_names(data) is not None and not _is_epub(data)):
+            raise ConversionError(f"not an EPUB (content looks like {_describe(data)})")
+        return "epub"
     if suffix in _HTML_EXTENSIONS:
         if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
@@ -143,6 +155,8 @@ def classify(suffix: str, data: bytes) -> str:
             return "docx"
         if _is_pptx(data):
             return "pptx"
+        if _is_epub(data):
+            return "epub"
         raise ConversionError(f"unsupported format ({_describe(data)})")
     if data.startswith(_OLE_MAGIC):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
@@ -192,6 +206,10 @@ def _is_pptx(data: bytes) -> bool:
     return _zip_has(data, "ppt/presentation.xml")
 
 
+def _is_epub(data: bytes) -> bool:
+    return _zip_has(data, "META-INF/container.xml")
+
+
 def _zip_has(data: bytes, member: str) -> bool:
     names = _zip_names(data) if _is_zip(data) else None
     return names is not None and member in names
@@ -228,6 +246,8 @@ def _describe(data: bytes) -> str:
             return "a DOCX"
         if _is_pptx(data):
             return "a PPTX"
+        if _is_epub(data):
+            return "an EPUB"
         names = _zip_names(data)
         if names is None:
             return "a damaged ZIP archive"
@@ -266,6 +286,8 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_docx(data)
         if fmt == "pptx":
             return _convert_pptx(data, started)
+        if fmt == "epub":
+            return _convert_epub(data, started)
     raise ValueError(f"no converter for {fmt!r}")
 
 
@@ -632,3 +654,94 @@ def _pptx_text(frame, bullets: bool) -> str:
             lines.append("  " * para.level + "- " + text if bullets or para.level else text)
     items = all(line.lstrip().startswith("- ") for line in lines)
     return "\n".join(lines) if items else "\n\n".join(lines)
+
+
+# EPUB ───────────────────────────────────────────────────────────────────────
+
+_CONTAINER_NS = {"c": "urn:oasis:names:tc:opendocument:xmlns:container"}
+_OPF_NS = {"opf": "http://www.idpf.org/2007/opf"}
+_XHTML_TYPES = {"application/xhtml+xml", "text/html"}
+# Font obfuscation (IDPF and Adobe's) scrambles embedded fonts only; any other encryption of a book's parts is DRM.
+_FONT_OBFUSCATION = {"http://www.idpf.org/2008/embedding", "http://ns.adobe.com/pdf/enc#RC"}
+
+
+def _convert_epub(data: bytes, started: float) -> Converted:
+    _check_zip(data, "EPUB")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as book:
+            _check_epub_drm(book)
+            chapters = []
+            for name in _epub_spine(book):
+                _check_time(started)
+                if book.getinfo(name).file_size > MAX_HTML_BYTES:  # as for a web page: the parse grows with it
+                    raise ConversionError(
+                        f"EPUB chapter {name} is too large ({book.getinfo(name).file_size // _MIB} MiB; "
+                        f"at most {MAX_HTML_BYTES // _MIB} MiB)"
+                    )
+                chapters.append(_xhtml_markdown(book.read(name)))
+    except ConversionError:
+        raise
+    except Exception as e:  # BadZipFile (a bad CRC), lxml's XMLSyntaxError, KeyError (a part the package lists)
+        raise ConversionError(f"corrupt EPUB ({describe_error(e)})") from None
+    text = _tidy("\n\n".join(chapters))
+    if not text:
+        raise ConversionError("no text in the EPUB (its chapters hold only pictures?)")
+    return Converted(text, "epub")
+
+
+def _check_epub_drm(book: zipfile.ZipFile) -> None:
+    """Refuse a book whose chapters are encrypted (DRM: Adobe ADEPT, Apple FairPlay, ...), named as such; fonts
+    obfuscated as the EPUB standard allows are no reason to."""
+    from lxml import etree
+
+    names = set(book.namelist())
+    if "META-INF/rights.xml" in names:  # Adobe ADEPT's licence
+        raise ConversionError("encrypted EPUB (DRM-protected)")
+    if "META-INF/encryption.xml" not in names:
+        return
+    root = etree.fromstring(book.read("META-INF/encryption.xml"))
+    methods = {m.get("Algorithm", "") for m in root.iter("{*}EncryptionMethod")}
+    if methods - _FONT_OBFUSCATION:
+        raise ConversionError("encrypted EPUB (DRM-protected)")
+
+
+def _epub_spine(book: zipfile.ZipFile) -> list[str]:
+    """The ZIP names of the book's XHTML chapters in reading order: container.xml names the package file, whose
+    spine lists manifest ids. The navigation document (EPUB 3's table of contents) is left out."""
+    import posixpath
+    from urllib.parse import unquote
+
+    from lxml import etree
+
+    container = etree.fromstring(book.read("META-INF/container.xml"))
+    rootfiles = container.xpath("//c:rootfile/@full-path", namespaces=_CONTAINER_NS)
+    if not rootfiles:
+        raise ConversionError("corrupt EPUB (META-INF/container.xml names no package file)")
+    opf_name = str(rootfiles[0])
+    package = etree.fromstring(book.read(opf_name))
+    base = posixpath.dirname(opf_name)
+    items = {item.get("id"): item for item in package.xpath("/opf:package/opf:manifest/opf:item", namespaces=_OPF_NS)}
+    names = []
+    for ref in package.xpath("/opf:package/opf:spine/opf:itemref/@idref", namespaces=_OPF_NS):
+        item = items.get(ref)
+        if item is None or item.get("media-type") not in _XHTML_TYPES:
+            continue
+        if "nav" in (item.get("properties") or "").split():
+            continue
+        href = unquote(item.get("href", "").split("#", 1)[0])
+        names.append(posixpath.normpath(posixpath.join(base, href)))
+    if not names:
+        raise ConversionError("corrupt EPUB (its spine lists no chapters)")
+    return names
+
+
+def _xhtml_markdown(data: bytes) -> str:
+    """A chapter's body as Markdown: ATX headings, '-' list items, tables as pipe rows; links and images as
+    their text only."""
+    from bs4 import BeautifulSoup  # lazy: markdownify's parser
+    from markdownify import MarkdownConverter
+
+    soup = BeautifulSoup(data, "lxml")
+    body = soup.body or soup
+    converter = MarkdownConverter(heading_style="ATX", bullets="-", strip=["a", "img"], escape_misc=False)
+    return converter.convert_soup(body)

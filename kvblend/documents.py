@@ -6,7 +6,7 @@ found plus the files (or records) it had to skip, each with a short reason.
 * Directories are walked recursively in sorted order; hidden entries (names
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
   directories (no loops).  A hidden file named explicitly is read.
-* PDF, HTML, DOCX and PPTX files are converted to Markdown-flavoured text by
+* PDF, HTML, DOCX, PPTX and EPUB files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
   web page without its navigation, banners and footer; a PDF's pages, or a
   deck's slides, apart by a blank line, where each begins in
@@ -75,8 +75,9 @@ class Document:
     text: str
     content_hash: str
     name: str = ""  # relative to the directory it was found under (a file given alone: its file name)
-    # What the file was read as: "text", "markdown", "json", "pdf", "html", "docx", "pptx", ... Converted formats come
-    # out as Markdown-flavoured text: headings are ATX lines ("## Safety"), so segments can name their section.
+    # What the file was read as: "text", "markdown", "json", or a converted format (kvblend.conversion's
+    # CONVERTED_FORMATS: "pdf", "html", ...), which comes out as Markdown-flavoured text: headings are ATX lines
+    # ("## Safety"), so segments can name their section.
     format: str = "text"
     # Offsets into `text` where pages 1, 2, ... begin (page_starts[0] == 0); empty for formats without pages.
     page_starts: tuple[int, ...] = ()

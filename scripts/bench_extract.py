@@ -1,9 +1,9 @@
 """Document extraction benchmark (issue 32): kvblend's converters beside the alternatives, time and quality.
 
-For each format, kvblend's conversion (kvblend.conversion: pypdfium2, trafilatura, python-docx, python-pptx)
-and the libraries it was chosen over are timed on the committed fixtures (fixtures/documents/) and on larger
-files made here with the same producers (a 50-page PDF, a 50-section web page and DOCX, a 50-slide deck), best
-of 5 runs (of 2 for
+For each format, kvblend's conversion (kvblend.conversion: pypdfium2, trafilatura, python-docx, python-pptx,
+markdownify) and the libraries it was chosen over are timed on the committed fixtures (fixtures/documents/) and
+on larger files made here with the same producers (a 50-page PDF, a 50-section web page and DOCX, a 50-slide
+deck, a 50-chapter book), best of 5 runs (of 2 for
 an extractor slower than a second), in one process. Reported: ms per file, ms per page (PDF), MB/s of input,
 and quality checks that say whether the table survives as rows, headings come out as '#' lines, the page-3
 fact is found, and whether the web page's boilerplate (navigation, cookie banner, footer, scripts) is
@@ -14,7 +14,7 @@ The alternatives are not kvblend dependencies; those not installed are left out 
 
     python -m venv /tmp/extract-env && /tmp/extract-env/bin/pip install -c constraints.txt \\
         pypdfium2 trafilatura lxml_html_clean python-docx python-pptx fpdf2 pypdf pdfminer.six mammoth html2text \\
-        "markitdown[pptx]"
+        "markitdown[pptx]" ebooklib
     /tmp/extract-env/bin/python scripts/bench_extract.py [--out bench-out/extract.json] [--formats pptx]
     .venv/bin/python scripts/bench_extract.py --plain-text-vs HEAD   # plain-text reading, before vs after
 
@@ -53,6 +53,7 @@ SMALL = {
     "article.html",
     "report.docx",
     "briefing.pptx (6 slides)",
+    "handbook.epub (3 chapters)",
 }  # the fixtures, whose content the checks know
 
 
@@ -147,6 +148,35 @@ def big_pptx(path: Path, slides: int = 50) -> None:
     deck.save(str(path))
 
 
+def big_epub(path: Path, chapters: int = 50) -> None:
+    """A 50-chapter book as EbookLib writes it: a heading, six paragraphs, a list and a table per chapter."""
+    from ebooklib import epub
+
+    book = epub.EpubBook()
+    book.set_identifier("bench-book")
+    book.set_title("Orca pump test reports")
+    book.set_language("en")
+    body = (
+        "<p>The Orca series pumps move water and light slurries at the Tern Valley works; each unit is tested for "
+        "flow, pressure and vibration before it leaves the factory.</p>"
+    ) * 6
+    items = []
+    for c in range(chapters):
+        item = epub.EpubHtml(title=f"Report {c + 1}", file_name=f"c{c}.xhtml", lang="en")
+        rows = "".join(f"<tr><td>U{c}-{k}</td><td>180</td><td>412</td></tr>" for k in range(4))
+        item.content = (
+            f"<h1>Report {c + 1}</h1>{body}<ul><li>Flow within limits.</li><li>Seals replaced.</li></ul>"
+            f"<table><tr><th>Unit</th><th>Flow</th><th>Pressure</th></tr>{rows}</table>"
+        )
+        book.add_item(item)
+        items.append(item)
+    book.toc = tuple(items)
+    book.add_item(epub.EpubNcx())
+    book.add_item(epub.EpubNav())
+    book.spine = ["nav", *items]
+    epub.write_epub(str(path), book)
+
+
 # ─────────────────────────────── extractors ───────────────────────────────
 
 
@@ -198,6 +228,15 @@ def mammoth_html(data: bytes) -> str:
     return mammoth.convert_to_html(io.BytesIO(data)).value
 
 
+def trafilatura_epub(data: bytes) -> str:
+    """The book's chapters (kvblend's spine reading) through kvblend's web-page converter instead of markdownify."""
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as book:
+        parts = [conversion._convert_html(book.read(name)).text for name in conversion._epub_spine(book)]
+    return "\n\n".join(parts)
+
+
 def markitdown_for(suffix: str) -> Callable[[bytes], str]:
     def run(data: bytes) -> str:
         from markitdown import MarkItDown, StreamInfo
@@ -230,6 +269,11 @@ CANDIDATES: dict[str, list[tuple[str, str, Callable[[bytes], str]]]] = {
         ("kvblend (python-pptx)", "pptx", kvblend_convert("pptx")),
         ("markitdown (python-pptx inside)", "markitdown", markitdown_for(".pptx")),
     ],
+    "epub": [
+        ("kvblend (spine + markdownify)", "markdownify", kvblend_convert("epub")),
+        ("trafilatura per chapter", "trafilatura", trafilatura_epub),
+        ("markitdown", "markitdown", markitdown_for(".epub")),
+    ],
 }
 
 
@@ -260,6 +304,13 @@ def quality(fmt: str, name: str, text: str) -> str:
         notes.append("notes kept" if "Halifax dock delay" in text else "notes lost")
         chart = "| 2026 | 4 | 3.5 |" in text or "| 2026 | 4.0 | 3.5 |" in text
         notes.append("chart data as rows" if chart else "chart data not as pipe rows")
+    elif fmt == "epub":
+        in_order = 0 <= text.find("A red status light") < text.find("Clean the transducer window")
+        notes.append("chapters in spine order" if in_order else "chapters out of order")
+        notes.append("headings as #" if "# Maintenance" in text and "## Tools" in text else "headings lost")
+        notes.append("list as '- '" if "- A soft brush." in text or "* A soft brush." in text else "list not marked")
+        notes.append("table as pipe rows" if "| Window | 200 |" in text else "table not as pipe rows")
+        notes.append("contents page left out" if text.count("Maintenance") == 1 else "contents page kept")
     else:
         pipe = "| 2 | 3.4 | 298 |" in text
         html_table = "<table>" in text
@@ -303,6 +354,7 @@ DISTS = {
     "html2text": ["html2text"],
     "docx": ["python-docx"],
     "pptx": ["python-pptx"],
+    "markdownify": ["markdownify", "beautifulsoup4", "soupsieve"],
     "mammoth": ["mammoth"],
     "markitdown": ["markitdown"],
 }
@@ -388,6 +440,8 @@ def main() -> None:
         big_docx(bigdoc)
         bigdeck = Path(tmp) / "big.pptx"
         big_pptx(bigdeck)
+        bigbook = Path(tmp) / "big.epub"
+        big_epub(bigbook)
         inputs = {
             "pdf": [
                 ("manual.pdf (4 pages)", (DOCS / "manual.pdf").read_bytes(), 4),
@@ -404,6 +458,10 @@ def main() -> None:
             "pptx": [
                 ("briefing.pptx (6 slides)", (DOCS / "briefing.pptx").read_bytes(), 6),
                 ("50-slide deck", bigdeck.read_bytes(), 50),
+            ],
+            "epub": [
+                ("handbook.epub (3 chapters)", (DOCS / "handbook.epub").read_bytes(), 0),
+                ("50-chapter book", bigbook.read_bytes(), 0),
             ],
         }
     rows = []

@@ -3,7 +3,8 @@
 Conversion is tested on files that real software wrote, not on hand-made
 bytes: fpdf2 writes the PDFs (a 4-page manual with an outline, headings, a
 table and a list; an image-only "scan"; one that needs a password),
-python-docx the DOCX, python-pptx the slide decks (msoffcrypto-tool locks one with a password). The web
+python-docx the DOCX, python-pptx the slide decks (msoffcrypto-tool locks one with a password), EbookLib
+the EPUB. The web
 page and the Markdown file are text a site or a person writes, so they are
 written as they are. The outputs are committed (a few KB each), so the tests
 need none of these producers at run time; run this again only to change them:
@@ -270,6 +271,43 @@ def make_locked_pptx(path: Path) -> None:
     path.write_bytes(locked.getvalue())
 
 
+def make_epub(path: Path) -> None:
+    """A 3-chapter EPUB 3 book written by EbookLib: chapters with headings, a list and a table, a navigation
+    document, and a spine whose order (intro, faults, maintenance) is not the manifest's. EbookLib stamps the
+    time it wrote the book, so the file is written once and kept; EbookLib (AGPL-3.0) is needed only to write
+    it, never by kvblend: ``pip install ebooklib``."""
+    if path.exists():
+        return
+    from ebooklib import epub
+
+    book = epub.EpubBook()
+    book.set_identifier("kestrel-tern4-handbook-2026")
+    book.set_title("Tern-4 operator handbook")
+    book.set_language("en")
+    book.add_author("Kestrel Marine Ltd")
+    intro = epub.EpubHtml(title="Introduction", file_name="intro.xhtml", lang="en")
+    intro.content = (
+        "<h1>Introduction</h1><p>The Tern-4 is a hull-mounted sonar built at the Tern Valley works.</p>"
+        "<p>This handbook covers daily checks, maintenance and faults.</p>"
+    )
+    maintenance = epub.EpubHtml(title="Maintenance", file_name="maintenance.xhtml", lang="en")
+    maintenance.content = (
+        "<h1>Maintenance</h1><p>Clean the transducer window every 200 hours of operation.</p>"
+        "<h2>Tools</h2><ul><li>A soft brush.</li><li>Fresh water, never solvent.</li></ul>"
+        "<h2>Intervals</h2><table><tr><th>Part</th><th>Interval (h)</th></tr>"
+        "<tr><td>Window</td><td>200</td></tr><tr><td>Shaft seals</td><td>1000</td></tr></table>"
+    )
+    faults = epub.EpubHtml(title="Faults", file_name="faults.xhtml", lang="en")
+    faults.content = "<h1>Faults</h1><p>A red status light means the self-test failed: run it again.</p>"
+    for chapter in (intro, maintenance, faults):
+        book.add_item(chapter)
+    book.toc = (intro, maintenance, faults)
+    book.add_item(epub.EpubNcx())
+    book.add_item(epub.EpubNav())
+    book.spine = ["nav", intro, faults, maintenance]
+    epub.write_epub(str(path), book)
+
+
 def _fixed_zip_dates(data: bytes) -> bytes:
     """The same zip with every member dated FIXED_DATE, so the file's bytes do not change from run to run (a
     chart's embedded workbook too: XlsxWriter stamps its creation time in it)."""
@@ -384,6 +422,7 @@ def main(out: Path = OUT) -> None:
     make_docx(out / "report.docx")
     make_pptx(out / "briefing.pptx")
     make_locked_pptx(out / "locked.pptx")
+    make_epub(out / "handbook.epub")
     (out / "article.html").write_text(WEB_PAGE, encoding="utf-8")
     (out / "quickstart.md").write_text(MARKDOWN, encoding="utf-8")
     for p in sorted(out.iterdir()):

@@ -195,7 +195,7 @@ class DocumentRecord:
     incomplete: bool = False  # some segments were dropped (evicted or corrupt): re-ingest to restore
     extra: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # as ingested, relative to its root (what users and servers are shown; never a full path)
-    format: str = "text"  # what the file was read as: "text", "markdown", "json", "pdf", "html", "docx", "pptx", ...
+    format: str = "text"  # what the file was read as: "text", "markdown", "json", "pdf", "html", "docx", ...
     pages: int = 0  # page count; 0 for formats without pages
     sources: list[dict[str, Any]] = field(default_factory=list)  # parallel to segment_keys (see the class doc)
 

@@ -1,7 +1,7 @@
 """Answers cite their sources (issue 32): a fact on page 3 of a PDF is answered from page 3, and says so.
 
-One real ingest (the default model, in this process) of the service manual PDF, a slide deck and a Markdown guide; one
-query in process (its `to_dict()` is what `query --json` prints) and one through the CLI for the human
+One real ingest (the default model, in this process) of the service manual PDF, a slide deck, a book and a Markdown
+guide; one query in process (its `to_dict()` is what `query --json` prints) and one through the CLI for the human
 `Sources:` line; `ls` and `show` load no model.
 """
 
@@ -23,9 +23,8 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     arc = tmp_path / "arc"
     with Engine(arc, runner=default_runner) as engine:
         # 128 tokens: the 4-page manual (~330 tokens) is one segment per page, each starting at its heading
-        engine.ingest(
-            [DOCUMENTS / "manual.pdf", DOCUMENTS / "briefing.pptx", DOCUMENTS / "quickstart.md"], chunk_tokens=128
-        )
+        docs = ["manual.pdf", "briefing.pptx", "handbook.epub", "quickstart.md"]
+        engine.ingest([DOCUMENTS / name for name in docs], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
     assert segment["document"] == "manual.pdf"
@@ -43,6 +42,10 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert (listed["briefing.pptx"]["format"], listed["briefing.pptx"]["pages"]) == ("pptx", 6)
     deck = json.loads(run_cli("show", "briefing.pptx", "--archive", arc, "--json", check=True).stdout)
     assert {"pages": [3, 3], "section": "Service costs"} in deck["sources"], deck["sources"]
+    # a book has no pages (EPUBs reflow); its chapters' headings name the sections
+    assert (listed["handbook.epub"]["format"], listed["handbook.epub"]["pages"]) == ("epub", 0)
+    book = json.loads(run_cli("show", "handbook.epub", "--archive", arc, "--json", check=True).stdout)
+    assert {"pages": None, "section": "Maintenance"} in book["sources"], book["sources"]
     human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
     assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
     assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human

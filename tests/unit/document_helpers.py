@@ -23,6 +23,29 @@ def zip_bytes(members: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def encryption_xml(algorithm: str, part: str) -> bytes:
+    """An EPUB's META-INF/encryption.xml saying `part` is encrypted with `algorithm` (XML Encryption, as OCF has it)."""
+    return (
+        '<encryption xmlns="urn:oasis:names:tc:opendocument:xmlns:container" '
+        'xmlns:enc="http://www.w3.org/2001/04/xmlenc#"><enc:EncryptedData>'
+        f'<enc:EncryptionMethod Algorithm="{algorithm}"/><enc:CipherData>'
+        f'<enc:CipherReference URI="{part}"/></enc:CipherData></enc:EncryptedData></encryption>'
+    ).encode()
+
+
+ENCRYPTED_CHAPTER = encryption_xml("http://www.w3.org/2001/04/xmlenc#aes128-cbc", "EPUB/intro.xhtml")  # as DRM does
+
+
+def with_member(zip_data: bytes, name: str, data: bytes) -> bytes:
+    """The ZIP with one more member."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(zip_data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info.filename))
+        dst.writestr(name, data)
+    return out.getvalue()
+
+
 def make_bad_documents(root: Path) -> dict[str, str]:
     """Every kind of bad document in ``root``; returns file name -> a regex its skip reason must match."""
     root.mkdir(parents=True, exist_ok=True)
@@ -55,6 +78,12 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "hollow.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))  # no package parts
     (root / "memo.pptx").write_bytes(docx)
     (root / "sheet.xlsx").write_bytes(zip_bytes({"xl/workbook.xml": b"<workbook/>"}))
+    epub = (DOCS / "handbook.epub").read_bytes()
+    (root / "truncated.epub").write_bytes(epub[: len(epub) // 2])
+    hollow = {"mimetype": b"application/epub+zip", "META-INF/container.xml": b"<x/>"}  # no package file named
+    (root / "hollow.epub").write_bytes(zip_bytes(hollow))
+    (root / "slides.epub").write_bytes(pptx)
+    (root / "drm.epub").write_bytes(with_member(epub, "META-INF/encryption.xml", ENCRYPTED_CHAPTER))
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
         "scanned.pdf": r"^no text layer \(",
@@ -73,4 +102,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "hollow.pptx": r"^corrupt PPTX \(",
         "memo.pptx": r"^not a PPTX \(content looks like a DOCX\)$",
         "sheet.xlsx": r"^unsupported format \(Excel \(.xlsx\) file\)$",
+        "truncated.epub": r"^corrupt EPUB \(not a complete ZIP archive\)$",
+        "hollow.epub": r"^corrupt EPUB \(META-INF/container.xml names no package file\)$",
+        "slides.epub": r"^not an EPUB \(content looks like a PPTX\)$",
+        "drm.epub": r"^encrypted EPUB \(DRM-protected\)$",
     }

@@ -1,7 +1,7 @@
-"""PDF, HTML, DOCX, PPTX and Markdown documents (issue 32): the text each becomes, and each bad file skipped in one
-line.
+"""PDF, HTML, DOCX, PPTX, EPUB and Markdown documents (issue 32): the text each becomes, and each bad file skipped
+in one line.
 
-The good files are fixtures/documents/, written by real producers (fpdf2, python-docx, python-pptx;
+The good files are fixtures/documents/, written by real producers (fpdf2, python-docx, python-pptx, EbookLib;
 scripts/make_fixtures.py).
 The bad ones are made here from them: cut short, bytes flipped, a ZIP bomb, a 50 MB page, a wrong extension.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from document_helpers import DOCS, make_bad_documents
+from document_helpers import DOCS, ENCRYPTED_CHAPTER, encryption_xml, make_bad_documents, with_member
 
 from kvblend import conversion
 from kvblend.documents import Document, Skipped, iter_documents
@@ -141,6 +141,28 @@ def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in
     assert slides[5] == ""
 
 
+def test_epub_is_its_chapters_in_spine_order_with_headings_lists_and_tables():
+    doc = read_one(DOCS / "handbook.epub")
+    assert doc.format == "epub" and doc.page_starts == ()  # reflowable: no pages, chapters name the sections
+    assert doc.text == (
+        "# Introduction\n\nThe Tern-4 is a hull-mounted sonar built at the Tern Valley works.\n\n"
+        "This handbook covers daily checks, maintenance and faults.\n\n"
+        "# Faults\n\nA red status light means the self-test failed: run it again.\n\n"  # the spine's order
+        "# Maintenance\n\nClean the transducer window every 200 hours of operation.\n\n"
+        "## Tools\n\n- A soft brush.\n- Fresh water, never solvent.\n\n"
+        "## Intervals\n\n| Part | Interval (h) |\n| --- | --- |\n| Window | 200 |\n| Shaft seals | 1000 |"
+    )  # the navigation document (the table of contents) is not read as a chapter
+
+
+def test_epub_with_obfuscated_fonts_is_read_and_with_encrypted_chapters_is_refused():
+    book = (DOCS / "handbook.epub").read_bytes()
+    fonts = encryption_xml("http://www.idpf.org/2008/embedding", "EPUB/fonts/serif.otf")  # the standard allows it
+    assert conversion.convert("epub", with_member(book, "META-INF/encryption.xml", fonts)).text.startswith("# Intro")
+    for name, data in (("META-INF/encryption.xml", ENCRYPTED_CHAPTER), ("META-INF/rights.xml", b"<rights/>")):
+        with pytest.raises(conversion.ConversionError, match=r"^encrypted EPUB \(DRM-protected\)$"):
+            conversion.convert("epub", with_member(book, name, data))
+
+
 def test_markdown_and_text_are_read_unchanged(tmp_path):
     md = read_one(DOCS / "quickstart.md")
     assert md.format == "markdown" and md.text == (DOCS / "quickstart.md").read_text(encoding="utf-8")
@@ -160,11 +182,13 @@ def test_format_comes_from_content_when_the_extension_says_nothing(tmp_path):
     (tmp_path / "manual").write_bytes((DOCS / "manual.pdf").read_bytes())
     (tmp_path / "report.dat").write_bytes((DOCS / "report.docx").read_bytes())
     (tmp_path / "deck").write_bytes((DOCS / "briefing.pptx").read_bytes())
+    (tmp_path / "book.zip").write_bytes((DOCS / "handbook.epub").read_bytes())
     saved = "<!-- saved from url=(0022)https://example.com/ -->\n" + (DOCS / "article.html").read_text()
     (tmp_path / "page.txt").write_text(saved)
     docs, skipped = iter_documents([tmp_path])
     assert skipped == []
     assert {d.name: d.format for d in docs} == {
+        "book.zip": "epub",
         "deck": "pptx",
         "manual": "pdf",
         "page.txt": "html",
@@ -192,7 +216,8 @@ def test_heavy_converters_are_imported_only_when_needed():
     code = (
         "import sys; from pathlib import Path; from kvblend.documents import iter_documents;"
         "docs, _ = iter_documents([Path(sys.argv[1])]); assert len(docs) == 12;"
-        "print([m for m in ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'olefile', 'lxml') if m in sys.modules])"
+        "heavy = ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'olefile', 'bs4', 'markdownify', 'lxml');"
+        "print([m for m in heavy if m in sys.modules])"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(REPO / "kvblend" / "data" / "docs")],
