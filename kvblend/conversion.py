@@ -131,19 +131,12 @@ def classify(suffix: str, data: bytes) -> str:
         if b"%PDF-" not in data[:1024]:  # where Acrobat looks for the header
             raise ConversionError(f"not a PDF (content looks like {_describe(data)})")
         return "pdf"
-    if suffix == ".docx":
-        # a ZIP cut short (no central directory) is a damaged DOCX, which conversion names as such
-        if not _is_zip(data) or (_zip_names(data) is not None and not _is_docx(data)):
-            raise ConversionError(f"not a DOCX (content looks like {_describe(data)})")
-        return "docx"
-    if suffix == ".pptx":
-        if not _is_zip(data) or (_zip_names(data) is not None and not _is_pptx(data)):
-            raise ConversionError(f"not a PPTX (content looks like {_describe(data)})")
-        return "pptx"
-    if suffix == ".epub":
-        if not _is_zip(data) or (_zip_names(data) is not None and not _is_epub(data)):
-            raise ConversionError(f"not an EPUB (content looks like {_describe(data)})")
-        return "epub"
+    if suffix in _ZIP_FORMATS:
+        fmt, named, _ = _ZIP_FORMATS[suffix]
+        # a ZIP cut short (no central directory) is a damaged one of its kind, which conversion names as such
+        if not _is_zip(data) or (_zip_names(data) is not None and _zip_format(data) != fmt):
+            raise ConversionError(f"not {named} (content looks like {_describe(data)})")
+        return fmt
     if suffix in _HTML_EXTENSIONS:
         if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
@@ -151,12 +144,8 @@ def classify(suffix: str, data: bytes) -> str:
     if _is_pdf(data):
         return "pdf"
     if _is_zip(data):
-        if _is_docx(data):
-            return "docx"
-        if _is_pptx(data):
-            return "pptx"
-        if _is_epub(data):
-            return "epub"
+        if (found := _zip_format(data)) is not None:
+            return found
         raise ConversionError(f"unsupported format ({_describe(data)})")
     if data.startswith(_OLE_MAGIC):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
@@ -198,21 +187,20 @@ def _zip_names(data: bytes) -> set[str] | None:
         return None
 
 
-def _is_docx(data: bytes) -> bool:
-    return _zip_has(data, "word/document.xml")
+# The ZIP-based formats kvblend reads: extension → (format, how a skip reason names it, the member that marks it)
+_ZIP_FORMATS = {
+    ".docx": ("docx", "a DOCX", "word/document.xml"),
+    ".pptx": ("pptx", "a PPTX", "ppt/presentation.xml"),
+    ".epub": ("epub", "an EPUB", "META-INF/container.xml"),
+}
 
 
-def _is_pptx(data: bytes) -> bool:
-    return _zip_has(data, "ppt/presentation.xml")
-
-
-def _is_epub(data: bytes) -> bool:
-    return _zip_has(data, "META-INF/container.xml")
-
-
-def _zip_has(data: bytes, member: str) -> bool:
+def _zip_format(data: bytes) -> str | None:
+    """Which of :data:`_ZIP_FORMATS` a ZIP is, from its member names (None: none of them, or no ZIP)."""
     names = _zip_names(data) if _is_zip(data) else None
-    return names is not None and member in names
+    if names is None:
+        return None
+    return next((fmt for fmt, _, marker in _ZIP_FORMATS.values() if marker in names), None)
 
 
 _LEADING_MARKUP = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->)", re.S)
@@ -242,12 +230,8 @@ def _describe(data: bytes) -> str:
     if data.startswith(_OLE_MAGIC):
         return "a legacy Office file"
     if _is_zip(data):
-        if _is_docx(data):
-            return "a DOCX"
-        if _is_pptx(data):
-            return "a PPTX"
-        if _is_epub(data):
-            return "an EPUB"
+        if (fmt := _zip_format(data)) is not None:
+            return next(named for f, named, _ in _ZIP_FORMATS.values() if f == fmt)
         names = _zip_names(data)
         if names is None:
             return "a damaged ZIP archive"
