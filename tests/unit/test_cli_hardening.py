@@ -38,11 +38,19 @@ def _wait_until_open(pid: int, path: Path, timeout: float = 60) -> None:
     raise AssertionError(f"process {pid} never opened {path}")
 
 
+def _from_a_terminal(argv: list[str]) -> list[str]:
+    """`argv` started with SIGINT at its default, as a shell in a terminal starts a command. A test run from a
+    background job (`nohup`, `&` in a script) inherits SIGINT ignored, and an ignored signal stays ignored across
+    exec, so no Ctrl-C could reach kvblend there (the test hung in such a run). The same pid, exec'd in place."""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", reset, *argv]
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the waiting process")
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     arc = build_archive(tmp_path / "arc")
     with Archive.open(arc) as holder, holder.writer():  # so `gc --wait` blocks on the lock
-        proc = subprocess.Popen([*kvblend_script(), "gc", "--wait", "--archive", str(arc)],
+        proc = subprocess.Popen(_from_a_terminal([*kvblend_script(), "gc", "--wait", "--archive", str(arc)]),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             _wait_until_open(proc.pid, arc / "lock")
