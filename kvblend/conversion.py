@@ -58,7 +58,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 __all__ = [
@@ -580,7 +580,8 @@ def _pptx_slide(slide) -> str:
         if shape.has_table:
             blocks.append(_pipe_rows([[cell.text for cell in row.cells] for row in shape.table.rows]))
         elif shape.has_chart:
-            blocks.append(_pptx_chart(shape.chart))
+            with suppress(Exception):  # a chart python-pptx cannot read costs its data, not the deck (as an outline)
+                blocks.append(_pptx_chart(shape.chart))
         elif shape.has_text_frame:
             bullets = kind in (PP_PLACEHOLDER.BODY, PP_PLACEHOLDER.OBJECT)
             blocks.append(_pptx_text(shape.text_frame, bullets))

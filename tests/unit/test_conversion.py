@@ -141,6 +141,15 @@ def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in
     assert slides[5] == ""
 
 
+def test_a_chart_that_cannot_be_read_costs_its_data_not_the_deck(monkeypatch):
+    def unreadable(chart):
+        raise NotImplementedError("a chart type python-pptx does not parse")
+
+    monkeypatch.setattr(conversion, "_pptx_chart", unreadable)
+    text = conversion.convert("pptx", (DOCS / "briefing.pptx").read_bytes()).text
+    assert "## Refits per year" in text and "| 2026 |" not in text and "1,450 thousand euros" in text
+
+
 def test_epub_is_its_chapters_in_spine_order_with_headings_lists_and_tables():
     doc = read_one(DOCS / "handbook.epub")
     assert doc.format == "epub" and doc.page_starts == ()  # reflowable: no pages, chapters name the sections
