@@ -301,6 +301,18 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {detail}" if detail else type(e).__name__
 
 
+@contextmanager
+def _damage_named(what: str) -> Iterator[None]:
+    """What a converter raises while reading a ZIP-based file's parts (BadZipFile for a bad CRC, zlib.error,
+    lxml's XMLSyntaxError, KeyError for a missing part) becomes ``corrupt WHAT (...)``; our own reasons pass."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except Exception as e:
+        raise ConversionError(f"corrupt {what} ({describe_error(e)})") from None
+
+
 def _check_time(started: float) -> None:
     if time.monotonic() - started > MAX_CONVERT_SECONDS:
         raise ConversionError(f"took longer than {MAX_CONVERT_SECONDS:.0f} s to convert")
@@ -473,10 +485,8 @@ def _convert_docx(data: bytes) -> Converted:
     import docx  # lazy: python-docx and lxml, 0.09 s
     from docx.table import Table
 
-    try:
+    with _damage_named("DOCX"):
         document = docx.Document(io.BytesIO(data))  # reads and parses every part: damage shows here
-    except Exception as e:  # BadZipFile (a bad CRC), zlib.error, lxml's XMLSyntaxError, KeyError (a missing part)
-        raise ConversionError(f"corrupt DOCX ({describe_error(e)})") from None
     blocks: list[str] = []
     list_run: list[str] = []  # consecutive list items stay one paragraph
     style_names: dict[object, str] = {}
@@ -546,16 +556,12 @@ def _convert_pptx(data: bytes, started: float) -> Converted:
     _check_zip(data, "PPTX")
     import pptx  # lazy: python-pptx and lxml
 
-    try:
+    with _damage_named("PPTX"):
         deck = pptx.Presentation(io.BytesIO(data))  # reads the package: damage shows here or at a slide's parts
         pages = []
         for slide in deck.slides:
             _check_time(started)
             pages.append(_tidy(_pptx_slide(slide)))
-    except ConversionError:
-        raise
-    except Exception as e:  # BadZipFile (a bad CRC), lxml's XMLSyntaxError, KeyError (a missing part)
-        raise ConversionError(f"corrupt PPTX ({describe_error(e)})") from None
     if not pages:
         raise ConversionError("empty (the PPTX has no slides)")
     if not any(pages):
@@ -652,22 +658,17 @@ _FONT_OBFUSCATION = {"http://www.idpf.org/2008/embedding", "http://ns.adobe.com/
 
 def _convert_epub(data: bytes, started: float) -> Converted:
     _check_zip(data, "EPUB")
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as book:
-            _check_epub_drm(book)
-            chapters = []
-            for name in _epub_spine(book):
-                _check_time(started)
-                if book.getinfo(name).file_size > MAX_HTML_BYTES:  # as for a web page: the parse grows with it
-                    raise ConversionError(
-                        f"EPUB chapter {name} is too large ({book.getinfo(name).file_size // _MIB} MiB; "
-                        f"at most {MAX_HTML_BYTES // _MIB} MiB)"
-                    )
-                chapters.append(_xhtml_markdown(book.read(name)))
-    except ConversionError:
-        raise
-    except Exception as e:  # BadZipFile (a bad CRC), lxml's XMLSyntaxError, KeyError (a part the package lists)
-        raise ConversionError(f"corrupt EPUB ({describe_error(e)})") from None
+    with _damage_named("EPUB"), zipfile.ZipFile(io.BytesIO(data)) as book:
+        _check_epub_drm(book)
+        chapters = []
+        for name in _epub_spine(book):
+            _check_time(started)
+            if book.getinfo(name).file_size > MAX_HTML_BYTES:  # as for a web page: the parse grows with it
+                raise ConversionError(
+                    f"EPUB chapter {name} is too large ({book.getinfo(name).file_size // _MIB} MiB; "
+                    f"at most {MAX_HTML_BYTES // _MIB} MiB)"
+                )
+            chapters.append(_xhtml_markdown(book.read(name)))
     text = _tidy("\n\n".join(chapters))
     if not text:
         raise ConversionError("no text in the EPUB (its chapters hold only pictures?)")
