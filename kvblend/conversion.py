@@ -71,6 +71,7 @@ __all__ = [
     "Converted",
     "classify",
     "convert",
+    "decode_text",
     "describe_error",
 ]
 
@@ -117,13 +118,17 @@ def classify(suffix: str, data: bytes) -> str:
     what it looks like (a ``.pdf`` that is an HTML error page is the classic).
     Any other extension is read by content: a PDF or DOCX without its
     extension is still converted. ``.md``/``.json``/``.jsonl`` are text as
-    they are. Only the first bytes are looked at, so plain text pays nothing.
+    they are. RTF is refused whatever its extension: it is text, so it would
+    otherwise be ingested with its control words. Only the first bytes are
+    looked at, so plain text pays nothing.
 
     Raises :class:`ConversionError` for a mismatch or a format kvblend does not read.
     """
     suffix = suffix.lower()
     if suffix in _TEXT_EXTENSIONS:
         return _TEXT_EXTENSIONS[suffix]
+    if _is_rtf(data):  # text, but its control words would become the KV
+        raise ConversionError("unsupported format (RTF: save it as .docx or plain text)")
     if data.startswith(_OLE_MAGIC) and _ole_encrypted(data):
         what = suffix[1:].upper() if suffix in (".docx", ".pptx", ".xlsx") else "Office file"
         raise ConversionError(f"encrypted {what} (password protected)")
@@ -168,6 +173,10 @@ def _ole_encrypted(data: bytes) -> bool:
             return bool(ole.exists("EncryptedPackage"))
     except Exception:  # a damaged compound file: whatever it is, it is not read (the caller's reason stands)
         return False
+
+
+def _is_rtf(data: bytes) -> bool:
+    return data[:64].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{\\rtf")
 
 
 def _is_pdf(data: bytes) -> bool:
@@ -229,6 +238,8 @@ def _describe(data: bytes) -> str:
         return "a PDF"
     if data.startswith(_OLE_MAGIC):
         return "a legacy Office file"
+    if _is_rtf(data):
+        return "RTF"
     if _is_zip(data):
         if (fmt := _zip_format(data)) is not None:
             return next(named for f, named, _ in _ZIP_FORMATS.values() if f == fmt)
@@ -248,6 +259,72 @@ def _describe(data: bytes) -> str:
         if e.start < len(head) - 4:  # not just a character cut at the end of the sample
             return "binary data"
     return "text"
+
+
+# ─────────────────────────────── plain text ───────────────────────────────
+
+# Byte-order marks, longest first: UTF-32 LE's begins with UTF-16 LE's.
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32"),
+    (b"\x00\x00\xfe\xff", "utf-32"),
+    (b"\xef\xbb\xbf", "utf-8-sig"),
+    (b"\xff\xfe", "utf-16"),
+    (b"\xfe\xff", "utf-16"),
+)
+# A legacy encoding charset-normalizer may rank level with others on a short Western text (chaos and coherence
+# alike): cp1250 and cp1252 decode "Café" the same and "crème" differently. Windows-1252 is what browsers assume
+# for unlabelled Western pages (WHATWG's encoding standard), and what Windows wrote for most of the world.
+_PREFERRED_ON_A_TIE = ("cp1252",)
+
+
+def decode_text(data: bytes) -> tuple[str, str]:
+    """A plain-text file's text and the encoding it was read in ("utf-8", "utf-16", "cp1252", ...).
+
+    Real corpora are not all UTF-8: Windows Notepad's "Unicode" and Windows PowerShell's ``>`` write UTF-16
+    with a byte-order mark, and older files are in a legacy code page (Windows-1252, Shift-JIS, KOI8-R).
+    A byte-order mark is believed; then UTF-8, which almost every file is (strict: one bad byte and it is
+    not); then NUL bytes mean binary; then charset-normalizer (the detector requests and markitdown use)
+    picks the legacy encoding whose decoding reads as language, or none: bytes no encoding makes sense of
+    are skipped rather than ingested as mojibake. The text is exact otherwise (no normalisation here).
+
+    Raises :class:`ConversionError` with the skip reason.
+    """
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(encoding), encoding.removesuffix("-sig")
+            except UnicodeDecodeError:
+                name = encoding.removesuffix("-sig").upper()
+                raise ConversionError(f"not valid {name} (damaged text after a {name} byte-order mark)") from None
+    if b"\x00" in data:
+        raise ConversionError("binary")
+    try:
+        return data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        pass
+    detected = _detect_encoding(data)
+    try:
+        if detected is not None:  # the detector reads a sample of a large file: the rest must decode too
+            return data.decode(detected), detected
+    except UnicodeDecodeError:
+        pass
+    raise ConversionError("not UTF-8, and no other text encoding reads it as text")
+
+
+def _detect_encoding(data: bytes) -> str | None:
+    """charset-normalizer's pick for bytes that are not UTF-8, with :data:`_PREFERRED_ON_A_TIE` breaking ties."""
+    import charset_normalizer  # lazy: only files that are not UTF-8 need it
+
+    matches = list(charset_normalizer.from_bytes(data))
+    if not matches:
+        return None
+    best = matches[0]  # ranked by chaos (mess), then coherence (language)
+    tied = [m for m in matches if m.chaos == best.chaos and m.coherence == best.coherence]
+    for preferred in _PREFERRED_ON_A_TIE:
+        for match in tied:
+            if preferred in (match.encoding, *match.could_be_from_charset):
+                return preferred
+    return best.encoding
 
 
 # ─────────────────────────────── conversion ───────────────────────────────

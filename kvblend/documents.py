@@ -15,10 +15,14 @@ found plus the files (or records) it had to skip, each with a short reason.
   is not what its extension claims, an encrypted, scanned (no text layer),
   truncated or corrupt file, a ZIP bomb or an oversized web page is skipped
   with a one-line reason, and so is anything a converter raises.
-* Any other file that is UTF-8 text is a document (``.txt``, ``.md``, ``.rst``
+* Any other file that is text is a document (``.txt``, ``.md``, ``.rst``
   and every other extension alike; ``.md``/``.markdown`` are recorded as
-  format ``"markdown"``, their text unchanged).  Skipped: files with NUL bytes
-  (``"binary"``), not valid UTF-8 (``"not UTF-8"``), empty or whitespace-only
+  format ``"markdown"``, their text unchanged).  Text is UTF-8, or UTF-16/32
+  with a byte-order mark, or a legacy encoding that charset-normalizer
+  detects (recorded as :attr:`Document.encoding`; see
+  :func:`kvblend.conversion.decode_text`).  Skipped: files with NUL bytes
+  and no byte-order mark (``"binary"``), bytes no encoding reads as text,
+  RTF (its control words are not text), empty or whitespace-only
   (``"empty"``), unreadable (``"permission denied"``), larger than
   :data:`MAX_FILE_BYTES`.
 * ``.jsonl``: one document per line, from the line's ``text`` field (else
@@ -30,7 +34,7 @@ found plus the files (or records) it had to skip, each with a short reason.
   document per element (shown as ``file.json#3``, 0-based index; elements
   without the field are skipped).  Any other JSON, or invalid JSON, is read
   as plain text.
-* Text keeps its content exactly, except that a UTF-8 byte-order mark is
+* Text keeps its content exactly, except that a byte-order mark is
   dropped and ``\\r\\n`` / ``\\r`` line endings become ``\\n`` (so a checkout's
   line-ending style does not change cache keys).
 
@@ -81,10 +85,22 @@ class Document:
     format: str = "text"
     # Offsets into `text` where pages 1, 2, ... begin (page_starts[0] == 0); empty for formats without pages.
     page_starts: tuple[int, ...] = ()
+    # The encoding a plain-text file was decoded from when it was not UTF-8 ("utf-16", "cp1252", ...), so a
+    # user can see what was guessed; "" for UTF-8 and for converted formats.
+    encoding: str = ""
 
     @classmethod
-    def of(cls, path: str, text: str, format: str = "text", page_starts: tuple[int, ...] = ()) -> Document:
-        return cls(path=path, text=text, content_hash=content_hash(text), format=format, page_starts=page_starts)
+    def of(
+        cls, path: str, text: str, format: str = "text", page_starts: tuple[int, ...] = (), encoding: str = ""
+    ) -> Document:
+        return cls(
+            path=path,
+            text=text,
+            content_hash=content_hash(text),
+            format=format,
+            page_starts=page_starts,
+            encoding=encoding,
+        )
 
 
 @dataclass(frozen=True)
@@ -195,13 +211,10 @@ def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skippe
     if fmt in conversion.CONVERTED_FORMATS:
         _add_converted(name, fmt, data, docs, skipped)
         return
-    if b"\x00" in data:
-        skipped.append(Skipped(name, "binary"))
-        return
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        skipped.append(Skipped(name, "not UTF-8"))
+        text, encoding = conversion.decode_text(data)
+    except conversion.ConversionError as e:
+        skipped.append(Skipped(name, str(e)))
         return
     text = _clean(text)
 
@@ -210,7 +223,7 @@ def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skippe
         return
     if suffix == ".json" and _read_json(text, name, docs, skipped):
         return
-    _add_text(name, text, docs, skipped, fmt)
+    _add_text(name, text, docs, skipped, fmt, encoding=encoding)
 
 
 def _add_converted(name: str, fmt: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
@@ -252,13 +265,14 @@ def _add_text(
     skipped: list[Skipped],
     format: str = "text",
     page_starts: tuple[int, ...] = (),
+    encoding: str = "",
 ) -> None:
     if not text.strip():
         skipped.append(Skipped(name, "empty"))
     elif not _is_text(text):  # a JSON string's lone "\ud800" escape
         skipped.append(Skipped(name, "holds a lone UTF-16 surrogate, which is no text"))
     else:
-        docs.append(Document.of(name, text, format, page_starts))
+        docs.append(Document.of(name, text, format, page_starts, "" if encoding == "utf-8" else encoding))
 
 
 def _is_text(s: str) -> bool:
@@ -331,7 +345,8 @@ def _read_json(text: str, name: str, docs, skipped) -> bool:
 
 
 def read_user_text(path: Path, what: str) -> str:
-    """A file the user named on the command line, as UTF-8; any failure is one UsageError line naming it.
+    """A file the user named on the command line, as text (:func:`kvblend.conversion.decode_text`); any failure
+    is one UsageError line naming it.
 
     Only regular files are read: a FIFO (or a device, a socket) would block
     forever or never end. The file is opened non-blocking and checked on the
@@ -350,9 +365,13 @@ def read_user_text(path: Path, what: str) -> str:
         if not stat.S_ISREG(mode):
             raise UsageError(f"{what} {path} is not a regular file (FIFOs, devices and sockets are not read)")
         with os.fdopen(os.dup(fd), "rb") as f:
-            text = f.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {what} {path} as UTF-8 text ({type(exc).__name__})") from None
+            data = f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})") from None
     finally:
         os.close(fd)
-    return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it (universal newlines)
+    try:
+        text, _ = conversion.decode_text(data)  # what ingest reads as text, this reads too
+    except conversion.ConversionError as exc:
+        raise UsageError(f"cannot read {what} {path} as text ({exc})") from None
+    return _clean(text)  # as text mode reads it (universal newlines), without a byte-order mark

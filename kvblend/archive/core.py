@@ -335,6 +335,7 @@ class DocumentSummary:
     ingested: float
     format: str = "text"  # what the file was read as ("text", "markdown", "pdf", ...)
     pages: int = 0  # page count; 0 for formats without pages
+    encoding: str = ""  # a plain-text file's encoding when not UTF-8 ("cp1252", ...); else ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -610,6 +611,7 @@ class ArchiveCore:
                     ingested=doc.ingested,
                     format=doc.format,
                     pages=doc.pages,
+                    encoding=doc.encoding,
                 )
             )
         return out

@@ -198,6 +198,7 @@ class DocumentRecord:
     format: str = "text"  # what the file was read as: "text", "markdown", "json", "pdf", "html", "docx", ...
     pages: int = 0  # page count; 0 for formats without pages
     sources: list[dict[str, Any]] = field(default_factory=list)  # parallel to segment_keys (see the class doc)
+    encoding: str = ""  # what a plain-text file was decoded from when not UTF-8 ("utf-16", "cp1252", ...); else ""
 
     @property
     def display_name(self) -> str:

@@ -86,7 +86,11 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
         table.add_column(col, justify="right", no_wrap=True)
     for d in docs:
         segs = f"{d.segments}" + (f" ({d.missing_segments} missing)" if d.missing_segments else "")
-        fmt = escape(d.format) + (f", {d.pages} p." if d.pages else "")
+        fmt = (
+            escape(d.format)
+            + (f", {d.pages} p." if d.pages else "")
+            + (f", {escape(d.encoding)}" if d.encoding else "")
+        )
         table.add_row(escape(d.name), fmt, segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
     out.print(table)
 
@@ -111,6 +115,7 @@ def show(
                 "content_hash": doc.content_hash,
                 "format": doc.format,
                 "pages": doc.pages,
+                "encoding": doc.encoding or None,  # null: UTF-8, or a converted format
                 "tokens": doc.n_tokens,
                 "ingested": doc.ingested,
                 "incomplete": doc.incomplete,
@@ -121,6 +126,8 @@ def show(
                 print_json({**info, "sources": [doc.source(i) for i in range(len(doc.segment_keys))]})
             else:
                 for k, v in info.items():
+                    if v is None:  # an encoding only where it was not UTF-8
+                        continue
                     shown = _when(doc.ingested) if k == "ingested" else str(v)
                     out.print(f"[bold]{k}[/]: {escape(shown)}")
                 wheres = [describe(**doc.source(i)) for i in range(len(doc.segment_keys))]

@@ -239,6 +239,7 @@ def _segment_document(
         size=len(doc.text.encode()),
         format=doc.format,
         pages=len(doc.page_starts),
+        encoding=doc.encoding,
         sources=segment_sources(doc.text, spans, doc.page_starts),  # per (document, segment): not in the KV's record
     )
 

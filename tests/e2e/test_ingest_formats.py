@@ -25,12 +25,22 @@ def test_ingest_skips_each_bad_document_in_one_line_and_leaves_the_archive_as_it
     mixed = tmp_path / "mixed"
     shutil.copytree(bad, mixed)
     shutil.copy(DOCS / "report.docx", mixed / "report.docx")
+    # good text in other encodings beside them: read, and their encoding recorded
+    (mixed / "menu.txt").write_bytes("Le crème brûlée coûte 7 €.\r\nNaïve.\r\n".encode("cp1252"))
+    (mixed / "exported.txt").write_bytes("Orders shipped: 12\r\n".encode("utf-16"))  # Windows PowerShell's `>`
     arc = tmp_path / "arc"
 
     proc = run_cli("ingest", mixed, "--archive", arc, "--json", check=True)
     assert "Traceback" not in proc.stderr
     report = json.loads(proc.stdout)
-    assert report["documents"] == 1 and report["segments_new"] >= 1
+    assert report["documents"] == 3 and report["segments_new"] >= 3
+    listed = {Path(d["name"]).name: d for d in json.loads(run_cli("ls", "--archive", arc, "--json").stdout)}
+    assert {name: d["encoding"] for name, d in listed.items()} == {
+        "menu.txt": "cp1252", "exported.txt": "utf-16", "report.docx": ""}
+    table = run_cli("ls", "--archive", arc).stdout
+    assert re.search(r"menu\.txt\s*│\s*text, cp1252", table), table
+    shown = json.loads(run_cli("show", "menu.txt", "--archive", arc, "--json").stdout)
+    assert shown["encoding"] == "cp1252"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("skipped ")]
     assert len(lines) == len(expected), proc.stderr
     assert "warning" not in proc.stderr.lower(), proc.stderr  # no converter spoke for itself

@@ -84,6 +84,10 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "hollow.epub").write_bytes(zip_bytes(hollow))
     (root / "slides.epub").write_bytes(pptx)
     (root / "drm.epub").write_bytes(with_member(epub, "META-INF/encryption.xml", ENCRYPTED_CHAPTER))
+    (root / "letter.rtf").write_text(r"{\rtf1\ansi\deff0{\fonttbl{\f0 Times;}}\f0 Dear reader,\par {\b Hello}.\par}")
+    # high bytes without a NUL: no BOM, not UTF-8, and no legacy code page reads them as language
+    (root / "noise.txt").write_bytes(bytes(128 + (i * 7919 + 13) % 128 for i in range(4096)))
+    (root / "damaged-utf16.txt").write_bytes(b"\xff\xfe" + "Half a ".encode("utf-16-le") + b"\x00\xd8")
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
         "scanned.pdf": r"^no text layer \(",
@@ -106,4 +110,7 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "hollow.epub": r"^corrupt EPUB \(META-INF/container.xml names no package file\)$",
         "slides.epub": r"^not an EPUB \(content looks like a PPTX\)$",
         "drm.epub": r"^encrypted EPUB \(DRM-protected\)$",
+        "letter.rtf": r"^unsupported format \(RTF: save it as .docx or plain text\)$",
+        "noise.txt": r"^not UTF-8, and no other text encoding reads it as text$",
+        "damaged-utf16.txt": r"^not valid UTF-16 \(damaged text after a UTF-16 byte-order mark\)$",
     }

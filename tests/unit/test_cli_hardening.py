@@ -147,9 +147,14 @@ def test_read_user_text_keeps_reading_regular_files(tmp_path):
         read_user_text(tmp_path / "missing.txt", "context file")
     with pytest.raises(UsageError, match="is a directory"):
         read_user_text(tmp_path, "context file")
-    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
-    with pytest.raises(UsageError, match="UTF-8"):
+    (tmp_path / "windows.txt").write_bytes("line one\r\nand a café\r\n".encode("utf-16"))  # Notepad's "Unicode"
+    assert read_user_text(tmp_path / "windows.txt", "context file") == "line one\nand a café\n"
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe" + "cut".encode("utf-16-le") + b"\x00\xd8")
+    with pytest.raises(UsageError, match=r"cannot read context file .*bad.txt as text \(not valid UTF-16"):
         read_user_text(tmp_path / "bad.txt", "context file")
+    (tmp_path / "noise.bin").write_bytes(bytes(range(256)))
+    with pytest.raises(UsageError, match=r"as text \(binary\)"):
+        read_user_text(tmp_path / "noise.bin", "context file")
 
 
 def test_a_segment_put_leaves_a_manifest_and_rm_removes_it(tmp_path):

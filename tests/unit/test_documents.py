@@ -66,20 +66,60 @@ def test_line_endings_and_bom_are_normalised(tmp_path):
     assert da.content_hash == db.content_hash
 
 
-def test_binary_non_utf8_empty_are_skipped_with_reasons(tmp_path):
+def test_binary_undecodable_empty_are_skipped_with_reasons(tmp_path):
     write(tmp_path / "img.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-    write(tmp_path / "latin1.txt", "caf\xe9".encode("latin-1"))
+    write(tmp_path / "noise.txt", bytes(128 + (i * 7919 + 13) % 128 for i in range(4096)))
     write(tmp_path / "empty.md", "")
     write(tmp_path / "blank.md", "  \n\n\t")
     write(tmp_path / "ok.md", "fine")
     docs, skipped = iter_documents([tmp_path])
     p = tmp_path.as_posix()
     assert [d.path for d in docs] == [f"{p}/ok.md"]
+    assert docs[0].encoding == ""  # UTF-8 is not worth a word
     assert sorted(skipped, key=lambda s: s.path) == [
         Skipped(f"{p}/blank.md", "empty"),
         Skipped(f"{p}/empty.md", "empty"),
         Skipped(f"{p}/img.png", "binary"),
-        Skipped(f"{p}/latin1.txt", "not UTF-8"),
+        Skipped(f"{p}/noise.txt", "not UTF-8, and no other text encoding reads it as text"),
+    ]
+
+
+MENU = "Café menu\n\nThe crème brûlée costs 7 €. Our naïve chef from Zürich bakes bread.\n"
+
+
+@pytest.mark.parametrize(
+    "data, encoding, text",
+    [
+        (MENU.encode("utf-16"), "utf-16", MENU),  # Notepad's "Unicode", Windows PowerShell's `>`: LE with a BOM
+        (b"\xfe\xff" + MENU.encode("utf-16-be"), "utf-16", MENU),
+        (MENU.encode("utf-32"), "utf-32", MENU),
+        # short Western text ties cp1250 with cp1252 in the detector; cp1250 would read "crčme brűlée naďve"
+        (MENU.encode("cp1252"), "cp1252", MENU),
+        ("caf\xe9".encode("latin-1"), "cp1252", "café"),
+        ("東京の天気は晴れです。明日は雨が降るでしょう。会議は午後三時に始まります。".encode("shift_jis"), "cp932",
+         "東京の天気は晴れです。明日は雨が降るでしょう。会議は午後三時に始まります。"),
+        ("Москва - столица России. Это крупнейший город страны.".encode("cp1251"), "cp1251",
+         "Москва - столица России. Это крупнейший город страны."),
+    ],
+    ids=["utf-16-le", "utf-16-be", "utf-32", "cp1252", "latin-1", "shift-jis", "cp1251"],
+)
+def test_text_in_other_encodings_is_read_and_its_encoding_recorded(tmp_path, data, encoding, text):
+    f = write(tmp_path / "notes.txt", data.replace(b"\n", b"\r\n") if encoding == "cp1252" else data)
+    (doc,), skipped = iter_documents([f])
+    assert skipped == []
+    assert (doc.text, doc.encoding) == (text, encoding)
+    assert doc.content_hash == content_hash(text)  # the same text in UTF-8 is the same document, the same KV
+
+
+def test_rtf_and_damaged_utf16_are_skipped_not_read_as_text(tmp_path):
+    write(tmp_path / "letter.txt", r"{\rtf1\ansi{\fonttbl{\f0 Times;}}\f0 Dear reader,\par}")  # RTF by its content
+    write(tmp_path / "half.txt", b"\xff\xfe" + "Half a ".encode("utf-16-le") + b"\x00\xd8")
+    docs, skipped = iter_documents([tmp_path])
+    p = tmp_path.as_posix()
+    assert docs == []
+    assert sorted(skipped, key=lambda s: s.path) == [
+        Skipped(f"{p}/half.txt", "not valid UTF-16 (damaged text after a UTF-16 byte-order mark)"),
+        Skipped(f"{p}/letter.txt", "unsupported format (RTF: save it as .docx or plain text)"),
     ]
 
 
