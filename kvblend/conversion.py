@@ -10,8 +10,10 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
 * **PDF** — pypdfium2 (Chrome's PDFium): text in reading order, 4x faster than
   pypdf and 35x faster than pdfminer.six on the same pages, and it repairs
   what damage it can. Headings come from the PDF's outline (bookmarks) where
-  the producer wrote one. Pages are joined by a blank line and
-  :attr:`Converted.page_starts` says where each begins.
+  the producer wrote one. Running headers and footers are kept once and
+  printed page numbers dropped (:func:`_drop_running_lines`). Pages are
+  joined by a blank line and :attr:`Converted.page_starts` says where each
+  begins.
 * **HTML** — trafilatura: keeps the article and drops navigation, cookie
   banners, footers and scripts, with headings, lists and tables as Markdown.
   A page too short for it to find an article is read whole (its text only).
@@ -434,14 +436,94 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
                     textpage.close()
             finally:
                 page.close()
-            pages.append(_mark_headings(_tidy(raw), headings.get(index, [])))
+            pages.append(_tidy(raw))
     finally:
         pdf.close()
     if not pages:
         raise ConversionError("PDF has no pages")
     if not any(p.strip() for p in pages):
         raise ConversionError("no text layer (a scanned or image-only PDF; run OCR on it first)")
-    return _paged(pages, "pdf")
+    pages = _drop_running_lines(pages)
+    return _paged([_mark_headings(text, headings.get(i, [])) for i, text in enumerate(pages)], "pdf")
+
+
+_EDGE_LINES = 2  # a page's first and last lines: where running headers, footers and page numbers sit
+_RUNNING_MIN_PAGES = 3
+_RUNNING_MIN_SHARE = 0.25  # of the pages: a book's title on every other page counts, a chapter's name may not
+_PAGE_NUMBER_MAX_WORDS = 8  # "Page 3 of 40", "- 3 -", "Orca manual | 3": short
+_RUNNING_MAX_WORDS = 12  # a header or footer is a title, a name, a notice; a full-width line of body text is longer
+_NUMBER = re.compile(r"\d+")
+
+
+def _drop_running_lines(pages: list[str]) -> list[str]:
+    """The pages without their running headers and footers, and without printed page numbers.
+
+    Every page of a real PDF repeats its header and footer ("Kestrel Pumps Ltd - Orca service manual",
+    "Page 3 of 40"), which would become KV on every page, split a sentence running over a page break, and
+    pull retrieval to any segment holding them. Like trafilatura on a web page's navigation, this drops them,
+    from their place only: a page's first and last :data:`_EDGE_LINES` lines.
+
+    - A short line (:data:`_RUNNING_MAX_WORDS`) that recurs at an edge on at least :data:`_RUNNING_MIN_PAGES`
+      pages and :data:`_RUNNING_MIN_SHARE` of them is a running header or footer. Its first occurrence is kept (nothing
+      is lost: a table header repeated over pages keeps one copy), the rest dropped.
+    - A short edge line whose digits differ from page to page is a page number when, over the pages it is
+      on, one of its numbers is the page's index plus one constant (printed numbering may start anywhere).
+      Every occurrence is dropped: kvblend records pages itself.
+
+    A PDF of fewer pages has nothing to tell a running line from content by, and is returned as it is.
+    """
+    if len(pages) < _RUNNING_MIN_PAGES:
+        return pages
+    lines = [page.split("\n") for page in pages]
+    edges = [_edge_indices(page_lines) for page_lines in lines]
+    enough = max(_RUNNING_MIN_PAGES, _RUNNING_MIN_SHARE * len(pages))
+
+    pages_with: dict[str, set[int]] = {}  # an edge line's text -> the pages it is on
+    numbered: dict[str, list[tuple[int, list[int]]]] = {}  # its shape, digits as '#' -> (page, its numbers)
+    for index, (page_lines, edge) in enumerate(zip(lines, edges)):
+        for i in edge:
+            text = " ".join(page_lines[i].split()).casefold()
+            pages_with.setdefault(text, set()).add(index)
+            numbers = [int(n) for n in _NUMBER.findall(text)]
+            if numbers and len(text.split()) <= _PAGE_NUMBER_MAX_WORDS:
+                numbered.setdefault(_NUMBER.sub("#", text), []).append((index, numbers))
+    running = {text for text, on in pages_with.items() if len(on) >= enough and len(text.split()) <= _RUNNING_MAX_WORDS}
+    page_numbers = {shape for shape, seen in numbered.items() if _counts_pages(seen, enough)}
+
+    out: list[str] = []
+    seen_running: set[str] = set()
+    for page_lines, edge in zip(lines, edges):
+        drop = set()
+        for i in edge:
+            text = " ".join(page_lines[i].split()).casefold()
+            if _NUMBER.sub("#", text) in page_numbers and _NUMBER.search(text):
+                drop.add(i)
+            elif text in running:
+                if text in seen_running:
+                    drop.add(i)
+                seen_running.add(text)
+        kept = [line for i, line in enumerate(page_lines) if i not in drop]
+        out.append("\n".join(kept).strip())
+    return out
+
+
+def _edge_indices(page_lines: list[str]) -> list[int]:
+    """Indices of a page's first and last :data:`_EDGE_LINES` non-blank lines (each once)."""
+    filled = [i for i, line in enumerate(page_lines) if line.strip()]
+    return sorted(set(filled[:_EDGE_LINES] + filled[-_EDGE_LINES:]))
+
+
+def _counts_pages(seen: list[tuple[int, list[int]]], enough: float) -> bool:
+    """Whether lines of one shape, seen on these (page index, numbers in the line), number the pages: on
+    enough pages, one number position minus the page index is the same constant on nearly all of them."""
+    pages = {index for index, _ in seen}
+    if len(pages) < enough:
+        return False
+    offsets: dict[tuple[int, int], int] = {}
+    for index, numbers in seen:
+        for position, n in enumerate(numbers):
+            offsets[(position, n - index)] = offsets.get((position, n - index), 0) + 1
+    return max(offsets.values()) >= 0.8 * len(seen)
 
 
 def _paged(pages: list[str], fmt: str) -> Converted:

@@ -67,6 +67,67 @@ def test_pdf_has_headings_table_rows_list_and_its_pages():
     assert text[starts[1] :].startswith("## Specifications") and text[starts[3] :].startswith("## Safety checklist")
 
 
+BODIES = [  # a page each: different text, as a real manual's pages are
+    "Install the pump on a level base and bolt it down before connecting any pipe.",
+    "Prime the casing with clean water; a dry start damages the shaft seal within seconds.",
+    "Check the rotation: the arrow on the casing shows the direction the impeller must turn.",
+    "Open the discharge valve slowly while watching the gauge, and stop at the rated pressure.",
+    "Record the flow, the pressure and the motor current in the commissioning sheet.",
+    "Inspect the seal every 500 hours and replace it at the first sign of a leak.",
+]
+
+
+RATINGS = [412, 300, 520, 180, 240, 96]
+
+
+def running_pdf(path: Path, pages: int, numbering_from: int = 1) -> Path:
+    """A PDF as real producers write them: a running header, a footer with the page number, one body per page."""
+    from fpdf import FPDF
+
+    class Manual(FPDF):
+        def header(self):
+            self.set_font("helvetica", size=9)
+            self.cell(0, 8, "Kestrel Pumps Ltd - Orca service manual", align="C")
+            self.ln(12)
+
+        def footer(self):
+            self.set_y(-15)
+            self.set_font("helvetica", size=9)
+            self.cell(0, 10, f"Page {self.page_no() + numbering_from - 1} of {{nb}}", align="C")
+
+    pdf = Manual()
+    pdf.alias_nb_pages()
+    for body in BODIES[:pages]:
+        pdf.add_page()
+        pdf.set_font("helvetica", size=11)
+        pdf.multi_cell(0, 6, body, new_x="LMARGIN", new_y="NEXT")
+        # a last line that is numbered like the footer, but not by page: content, kept
+        pdf.multi_cell(0, 6, f"Rated at {RATINGS[pdf.page_no() - 1]} kPa.", new_x="LMARGIN", new_y="NEXT")  # a body line that looks like a number
+    pdf.output(str(path))
+    return path
+
+
+@pytest.mark.parametrize("numbering_from", [1, 7], ids=["numbered-from-1", "numbered-from-7"])
+def test_running_headers_footers_and_page_numbers_leave_a_pdf(tmp_path, numbering_from):
+    doc = read_one(running_pdf(tmp_path / "manual.pdf", 6, numbering_from))
+    text, starts = doc.text, doc.page_starts
+    assert text.count("Kestrel Pumps Ltd - Orca service manual") == 1  # the header kept once, on page 1
+    assert text.startswith("Kestrel Pumps Ltd - Orca service manual\n")
+    assert not re.search(r"^Page \d+ of \d+$", text, re.M), text  # every printed page number gone
+    assert [int(n) for n in re.findall(r"^Rated at (\d+) kPa\.$", text, re.M)] == RATINGS
+    assert len(starts) == 6
+    for page, body in enumerate(BODIES):  # the pages still begin where their text begins
+        end = starts[page + 1] if page + 1 < len(starts) else len(text)
+        assert body in flat(text[starts[page] : end])
+    assert all(text[start:].startswith("Install" if i == 0 else BODIES[i][:10]) for i, start in enumerate(starts) if i)
+
+
+def test_a_short_pdf_keeps_every_line():
+    """Two pages are too few to tell a running line from content: nothing is dropped."""
+    pages = ["Orca manual\nFirst page text.\nPage 1", "Orca manual\nSecond page text.\nPage 2"]
+    assert conversion._drop_running_lines(pages) == pages
+
+
 def test_web_page_keeps_the_article_and_drops_the_boilerplate():
     doc = read_one(DOCS / "article.html")
     assert doc.format == "html" and doc.page_starts == ()
