@@ -53,6 +53,7 @@ goes on; converters' own logging and warnings are silenced.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
@@ -73,6 +74,7 @@ __all__ = [
     "Converted",
     "classify",
     "convert",
+    "converter_identity",
     "decode_text",
     "describe_error",
 ]
@@ -94,6 +96,31 @@ _OTHER_ZIPS = {
     "content.xml": "OpenDocument",
     "META-INF/container.xml": "EPUB",  # read (below)
 }
+
+
+# Bumped whenever kvblend's own treatment of a format changes what text comes out (tidying, headings, running
+# lines, encodings), so a file archived before is converted again rather than recognised by its bytes.
+CONVERSION_REVISION = 2
+# The libraries whose output is the text: a new version of one may read the same bytes differently.
+_CONVERTER_PACKAGES = ("pypdfium2", "trafilatura", "python-docx", "python-pptx", "markdownify", "charset-normalizer")
+
+
+@functools.cache
+def converter_identity() -> str:
+    """What turns a file's bytes into text here: this module's revision and its libraries' versions.
+
+    kvblend.documents hashes it with a file's bytes, so an archive can tell a file it has already read from
+    its bytes alone, without converting it again (ingest's unchanged check), and no longer can once the
+    converter changes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"kvblend-conversion/{CONVERSION_REVISION}"]
+    for package in _CONVERTER_PACKAGES:
+        try:
+            parts.append(f"{package}/{version(package)}")
+        except PackageNotFoundError:
+            parts.append(f"{package}/-")
+    return " ".join(parts)
 
 
 class ConversionError(Exception):

@@ -49,6 +49,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,11 +58,15 @@ from kvblend.errors import UsageError
 
 __all__ = [
     "Document",
+    "Reading",
     "Skipped",
+    "Unchanged",
     "TEXT_FIELDS",
     "MAX_FILE_BYTES",
     "content_hash",
     "iter_documents",
+    "read_documents",
+    "source_hash",
 ]
 
 TEXT_FIELDS = ("text", "content", "body")
@@ -89,6 +94,10 @@ class Document:
     # user can see what was guessed; "" for UTF-8 and for converted formats.
     encoding: str = ""
 
+    # source_hash() of the converted file (PDF, HTML, ...) this document is; "" for text, which is as cheap to
+    # read again as to hash. What lets the next ingest know the file unchanged without converting it again.
+    source_hash: str = ""
+
     @classmethod
     def of(
         cls, path: str, text: str, format: str = "text", page_starts: tuple[int, ...] = (), encoding: str = ""
@@ -103,10 +112,37 @@ class Document:
         )
 
 
+def source_hash(data: bytes) -> str:
+    """blake2b of a file's bytes and of what converts them (:func:`kvblend.conversion.converter_identity`): equal
+    only when the same bytes would become the same text. Hashing is ~1 GB/s where converting a PDF is ~1 MB/s."""
+    h = hashlib.blake2b(conversion.converter_identity().encode(), digest_size=32)
+    h.update(b"\0")
+    h.update(data)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Skipped:
     path: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """A file whose bytes the caller already holds, read as they are now (:func:`read_documents`): not converted."""
+
+    path: str  # as shown, like Document.path
+    name: str
+    source_hash: str  # what the predicate was asked about: checked again under the archive's writer lock
+
+
+@dataclass
+class Reading:
+    """What :func:`read_documents` found: documents, files skipped with their reasons, and files left unread."""
+
+    docs: list[Document] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    unchanged: list[Unchanged] = dataclasses.field(default_factory=list)
 
 
 def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
@@ -115,9 +151,27 @@ def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
     Raises :class:`UsageError` for a path that does not exist, or a directory
     holding no (non-hidden) files at all.
     """
-    docs: list[Document] = []
-    skipped: list[Skipped] = []
+    reading = read_documents(paths)
+    return reading.docs, reading.skipped
+
+
+def read_documents(
+    paths: list[Path],
+    is_unchanged: Callable[[str, str], bool] | None = None,
+    on_file: Callable[[int, int, str], None] | None = None,
+) -> Reading:
+    """:func:`iter_documents`, for ingest. A file to convert (PDF, HTML, DOCX, PPTX, EPUB) for which
+    ``is_unchanged(path as shown, source_hash(bytes))`` holds is listed as :class:`Unchanged` and not
+    converted: re-ingesting 1,000 unchanged PDFs would otherwise convert them all again to find nothing new.
+    ``on_file(done, total, path)`` follows the reading file by file, since converting a folder of PDFs takes
+    long enough to need a progress bar.
+
+    The walk comes first, so a path that does not exist is an error before any file is read.
+    """
+    reading = Reading()
+    docs, skipped = reading.docs, reading.skipped
     seen: set[str] = set()
+    everything: list[tuple[Path, str, str]] = []
     for given in paths:
         given = Path(given)
         shown = given.as_posix()
@@ -133,14 +187,22 @@ def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
             targets = [(given, shown, given.name)]
         for file, name, label in targets:
             key = os.path.realpath(file)
-            if key in seen:
-                continue
-            seen.add(key)
-            before = len(docs)
-            _read_file(file, name, docs, skipped)
-            # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
-            docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name) :]) for d in docs[before:]]
-    return docs, skipped
+            if key not in seen:
+                seen.add(key)
+                everything.append((file, name, label))
+    for done, (file, name, label) in enumerate(everything):
+        if on_file is not None:
+            on_file(done, len(everything), name)
+        before = len(docs)
+        unread = _read_file(file, name, docs, skipped, is_unchanged)
+        if unread is not None:
+            reading.unchanged.append(Unchanged(name, label, unread))
+            continue
+        # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
+        docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name) :]) for d in docs[before:]]
+    if on_file is not None:
+        on_file(len(everything), len(everything), "")
+    return reading
 
 
 # ─────────────────────────────── internals ───────────────────────────────
@@ -179,38 +241,57 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
     return found, sorted(unreadable)
 
 
-def _read_file(file: Path, name: str, docs: list[Document], skipped: list[Skipped]) -> None:
+def _read_file(
+    file: Path,
+    name: str,
+    docs: list[Document],
+    skipped: list[Skipped],
+    is_unchanged: Callable[[str, str], bool] | None = None,
+) -> str | None:
+    """Read one file into ``docs`` (or ``skipped``); when ``is_unchanged`` holds, its source hash (left unread)."""
     if not _is_text(name):  # bytes that are no UTF-8 in its name: no record, manifest or line can hold it
         shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         skipped.append(Skipped(shown, "file name is not valid UTF-8 (rename it)"))
-        return
+        return None
     try:
         if not file.is_file():  # FIFOs, devices, sockets: never block on them
             skipped.append(Skipped(name, "not a regular file"))
-            return
+            return None
         size = file.stat().st_size
         if size > MAX_FILE_BYTES:
             skipped.append(Skipped(name, f"too large ({size // (1024 * 1024)} MiB)"))
-            return
+            return None
         data = file.read_bytes()
     except PermissionError:
         skipped.append(Skipped(name, "permission denied"))
-        return
+        return None
     except IsADirectoryError:
         skipped.append(Skipped(name, "is a directory"))
-        return
+        return None
     except OSError as e:
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
-        return
+        return None
     suffix = file.suffix.lower()
     try:
         fmt = conversion.classify(suffix, data)
     except conversion.ConversionError as e:
         skipped.append(Skipped(name, str(e)))
-        return
-    if fmt in conversion.CONVERTED_FORMATS:
+        return None
+    if fmt in conversion.CONVERTED_FORMATS:  # converting is the cost worth skipping (~1 MB/s for a PDF)
+        digest = source_hash(data)
+        if is_unchanged is not None and is_unchanged(name, digest):
+            return digest
+        before = len(docs)
         _add_converted(name, fmt, data, docs, skipped)
-        return
+        if len(docs) == before + 1:
+            docs[-1] = dataclasses.replace(docs[-1], source_hash=digest)
+        return None
+    _read_text(name, suffix, fmt, data, docs, skipped)
+    return None
+
+
+def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
+    """A file that is text as it is (plain, Markdown, JSON): reading it again costs what hashing it would."""
     try:
         text, encoding = conversion.decode_text(data)
     except conversion.ConversionError as e:

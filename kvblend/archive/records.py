@@ -199,6 +199,9 @@ class DocumentRecord:
     pages: int = 0  # page count; 0 for formats without pages
     sources: list[dict[str, Any]] = field(default_factory=list)  # parallel to segment_keys (see the class doc)
     encoding: str = ""  # what a plain-text file was decoded from when not UTF-8 ("utf-16", "cp1252", ...); else ""
+    # kvblend.documents.source_hash of a converted file's bytes (with the converter's identity): an ingest that
+    # finds it equal knows the file unchanged without converting it again. "" for text and older records.
+    source_hash: str = ""
 
     @property
     def display_name(self) -> str:

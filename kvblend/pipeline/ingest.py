@@ -8,6 +8,7 @@ document is committed only after every segment it points at.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -26,8 +27,8 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, iter_documents
-from kvblend.errors import UsageError
+from kvblend.documents import Document, read_documents
+from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.resources import Resources
@@ -137,8 +138,20 @@ def ingest_paths(
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
     started = time.perf_counter()
-    docs, skipped = iter_documents([Path(p) for p in paths])
-    if not docs:
+    existing = _existing_archive(res)
+
+    def held(path: str, digest: str) -> bool:  # the archive holds this file as its bytes are now (its KV is
+        assert existing is not None  # checked under the writer lock, below: a file that fails it is read then)
+        previous = existing.get_document(path)
+        return previous is not None and previous.source_hash == digest and not previous.incomplete
+
+    def reading_progress(done: int, total: int, current: str) -> None:
+        if on_progress is not None:
+            on_progress({"reading": True, "documents": done, "total": total, "tokens": 0, "current": current})
+
+    reading = read_documents([Path(p) for p in paths], held if existing is not None else None, reading_progress)
+    skipped = reading.skipped
+    if not reading.docs and not reading.unchanged:
         shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
         raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
     load_before = res.model_load_s
@@ -146,31 +159,71 @@ def ingest_paths(
     archive = res.archive(create=True)
     pending = _Pending()
     with archive.writer(wait=wait_for_writer), StoreBehind() as behind:
+        docs = list(reading.docs)
+        total = len(docs) + len(reading.unchanged)
+        for unread in reading.unchanged:  # checked again under the lock: another writer may have changed it since
+            previous = archive.get_document(unread.path)
+            if (
+                previous is not None
+                and previous.source_hash == unread.source_hash
+                and _intact(res, archive, previous, codec)
+            ):
+                report.documents += 1
+                _count_unchanged(report, archive, previous)
+                _progress(on_progress, report, unread.path, total)
+            else:
+                again = read_documents([Path(unread.path)])
+                docs.extend(dataclasses.replace(d, name=unread.name) for d in again.docs)
+                report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
         for doc in docs:
             report.documents += 1
             previous = archive.get_document(doc.path)
             if (
                 previous is not None
                 and previous.content_hash == doc.content_hash
-                and not previous.incomplete
-                and stored_as(archive, previous, codec, res.prefilled_under_sink)
+                and _intact(res, archive, previous, codec)
             ):
-                report.documents_unchanged += 1
-                report.segments_reused += len(previous.segment_keys)
-                report.tokens_total += previous.n_tokens
-                report.embeddings_restored += restore_embeddings(archive, previous)
+                _count_unchanged(report, archive, previous)
+                if doc.source_hash and previous.source_hash != doc.source_hash:
+                    # the same text from bytes (or a converter) it was not recorded with: recorded now, so the
+                    # next ingest knows the file from its bytes
+                    archive.put_document(dataclasses.replace(previous, source_hash=doc.source_hash))
             else:
                 pending.documents.append(
                     _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
                 )
                 if pending.tokens() >= batch_tokens:
                     _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
-            _progress(on_progress, report, doc.path, len(docs))
+            _progress(on_progress, report, doc.path, total)
         _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
     res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report
+
+
+def _existing_archive(res: Resources) -> Archive | None:
+    """The archive when there is one to compare files with; None for a new one (nothing is created here: an
+    ingest with nothing to ingest leaves no archive). Whatever keeps an existing one from opening (damage,
+    another model) is raised when ingest opens it to write, as before."""
+    if not Archive.exists(res.location):
+        return None
+    try:
+        return res.archive(create=False)
+    except ArchiveError:  # a Redis archive not made yet (exists() cannot tell without connecting), or damage
+        return None
+
+
+def _intact(res: Resources, archive: Archive, previous: DocumentRecord, codec: str) -> bool:
+    """Whether a stored document needs no work: complete, and its KV made with this codec and sink."""
+    return not previous.incomplete and stored_as(archive, previous, codec, res.prefilled_under_sink)
+
+
+def _count_unchanged(report: IngestReport, archive: Archive, previous: DocumentRecord) -> None:
+    report.documents_unchanged += 1
+    report.segments_reused += len(previous.segment_keys)
+    report.tokens_total += previous.n_tokens
+    report.embeddings_restored += restore_embeddings(archive, previous)
 
 
 def restore_embeddings(archive: Archive, doc: DocumentRecord) -> int:
@@ -191,10 +244,9 @@ def stored_as(archive: Archive, doc: DocumentRecord, codec: str, same_sink: Call
     another) and were prefilled under the sink asked for (`same_sink` of a record's extra); re-ingesting
     with a lossy codec, or back, or under another sink, re-does the document under the new keys."""
     want = codec_settings(codec)
-    for key in doc.segment_keys:
-        rec = archive.get_segment(key)
+    for settings in archive.segment_settings(doc.segment_keys):
         try:
-            if rec is None or codec_settings(rec.codec) != want or not same_sink(rec.extra):
+            if settings is None or codec_settings(settings[0]) != want or not same_sink(settings[1]):
                 return False
         except UsageError:  # a codec of a newer kvblend
             return False
@@ -240,6 +292,7 @@ def _segment_document(
         format=doc.format,
         pages=len(doc.page_starts),
         encoding=doc.encoding,
+        source_hash=doc.source_hash,
         sources=segment_sources(doc.text, spans, doc.page_starts),  # per (document, segment): not in the KV's record
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvblend.defaults import DEFAULT_RATIO
-from support import DOCS, kvblend_script, one_line_error
+from support import DOCS, FIXTURES, kvblend_script, one_line_error
 from support import run_cli as run
 
 
@@ -249,3 +249,45 @@ def test_kill_9_during_real_ingest_loses_nothing_committed(tmp_path):
     assert report["documents"] == len(list(docs.iterdir()))
     assert report["segments_reused"] >= len(seen)  # committed work was not redone
     assert run("verify", "--archive", arc).returncode == 0
+
+
+def in_a_terminal(*args: object, timeout: float = 300) -> tuple[int, str]:
+    """Run the installed `kvblend ARGS` with its output on a pseudo-terminal, as a user at a shell sees it (the
+    progress bars draw only there); its exit status and everything it wrote."""
+    import os
+    import pty
+    import select
+    import time
+
+    main, child = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "CI"}  # bars are off on CI; this is a user's terminal
+    proc = subprocess.Popen([*kvblend_script(), *map(str, args)], stdin=child, stdout=child, stderr=child, env=env)
+    os.close(child)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([main], [], [], 1)[0]:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal closed: the process has gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    return proc.wait(60), b"".join(chunks).decode(errors="replace")
+
+
+def test_ingest_in_a_terminal_shows_reading_then_ingest_progress_and_its_summary(tmp_path):
+    """The bars a user sees: one while files are read (converting a folder of PDFs takes a while), then one
+    while they are prefilled, then the summary; and on a second run, documents known unchanged."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(DOCS / "plants.md", docs / "plants.md")
+    shutil.copy(FIXTURES / "documents" / "manual.pdf", docs / "manual.pdf")
+    for expect in ("(0 unchanged)", "(2 unchanged)"):
+        code, shown = in_a_terminal("ingest", docs, "--archive", tmp_path / "arc", "--compute", "cpu")
+        assert code == 0 and "Traceback" not in shown, shown
+        assert "read" in shown and "files" in shown and f"2 documents {expect}" in shown, shown

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from support import DOCS, kvblend_script
+from support import DOCS, FIXTURES, kvblend_script
 
 
 def test_demo_asks_with_full_reuse_and_blend_side_by_side(copy_of_bundled_archive):
@@ -49,3 +49,51 @@ def test_a_copy_keeps_its_segments_when_the_original_changes_in_the_same_ingest(
             assert doc is not None and not doc.incomplete
             assert doc.segment_keys and all(archive.has_segment(k) for k in doc.segment_keys), name
     assert subprocess.run([*kvblend_script(), "verify", "--archive", str(tmp_path / "arc")]).returncode == 0
+
+
+def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default_runner, tmp_path, monkeypatch):
+    """Re-ingesting a folder converts only what changed: a PDF whose bytes the archive recorded is not read into
+    text again (1,000 unchanged PDFs would otherwise be converted again to find nothing new). New bytes with the
+    same text, or a new converter, convert it once more; the reading reports its progress file by file."""
+    from kvblend import conversion
+    from kvblend.pipeline import Engine
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(FIXTURES / "documents" / "manual.pdf", docs / "manual.pdf")
+    shutil.copy(FIXTURES / "documents" / "quickstart.md", docs / "quickstart.md")
+    real_convert = conversion.convert
+    converted: list[str] = []
+
+    def counting(fmt, data):
+        converted.append(fmt)
+        return real_convert(fmt, data)
+
+    monkeypatch.setattr(conversion, "convert", counting)
+    seen: list[dict] = []
+    with Engine(tmp_path / "arc", runner=default_runner) as engine:
+        first = engine.ingest([docs], on_progress=seen.append)
+        assert converted == ["pdf"] and first.documents == 2 and first.documents_unchanged == 0
+        reading = [p for p in seen if p.get("reading")]
+        assert [(p["documents"], p["total"]) for p in reading] == [(0, 2), (1, 2), (2, 2)]
+
+        again = engine.ingest([docs])
+        assert converted == ["pdf"]  # known by its bytes: not converted
+        assert (again.documents, again.documents_unchanged, again.tokens_new) == (2, 2, 0)
+        assert again.tokens_total == first.tokens_total
+
+        with open(docs / "manual.pdf", "ab") as f:  # new bytes, the same text (a byte after %%EOF)
+            f.write(b"\n")
+        touched = engine.ingest([docs])
+        assert converted == ["pdf", "pdf"] and touched.documents_unchanged == 2 and touched.tokens_new == 0
+        engine.ingest([docs])
+        assert converted == ["pdf", "pdf"]  # its new bytes were recorded: known again
+
+        monkeypatch.setattr(conversion, "CONVERSION_REVISION", conversion.CONVERSION_REVISION + 1)
+        conversion.converter_identity.cache_clear()
+        try:
+            engine.ingest([docs])
+        finally:
+            monkeypatch.undo()
+            conversion.converter_identity.cache_clear()
+        assert converted == ["pdf", "pdf", "pdf"]  # a new converter reads every file again
