@@ -158,6 +158,8 @@ def classify(suffix: str, data: bytes) -> str:
         return _TEXT_EXTENSIONS[suffix]
     if _is_rtf(data):  # text, but its control words would become the KV
         raise ConversionError("unsupported format (RTF: save it as .docx or plain text)")
+    if _is_svg(data):  # an image written as XML: its path data would become the KV
+        raise ConversionError("unsupported format (SVG image)")
     if data.startswith(_OLE_MAGIC) and _ole_encrypted(data):
         what = suffix[1:].upper() if suffix in (".docx", ".pptx", ".xlsx") else "Office file"
         raise ConversionError(f"encrypted {what} (password protected)")
@@ -244,6 +246,24 @@ def _zip_format(data: bytes) -> str | None:
 _LEADING_MARKUP = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->)", re.S)
 
 
+_LEADING_DOCTYPE = re.compile(rb"<!DOCTYPE[^>]*>", re.I)
+
+
+def _is_svg(data: bytes) -> bool:
+    """An SVG image: ``<svg`` first, after a BOM, whitespace, an XML declaration, comments and a DOCTYPE."""
+    head = data[:4096].removeprefix(b"\xef\xbb\xbf")
+    if not head.lstrip().startswith(b"<"):  # plain text's fast way out
+        return False
+    pos = 0
+    while True:
+        head = head[pos:].lstrip()
+        m = _LEADING_MARKUP.match(head) or _LEADING_DOCTYPE.match(head)
+        if m is None or m.end() == 0:
+            break
+        pos = m.end()
+    return head[:4].lower() == b"<svg"
+
+
 def _looks_like_html(data: bytes) -> bool:
     """A whole HTML document: ``<!DOCTYPE html`` or ``<html`` first, after a BOM, whitespace, an XML
     declaration or comments (browsers' "saved from url" one). A text that only mentions a tag is text."""
@@ -269,6 +289,8 @@ def _describe(data: bytes) -> str:
         return "a legacy Office file"
     if _is_rtf(data):
         return "RTF"
+    if _is_svg(data):
+        return "an SVG image"
     if _is_zip(data):
         if (fmt := _zip_format(data)) is not None:
             return next(named for f, named, _ in _ZIP_FORMATS.values() if f == fmt)

@@ -5,7 +5,8 @@ found plus the files (or records) it had to skip, each with a short reason.
 
 * Directories are walked recursively in sorted order; hidden entries (names
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
-  directories (no loops).  A hidden file named explicitly is read.
+  directories (no loops) and the ``Page_files/`` folder a browser saves
+  beside ``Page.html`` (one skip line for the folder).  A hidden file named explicitly is read.
 * PDF, HTML, DOCX, PPTX and EPUB files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
   web page without its navigation, banners and footer; a PDF's pages, or a
@@ -178,9 +179,13 @@ def read_documents(
         if not os.path.lexists(given) or (given.is_symlink() and not given.exists()):
             raise UsageError(f"no such file or directory: {shown}")
         if given.is_dir():
-            files, unreadable = _walk(given)
+            files, unreadable, assets = _walk(given)
             skipped.extend(Skipped(_join(shown, rel), "permission denied") for rel in unreadable)
-            if not files and not unreadable:
+            skipped.extend(
+                Skipped(_join(shown, rel), f"assets of the saved web page {_join(shown, page)} (read from the page)")
+                for rel, page in assets
+            )
+            if not files and not unreadable and not assets:
                 raise UsageError(f"no documents found under {shown}")
             targets = [(f, _join(shown, rel), rel) for f, rel in files]
         else:
@@ -214,11 +219,12 @@ def _join(shown: str, rel: str) -> str:
     return rel if shown in ("", ".") else f"{shown.rstrip('/')}/{rel}"
 
 
-def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
-    """Non-hidden files under root, sorted by relative path (deterministic),
-    and the relative paths of directories that could not be listed."""
+def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str, str]]]:
+    """Non-hidden files under root, sorted by relative path (deterministic), the relative paths of
+    directories that could not be listed, and the saved web pages' asset folders left out (with their page)."""
     found: list[tuple[Path, str]] = []
     unreadable: list[str] = []
+    assets: list[tuple[str, str]] = []
 
     def onerror(err: OSError) -> None:
         if err.filename is not None:
@@ -230,6 +236,11 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
             d for d in dirnames if not d.startswith(".") and not os.path.islink(os.path.join(dirpath, d))
         )
         rel_dir = Path(os.path.relpath(dirpath, root))
+        for d in list(dirnames):
+            page = _saved_page_of(d, filenames)
+            if page is not None:
+                dirnames.remove(d)
+                assets.append(((rel_dir / d).as_posix().removeprefix("./") + "/", (rel_dir / page).as_posix()))
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -238,7 +249,20 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
                 rel = rel[2:]
             found.append((Path(dirpath) / name, rel))
     found.sort(key=lambda item: item[1].split("/"))
-    return found, sorted(unreadable)
+    return found, sorted(unreadable), sorted(assets)
+
+
+_PAGE_SUFFIXES = (".html", ".htm", ".xhtml", ".shtml")
+
+
+def _saved_page_of(dirname: str, filenames: list[str]) -> str | None:
+    """The web page a folder holds the assets of, if it is one: browsers save "Page.html" with "Page_files/"
+    beside it (its scripts, style sheets, images and frames). Their text is not the page's, which is read from
+    Page.html; ingested, a script or a style sheet would become KV as prose does."""
+    if not dirname.endswith("_files"):
+        return None
+    stem = dirname.removesuffix("_files")
+    return next((stem + suffix for suffix in _PAGE_SUFFIXES if stem + suffix in filenames), None)
 
 
 def _read_file(

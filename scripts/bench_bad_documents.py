@@ -26,10 +26,12 @@ KVBLEND = str(Path(sys.executable).parent / "kvblend")
 
 
 def snapshot(archive: Path) -> dict[str, tuple[int, str]]:
-    """Every file under the archive: relative name → (size, SHA-256 of its bytes)."""
+    """Every file under the archive: relative name → (size, SHA-256 of its bytes), except LMDB's reader table
+    ``index/lock.mdb``, where any reader (`kvblend ls` too) registers to read beside a writer; an ingest of a
+    PDF or other converted file opens the archive to ask whether it already holds the file's bytes."""
     files = {}
     for path in sorted(archive.rglob("*")):
-        if path.is_file():
+        if path.is_file() and path.name != "lock.mdb":
             data = path.read_bytes()
             files[str(path.relative_to(archive))] = (len(data), hashlib.sha256(data).hexdigest())
     return files

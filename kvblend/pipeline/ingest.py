@@ -138,18 +138,19 @@ def ingest_paths(
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
     started = time.perf_counter()
-    existing = _existing_archive(res)
+    existing: list[Archive | None] = []  # opened at the first file worth asking about (plain text is not)
 
     def held(path: str, digest: str) -> bool:  # the archive holds this file as its bytes are now (its KV is
-        assert existing is not None  # checked under the writer lock, below: a file that fails it is read then)
-        previous = existing.get_document(path)
+        if not existing:  # checked under the writer lock, below: a file that fails that is read then)
+            existing.append(_existing_archive(res))
+        previous = existing[0].get_document(path) if existing[0] is not None else None
         return previous is not None and previous.source_hash == digest and not previous.incomplete
 
     def reading_progress(done: int, total: int, current: str) -> None:
         if on_progress is not None:
             on_progress({"reading": True, "documents": done, "total": total, "tokens": 0, "current": current})
 
-    reading = read_documents([Path(p) for p in paths], held if existing is not None else None, reading_progress)
+    reading = read_documents([Path(p) for p in paths], held, reading_progress)
     skipped = reading.skipped
     if not reading.docs and not reading.unchanged:
         shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")

@@ -111,6 +111,24 @@ def test_text_in_other_encodings_is_read_and_its_encoding_recorded(tmp_path, dat
     assert doc.content_hash == content_hash(text)  # the same text in UTF-8 is the same document, the same KV
 
 
+def test_a_saved_web_pages_assets_are_left_out_in_one_line(tmp_path):
+    """"Save page as... complete" writes Page.html and Page_files/ (scripts, style sheets, images): the page is
+    read, its assets are not (a script would become KV as prose does). A *_files folder without its page is
+    an ordinary folder."""
+    root = tmp_path / "saved"
+    write(root / "Pump guide.html", "<!DOCTYPE html><html><body><h1>Pump guide</h1><p>Prime the casing.</p></body></html>")
+    write(root / "Pump guide_files" / "app.js", "function f(){return 1}")
+    write(root / "Pump guide_files" / "style.css", "body{margin:0}")
+    write(root / "Pump guide_files" / "sub" / "frame.html", "<html><body><p>ad frame</p></body></html>")
+    write(root / "minutes_files" / "notes.md", "# Minutes\n\nThe pump was serviced.")
+    docs, skipped = iter_documents([root])
+    shown = root.as_posix()
+    assert [d.path for d in docs] == [f"{shown}/Pump guide.html", f"{shown}/minutes_files/notes.md"]
+    assert skipped == [
+        Skipped(f"{shown}/Pump guide_files/", f"assets of the saved web page {shown}/Pump guide.html (read from the page)")
+    ]
+
+
 def test_rtf_and_damaged_utf16_are_skipped_not_read_as_text(tmp_path):
     write(tmp_path / "letter.txt", r"{\rtf1\ansi{\fonttbl{\f0 Times;}}\f0 Dear reader,\par}")  # RTF by its content
     write(tmp_path / "half.txt", b"\xff\xfe" + "Half a ".encode("utf-16-le") + b"\x00\xd8")
