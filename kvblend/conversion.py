@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX and EPUB files into Markdown-flavoured text, or say in one line why not (issue 32).
+"""Turn PDF, HTML, DOCX, PPTX, EPUB and XLSX files into Markdown-flavoured text, or say in one line why not (issue 32).
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -36,6 +36,11 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   table of contents) is left out; a book under DRM is named as such. EPUBs
   are reflowable, so they have no page numbers: chapters and headings
   name the sections.
+
+* **XLSX** — openpyxl (read-only, cached values): each visible sheet a
+  ``##`` section, its cells pipe rows under their header, repeated every
+  :data:`XLSX_ROWS_PER_BLOCK` rows. 12x markitdown's speed (pandas), which
+  also keeps hidden sheets and writes empty cells as ``NaN``.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -84,7 +89,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -102,7 +107,15 @@ _OTHER_ZIPS = {
 # lines, encodings), so a file archived before is converted again rather than recognised by its bytes.
 CONVERSION_REVISION = 2
 # The libraries whose output is the text: a new version of one may read the same bytes differently.
-_CONVERTER_PACKAGES = ("pypdfium2", "trafilatura", "python-docx", "python-pptx", "markdownify", "charset-normalizer")
+_CONVERTER_PACKAGES = (
+    "pypdfium2",
+    "trafilatura",
+    "python-docx",
+    "python-pptx",
+    "markdownify",
+    "charset-normalizer",
+    "openpyxl",
+)
 
 
 @functools.cache
@@ -231,6 +244,7 @@ def _zip_names(data: bytes) -> set[str] | None:
 _ZIP_FORMATS = {
     ".docx": ("docx", "a DOCX", "word/document.xml"),
     ".pptx": ("pptx", "a PPTX", "ppt/presentation.xml"),
+    ".xlsx": ("xlsx", "an XLSX", "xl/workbook.xml"),
     ".epub": ("epub", "an EPUB", "META-INF/container.xml"),
 }
 
@@ -400,10 +414,22 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_pptx(data, started)
         if fmt == "epub":
             return _convert_epub(data, started)
+        if fmt == "xlsx":
+            return _convert_xlsx(data, started)
     raise ValueError(f"no converter for {fmt!r}")
 
 
-_NOISY_LOGGERS = ("trafilatura", "htmldate", "courlan", "justext", "readability", "charset_normalizer", "docx", "pptx")
+_NOISY_LOGGERS = (
+    "trafilatura",
+    "htmldate",
+    "courlan",
+    "justext",
+    "readability",
+    "charset_normalizer",
+    "docx",
+    "pptx",
+    "openpyxl",
+)
 
 
 @contextmanager
@@ -755,6 +781,79 @@ def _pipe_rows(rows: list[list[str]]) -> str:
         return ""
     lines = ["| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |" for cells in rows]
     return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
+# XLSX ───────────────────────────────────────────────────────────────────────
+
+MAX_XLSX_CELLS = 1_000_000  # a workbook of data, not of prose; openpyxl reads ~1M cells a minute at worst
+XLSX_ROWS_PER_BLOCK = 25  # a table's header is repeated every this many rows, so every segment names its columns
+
+
+def _convert_xlsx(data: bytes, started: float) -> Converted:
+    """Each visible sheet as a ``## sheet name`` heading and its used cells as pipe rows, the first row the header.
+
+    Values are what Excel shows as cached in the file (``data_only``: a formula gives its last result, not its
+    text); dates in ISO form; trailing empty columns and empty rows dropped. A long table is cut into blocks
+    of :data:`XLSX_ROWS_PER_BLOCK` rows, each under the header again and a paragraph of its own, so a segment
+    of row 500 still names its columns. Hidden sheets (helper data) and charts are left out. No pages: a
+    sheet is a section, not a printed page.
+    """
+    _check_zip(data, "XLSX")
+    import openpyxl  # lazy: 0.1 s
+
+    with _damage_named("XLSX"):
+        book = openpyxl.load_workbook(io.BytesIO(data), read_only=True, data_only=True)
+    blocks: list[str] = []
+    cells = 0
+    try:
+        for sheet in book.worksheets:
+            if sheet.sheet_state != "visible":
+                continue
+            rows: list[list[str]] = []
+            for values in sheet.iter_rows(values_only=True):
+                cells += len(values)
+                if cells > MAX_XLSX_CELLS:
+                    raise ConversionError(f"too large for XLSX (over {MAX_XLSX_CELLS:,} cells)")
+                row = [_cell(v) for v in values]
+                while row and not row[-1]:
+                    row.pop()
+                if row:
+                    rows.append(row)
+                if len(rows) % 1000 == 0:
+                    _check_time(started)
+            if not rows:
+                continue
+            width = max(len(r) for r in rows)
+            rows = [r + [""] * (width - len(r)) for r in rows]
+            blocks.append(f"## {' '.join(str(sheet.title).split())}")
+            if width == 1:  # a column of notes, not a table
+                blocks.append("\n".join(r[0] for r in rows))
+                continue
+            header, body = rows[0], rows[1:]
+            chunks = [body[i : i + XLSX_ROWS_PER_BLOCK] for i in range(0, len(body), XLSX_ROWS_PER_BLOCK)] or [[]]
+            blocks.extend(_pipe_rows([header, *chunk]) for chunk in chunks)
+    finally:
+        book.close()
+    if not blocks:
+        raise ConversionError("empty (the XLSX holds no values)")
+    return Converted(_tidy("\n\n".join(blocks)), "xlsx")
+
+
+def _cell(value: object) -> str:
+    """A cell as Excel shows its value: 412 not 412.0, 1234567.89 in full (not 1.23457e+06), ISO dates."""
+    import datetime as dt
+
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if isinstance(value, dt.datetime):
+        return value.date().isoformat() if value.time() == dt.time(0) else value.isoformat(sep=" ")
+    if isinstance(value, (dt.date, dt.time)):
+        return value.isoformat()
+    return " ".join(str(value).split())
 
 
 # PPTX ───────────────────────────────────────────────────────────────────────

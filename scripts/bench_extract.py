@@ -54,6 +54,7 @@ SMALL = {
     "report.docx",
     "briefing.pptx (6 slides)",
     "handbook.epub (3 chapters)",
+    "budget.xlsx (4 sheets)",
 }  # the fixtures, whose content the checks know
 
 
@@ -123,6 +124,24 @@ def big_docx(path: Path, sections: int = 50) -> None:
             for c in range(3):
                 table.cell(r, c).text = f"r{r}c{c}"
     doc.save(str(path))
+
+
+def big_xlsx(path: Path, rows: int = 5000) -> None:
+    """A 5,000-row data sheet as XlsxWriter writes it: an item, a quarter, a cost, a date and a formula a row."""
+    import datetime as dt
+
+    import xlsxwriter
+
+    book = xlsxwriter.Workbook(str(path))
+    dates = book.add_format({"num_format": "yyyy-mm-dd"})
+    sheet = book.add_worksheet("Ledger")
+    sheet.write_row(0, 0, ["Item", "Quarter", "Cost (EUR)", "Ordered", "With VAT"])
+    for i in range(1, rows + 1):
+        cost = round(80 + 0.37 * i, 2)
+        sheet.write_row(i, 0, [f"Part {i % 97}", f"Q{i % 4 + 1}", cost])
+        sheet.write_datetime(i, 3, dt.datetime(2026, 1, 1) + dt.timedelta(days=i % 365), dates)
+        sheet.write_formula(i, 4, f"=C{i + 1}*1.2", None, round(cost * 1.2, 4))
+    book.close()
 
 
 def big_pptx(path: Path, slides: int = 50) -> None:
@@ -269,6 +288,10 @@ CANDIDATES: dict[str, list[tuple[str, str, Callable[[bytes], str]]]] = {
         ("kvblend (python-pptx)", "pptx", kvblend_convert("pptx")),
         ("markitdown (python-pptx inside)", "markitdown", markitdown_for(".pptx")),
     ],
+    "xlsx": [
+        ("kvblend (openpyxl)", "openpyxl", kvblend_convert("xlsx")),
+        ("markitdown (pandas + openpyxl)", "markitdown", markitdown_for(".xlsx")),
+    ],
     "epub": [
         ("kvblend (spine + markdownify)", "markdownify", kvblend_convert("epub")),
         ("trafilatura per chapter", "trafilatura", trafilatura_epub),
@@ -304,6 +327,13 @@ def quality(fmt: str, name: str, text: str) -> str:
         notes.append("notes kept" if "Halifax dock delay" in text else "notes lost")
         chart = "| 2026 | 4 | 3.5 |" in text or "| 2026 | 4.0 | 3.5 |" in text
         notes.append("chart data as rows" if chart else "chart data not as pipe rows")
+    elif fmt == "xlsx":
+        notes.append("formula's value kept" if "19093.75" in text else "formula's value lost")
+        notes.append("dates as dates" if "2026-06-16" in text and "00:00:00" not in text else "dates with times")
+        notes.append("hidden sheet left out" if "rate table" not in text else "hidden sheet kept")
+        notes.append("empty cells as NaN" if "NaN" in text else "empty cells empty")
+        repeated = text.count("| Item | Quarter |") >= 2
+        notes.append("header over every 25 rows" if repeated else "header once")
     elif fmt == "epub":
         in_order = 0 <= text.find("A red status light") < text.find("Clean the transducer window")
         notes.append("chapters in spine order" if in_order else "chapters out of order")
@@ -354,6 +384,7 @@ DISTS = {
     "html2text": ["html2text"],
     "docx": ["python-docx"],
     "pptx": ["python-pptx"],
+    "openpyxl": ["openpyxl", "et_xmlfile"],
     "markdownify": ["markdownify", "beautifulsoup4", "soupsieve"],
     "mammoth": ["mammoth"],
     "markitdown": ["markitdown"],
@@ -442,6 +473,8 @@ def main() -> None:
         big_pptx(bigdeck)
         bigbook = Path(tmp) / "big.epub"
         big_epub(bigbook)
+        bigsheet = Path(tmp) / "big.xlsx"
+        big_xlsx(bigsheet)
         inputs = {
             "pdf": [
                 ("manual.pdf (4 pages)", (DOCS / "manual.pdf").read_bytes(), 4),
@@ -458,6 +491,10 @@ def main() -> None:
             "pptx": [
                 ("briefing.pptx (6 slides)", (DOCS / "briefing.pptx").read_bytes(), 6),
                 ("50-slide deck", bigdeck.read_bytes(), 50),
+            ],
+            "xlsx": [
+                ("budget.xlsx (4 sheets)", (DOCS / "budget.xlsx").read_bytes(), 0),
+                ("5,000-row sheet", bigsheet.read_bytes(), 0),
             ],
             "epub": [
                 ("handbook.epub (3 chapters)", (DOCS / "handbook.epub").read_bytes(), 0),

@@ -308,6 +308,38 @@ def make_epub(path: Path) -> None:
     epub.write_epub(str(path), book)
 
 
+def make_xlsx(path: Path) -> None:
+    """A workbook as Excel-compatible producers write it (XlsxWriter): a cost sheet of 30 rows with a header, a
+    date column and a formula with its cached value, a hidden lookup sheet, a notes sheet and an empty one."""
+    import xlsxwriter
+
+    buffer = io.BytesIO()
+    book = xlsxwriter.Workbook(buffer, {"in_memory": True})
+    book.set_properties({"created": FIXED_DATE})
+    dates = book.add_format({"num_format": "yyyy-mm-dd"})
+    costs = book.add_worksheet("Service costs")
+    costs.write_row(0, 0, ["Item", "Quarter", "Cost (EUR)", "Ordered"])
+    items = ["Seal kit", "Impeller", "Bearing set", "Shaft sleeve", "Gasket pack", "Relief valve"]
+    for i in range(30):
+        item = items[i % len(items)]
+        quarter = f"Q{i // 8 + 1}"
+        cost = 1240.5 if (item, quarter) == ("Seal kit", "Q3") else round(80 + 37.25 * i, 2)
+        costs.write_row(i + 1, 0, [item, quarter, cost])
+        costs.write_datetime(i + 1, 3, dt.datetime(2026, 1, 5) + dt.timedelta(days=9 * i), dates)
+    costs.write(31, 0, "Total")
+    costs.write_formula(31, 2, "=SUM(C2:C31)", None, sum(
+        1240.5 if (items[i % 6], f"Q{i // 8 + 1}") == ("Seal kit", "Q3") else round(80 + 37.25 * i, 2) for i in range(30)
+    ))
+    lookup = book.add_worksheet("Lookup")
+    lookup.write_row(0, 0, ["internal", "rate table"])
+    lookup.hide()
+    notes = book.add_worksheet("Notes")
+    notes.write(0, 0, "Costs exclude VAT. The seal kit price rose in Q3 after the supplier change.")
+    book.add_worksheet("Empty")
+    book.close()
+    path.write_bytes(_fixed_zip_dates(buffer.getvalue()))
+
+
 def _fixed_zip_dates(data: bytes) -> bytes:
     """The same zip with every member dated FIXED_DATE, so the file's bytes do not change from run to run (a
     chart's embedded workbook too: XlsxWriter stamps its creation time in it)."""
@@ -423,6 +455,7 @@ def main(out: Path = OUT) -> None:
     make_pptx(out / "briefing.pptx")
     make_locked_pptx(out / "locked.pptx")
     make_epub(out / "handbook.epub")
+    make_xlsx(out / "budget.xlsx")
     (out / "article.html").write_text(WEB_PAGE, encoding="utf-8")
     (out / "quickstart.md").write_text(MARKDOWN, encoding="utf-8")
     for p in sorted(out.iterdir()):

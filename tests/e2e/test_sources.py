@@ -23,7 +23,7 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     arc = tmp_path / "arc"
     with Engine(arc, runner=default_runner) as engine:
         # 128 tokens: the 4-page manual (~330 tokens) is one segment per page, each starting at its heading
-        docs = ["manual.pdf", "briefing.pptx", "handbook.epub", "quickstart.md"]
+        docs = ["manual.pdf", "briefing.pptx", "handbook.epub", "budget.xlsx", "quickstart.md"]
         engine.ingest([DOCUMENTS / name for name in docs], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
@@ -46,6 +46,10 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert (listed["handbook.epub"]["format"], listed["handbook.epub"]["pages"]) == ("epub", 0)
     book = json.loads(run_cli("show", "handbook.epub", "--archive", arc, "--json", check=True).stdout)
     assert {"pages": None, "section": "Maintenance"} in book["sources"], book["sources"]
+    # a workbook's visible sheets are its sections (no pages): each segment names the sheet it came from
+    assert (listed["budget.xlsx"]["format"], listed["budget.xlsx"]["pages"]) == ("xlsx", 0)
+    sheets = json.loads(run_cli("show", "budget.xlsx", "--archive", arc, "--json", check=True).stdout)["sources"]
+    assert {s["section"] for s in sheets} == {"Service costs", "Notes"}, sheets  # hidden and empty sheets left out
     human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
     assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
     assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human

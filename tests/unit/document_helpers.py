@@ -77,7 +77,10 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "truncated.pptx").write_bytes(pptx[: len(pptx) // 2])
     (root / "hollow.pptx").write_bytes(zip_bytes({"ppt/presentation.xml": b"<p/>"}))  # no package parts
     (root / "memo.pptx").write_bytes(docx)
-    (root / "sheet.xlsx").write_bytes(zip_bytes({"xl/workbook.xml": b"<workbook/>"}))
+    (root / "sheet.xlsx").write_bytes(zip_bytes({"xl/workbook.xml": b"<workbook/>"}))  # no package parts
+    xlsx = (DOCS / "budget.xlsx").read_bytes()
+    (root / "truncated.xlsx").write_bytes(xlsx[: len(xlsx) // 2])
+    (root / "locked.xlsx").write_bytes((DOCS / "locked.pptx").read_bytes())  # Excel locks a workbook the same way
     epub = (DOCS / "handbook.epub").read_bytes()
     (root / "truncated.epub").write_bytes(epub[: len(epub) // 2])
     hollow = {"mimetype": b"application/epub+zip", "META-INF/container.xml": b"<x/>"}  # no package file named
@@ -106,7 +109,9 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "truncated.pptx": r"^corrupt PPTX \(not a complete ZIP archive\)$",
         "hollow.pptx": r"^corrupt PPTX \(",
         "memo.pptx": r"^not a PPTX \(content looks like a DOCX\)$",
-        "sheet.xlsx": r"^unsupported format \(Excel \(.xlsx\) file\)$",
+        "sheet.xlsx": r"^corrupt XLSX \(",
+        "truncated.xlsx": r"^corrupt XLSX \(not a complete ZIP archive\)$",
+        "locked.xlsx": r"^encrypted XLSX \(password protected\)$",
         "truncated.epub": r"^corrupt EPUB \(not a complete ZIP archive\)$",
         "hollow.epub": r"^corrupt EPUB \(META-INF/container.xml names no package file\)$",
         "slides.epub": r"^not an EPUB \(content looks like a PPTX\)$",

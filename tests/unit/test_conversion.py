@@ -233,6 +233,22 @@ def test_epub_with_obfuscated_fonts_is_read_and_with_encrypted_chapters_is_refus
             conversion.convert("epub", with_member(book, name, data))
 
 
+def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block_of_rows():
+    doc = read_one(DOCS / "budget.xlsx")
+    assert doc.format == "xlsx" and doc.page_starts == ()
+    text = doc.text
+    in_order(
+        text,
+        "## Service costs\n\n| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| Seal kit | Q1 | 80 | 2026-01-05 |",
+        "| Seal kit | Q3 | 1240.5 | 2026-06-16 |",  # a float as written, a date as a date
+        "\n\n| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| Impeller | Q4 | 1011.25 |",  # row 26
+        "| Total |  | 19093.75 |  |",  # a formula's cached value
+        "\n\n## Notes\n\nCosts exclude VAT.",  # one column: lines, not a table
+    )
+    assert text.count("| Item | Quarter |") == 2  # 31 rows under the header: blocks of 25
+    assert "Lookup" not in text and "rate table" not in text and "Empty" not in text  # hidden, empty: left out
+
+
 def test_markdown_and_text_are_read_unchanged(tmp_path):
     md = read_one(DOCS / "quickstart.md")
     assert md.format == "markdown" and md.text == (DOCS / "quickstart.md").read_text(encoding="utf-8")
@@ -286,7 +302,8 @@ def test_heavy_converters_are_imported_only_when_needed():
     code = (
         "import sys; from pathlib import Path; from kvblend.documents import iter_documents;"
         "docs, _ = iter_documents([Path(sys.argv[1])]); assert len(docs) == 12;"
-        "heavy = ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'olefile', 'bs4', 'markdownify', 'lxml');"
+        "heavy = ('pypdfium2', 'trafilatura', 'docx', 'pptx', 'olefile', 'bs4', 'markdownify', 'lxml', 'openpyxl',"
+        " 'charset_normalizer');"
         "print([m for m in heavy if m in sys.modules])"
     )
     proc = subprocess.run(
@@ -315,10 +332,10 @@ def test_each_bad_document_is_skipped_with_its_reason_and_the_rest_is_read(tmp_p
     assert out == "" and err == ""  # no converter printed a word of its own
 
 
-@pytest.mark.parametrize("fmt,fixture", [("docx", "report.docx"), ("pptx", "briefing.pptx")])
+@pytest.mark.parametrize("fmt,fixture", [("docx", "report.docx"), ("pptx", "briefing.pptx"), ("xlsx", "budget.xlsx")])
 def test_zip_bomb_is_refused_by_its_declared_total_too(monkeypatch, fmt, fixture):
     """Parts that are each plausible but add up past the cap: refused before anything is inflated."""
-    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 30_000)
+    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 15_000)
     data = (DOCS / fixture).read_bytes()
     what = fmt.upper()
     with pytest.raises(conversion.ConversionError, match=rf"^{what} would inflate to over 0 MiB \(a ZIP bomb\?\)"):
