@@ -840,7 +840,8 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
 
 
 def _cell(value: object) -> str:
-    """A cell as Excel shows its value: 412 not 412.0, 1234567.89 in full (not 1.23457e+06), ISO dates."""
+    """A cell (or a chart's data point) as Excel shows its value: 412 not 412.0, 1234567.89 in full (not
+    1.23457e+06, which a chart's values were written as until 2026-11-27), ISO dates, nothing for no value."""
     import datetime as dt
 
     if value is None:
@@ -848,7 +849,7 @@ def _cell(value: object) -> str:
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
     if isinstance(value, float):
-        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.15g}"  # Excel's digits
     if isinstance(value, dt.datetime):
         return value.date().isoformat() if value.time() == dt.time(0) else value.isoformat(sep=" ")
     if isinstance(value, (dt.date, dt.time)):
@@ -917,16 +918,9 @@ def _pptx_chart(chart) -> str:
         values = [list(s.values) for s in series]
         rows = [["", *[s.name or "" for s in series]]]
         for i, category in enumerate(categories):
-            rows.append([category, *[_number(v[i]) if i < len(v) else "" for v in values]])
+            rows.append([category, *[_cell(v[i]) if i < len(v) else "" for v in values]])
         tables.append(_pipe_rows(rows))
     return "\n\n".join(t for t in [f"Chart: {title}" if title else "", *tables] if t)
-
-
-def _number(value: float | None) -> str:
-    """A chart value as written: 4 rather than 4.0; an empty point as nothing."""
-    if value is None:
-        return ""
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _reading_order(shapes) -> list:

@@ -359,3 +359,21 @@ def test_a_converter_that_raises_or_runs_long_costs_one_line_not_the_run(tmp_pat
         Skipped(f"{p}/a.html", "cannot be read as HTML (KeyError: '[Content_Types].xml')"),
         Skipped(f"{p}/b.pdf", "took longer than -1 s to convert"),
     ]
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [(4.0, "4"), (3.5, "3.5"), (1234567.89, "1234567.89"), (0.1 + 0.2, "0.3"), (None, ""), (True, "TRUE"),
+     (7, "7"), ("  two\nlines ", "two lines")],
+)
+def test_a_cell_or_chart_value_is_shown_as_excel_shows_it(value, shown):
+    """15 significant digits, as Excel: a chart's 1234567.89 was written 1.23457e+06 (`%g`) before."""
+    assert conversion._cell(value) == shown
+
+
+def test_a_date_cell_is_a_date_and_a_timestamp_keeps_its_time():
+    import datetime as dt
+
+    assert conversion._cell(dt.datetime(2026, 6, 16)) == "2026-06-16"
+    assert conversion._cell(dt.datetime(2026, 6, 16, 9, 30)) == "2026-06-16 09:30:00"
+    assert conversion._cell(dt.time(9, 30)) == "09:30:00"
