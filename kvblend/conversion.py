@@ -81,6 +81,7 @@ __all__ = [
     "convert",
     "converter_identity",
     "decode_text",
+    "markdown_body",
     "describe_error",
 ]
 
@@ -390,6 +391,58 @@ def _detect_encoding(data: bytes) -> str | None:
             if preferred in (match.encoding, *match.could_be_from_charset):
                 return preferred
     return best.encoding
+
+
+# ─────────────────────────────── Markdown ───────────────────────────────
+
+_FRONT_MATTER = re.compile(r"\A(---|\+\+\+)[ \t]*\n(.*?)\n(---|\.\.\.|\+\+\+)[ \t]*(?:\n|\Z)", re.S)
+_MAX_FRONT_MATTER = 64 * 1024
+_FRONT_MATTER_TEXT = ("description", "summary", "abstract")  # keys whose value is prose worth keeping
+
+
+def markdown_body(text: str) -> str:
+    """A Markdown file's text without its front matter, its title and description kept as text.
+
+    Static-site and notes tools (Jekyll, Hugo, Docusaurus, MkDocs, Obsidian) start a page with a YAML block
+    between ``---`` lines (TOML between ``+++`` for Hugo): ``title``, ``layout``, ``tags``, ``date``,
+    ``draft``. Read as text, that block becomes KV and the first segment's text; worse, ``title: X`` over
+    the closing ``---`` is a Markdown heading ("X" underlined). The block is parsed (PyYAML's safe loader,
+    or tomllib: data only, never objects) and replaced by the page's title as a ``#`` heading, unless the
+    body has one, and its description as a paragraph; the other keys are page settings, not content. Text
+    that does not open with a block that parses as a mapping is returned as it is.
+    """
+    m = _FRONT_MATTER.match(text[: _MAX_FRONT_MATTER + 8])
+    if m is None or (m.group(1) == "+++") != (m.group(3) == "+++"):
+        return text
+    meta = _parse_front_matter(m.group(2), toml=m.group(1) == "+++")
+    if meta is None:
+        return text
+    body = text[m.end() :].lstrip("\n")
+    kept = []
+    title = meta.get("title")
+    if isinstance(title, str) and title.strip() and not body.startswith("# "):
+        kept.append("# " + " ".join(title.split()))
+    for key in _FRONT_MATTER_TEXT:
+        value = meta.get(key)
+        if isinstance(value, str) and value.strip():
+            kept.append(value.strip())
+            break
+    return "\n\n".join([*kept, body]) if kept else body
+
+
+def _parse_front_matter(block: str, toml: bool) -> dict | None:
+    """The block as a mapping, or None if it is not one (then the text is left as it is)."""
+    try:
+        if toml:
+            import tomllib
+
+            return tomllib.loads(block)
+        import yaml  # PyYAML, already installed with transformers
+
+        value = yaml.safe_load(block)
+    except Exception:  # not front matter after all: a thematic break, a table, prose between rules
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # ─────────────────────────────── conversion ───────────────────────────────

@@ -18,7 +18,8 @@ found plus the files (or records) it had to skip, each with a short reason.
   with a one-line reason, and so is anything a converter raises.
 * Any other file that is text is a document (``.txt``, ``.md``, ``.rst``
   and every other extension alike; ``.md``/``.markdown`` are recorded as
-  format ``"markdown"``, their text unchanged).  Text is UTF-8, or UTF-16/32
+  format ``"markdown"``, their text unchanged but for a page's front matter:
+  :func:`kvblend.conversion.markdown_body`).  Text is UTF-8, or UTF-16/32
   with a byte-order mark, or a legacy encoding that charset-normalizer
   detects (recorded as :attr:`Document.encoding`; see
   :func:`kvblend.conversion.decode_text`).  Skipped: files with NUL bytes
@@ -328,6 +329,8 @@ def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Documen
         return
     if suffix == ".json" and _read_json(text, name, docs, skipped):
         return
+    if fmt == "markdown":
+        text = conversion.markdown_body(text)
     _add_text(name, text, docs, skipped, fmt, encoding=encoding)
 
 

@@ -377,3 +377,43 @@ def test_a_date_cell_is_a_date_and_a_timestamp_keeps_its_time():
     assert conversion._cell(dt.datetime(2026, 6, 16)) == "2026-06-16"
     assert conversion._cell(dt.datetime(2026, 6, 16, 9, 30)) == "2026-06-16 09:30:00"
     assert conversion._cell(dt.time(9, 30)) == "09:30:00"
+
+
+@pytest.mark.parametrize(
+    "page, text",
+    [
+        (  # Jekyll/Docusaurus: YAML; the title becomes the heading, the description a paragraph, the rest goes
+            "---\ntitle: Installing the pump\nlayout: post\ntags: [pump, install]\ndraft: false\n"
+            "description: Bolt it down, then prime it.\n---\n\nLevel the base first.\n",
+            "# Installing the pump\n\nBolt it down, then prime it.\n\nLevel the base first.\n",
+        ),
+        (  # the body has its own title: only the description is added
+            "---\ntitle: Pump\nsummary: Service notes.\n---\n# Orca pump\n\nText.\n",
+            "Service notes.\n\n# Orca pump\n\nText.\n",
+        ),
+        (  # Hugo: TOML between +++
+            '+++\ntitle = "Faults"\ndate = 2024-01-02\n+++\nA red light means the self-test failed.\n',
+            "# Faults\n\nA red light means the self-test failed.\n",
+        ),
+        ("---\ntags: [a]\n---\nBody only.\n", "Body only.\n"),  # nothing to keep but the body
+    ],
+    ids=["yaml", "own-heading", "toml", "settings-only"],
+)
+def test_markdown_front_matter_becomes_its_title_and_description(tmp_path, page, text):
+    f = tmp_path / "page.md"
+    f.write_text(page, encoding="utf-8")
+    assert read_one(f).text == text
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "---\nJust a rule above a paragraph.\n---\nAnd text.\n",  # thematic breaks, not a mapping
+        "---\n!!python/object/apply:os.system ['echo unsafe']\n---\nText.\n",  # never constructed: left as text
+        "Intro\n---\ntitle: not front matter\n---\n",  # not at the start
+        "---\ntitle: [unclosed\n---\nText.\n",  # not YAML
+    ],
+    ids=["rules", "python-tag", "not-first", "bad-yaml"],
+)
+def test_text_that_only_looks_like_front_matter_is_kept_as_it_is(page):
+    assert conversion.markdown_body(page) == page
