@@ -37,6 +37,8 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   are reflowable, so they have no page numbers: chapters and headings
   name the sections.
 
+* **E-mail (.eml)** — Python's ``email`` package: subject, people, date and
+  the body (plain part first), attachments named.
 * **XLSX** — openpyxl (read-only, cached values): each visible sheet a
   ``##`` section, its cells pipe rows under their header, repeated every
   :data:`XLSX_ROWS_PER_BLOCK` rows. 12x markitdown's speed (pandas), which
@@ -90,7 +92,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -126,9 +128,10 @@ def converter_identity() -> str:
     kvblend.documents hashes it with a file's bytes, so an archive can tell a file it has already read from
     its bytes alone, without converting it again (ingest's unchanged check), and no longer can once the
     converter changes."""
+    import sys
     from importlib.metadata import PackageNotFoundError, version
 
-    parts = [f"kvblend-conversion/{CONVERSION_REVISION}"]
+    parts = [f"kvblend-conversion/{CONVERSION_REVISION}", "python/{}.{}".format(*sys.version_info[:2])]  # email
     for package in _CONVERTER_PACKAGES:
         try:
             parts.append(f"{package}/{version(package)}")
@@ -187,6 +190,10 @@ def classify(suffix: str, data: bytes) -> str:
         if not _is_zip(data) or (_zip_names(data) is not None and _zip_format(data) != fmt):
             raise ConversionError(f"not {named} (content looks like {_describe(data)})")
         return fmt
+    if suffix == ".eml":
+        if not _EMAIL_HEADER.match(data[:1024].lstrip()):
+            raise ConversionError(f"not an email (content looks like {_describe(data)})")
+        return "eml"
     if suffix in _HTML_EXTENSIONS:
         if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
@@ -469,6 +476,8 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_epub(data, started)
         if fmt == "xlsx":
             return _convert_xlsx(data, started)
+        if fmt == "eml":
+            return _convert_eml(data)
     raise ValueError(f"no converter for {fmt!r}")
 
 
@@ -834,6 +843,40 @@ def _pipe_rows(rows: list[list[str]]) -> str:
         return ""
     lines = ["| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |" for cells in rows]
     return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
+# E-mail ─────────────────────────────────────────────────────────────────────
+
+_EMAIL_HEADER = re.compile(rb"^[A-Za-z][A-Za-z0-9-]*:[ \t]")  # "From: ...", "Received: ...", "X-Mailer: ..."
+_EMAIL_FIELDS = ("From", "To", "Cc", "Date")
+
+
+def _convert_eml(data: bytes) -> Converted:
+    """A message saved as ``.eml`` (RFC 5322, what mail clients export) with Python's own ``email`` package:
+    the subject as a ``#`` heading, From/To/Cc/Date, then the body, the plain-text part where the message has
+    one (as a reader's client shows it), else its HTML part through markdownify (an e-mail's HTML is layout
+    tables and inline styles, not a page with navigation for trafilatura to drop), then the names of its
+    attachments. Headers in other charsets (RFC 2047) are decoded; attachments are not opened."""
+    from email import message_from_bytes, policy
+    from email.message import EmailMessage
+
+    msg = message_from_bytes(data, policy=policy.default)
+    assert isinstance(msg, EmailMessage)
+    if not any(msg[k] for k in ("From", "Subject", "Date")):
+        raise ConversionError("not an email (no From, Subject or Date header)")
+    subject = " ".join(str(msg["Subject"] or "").split()) or "(no subject)"
+    blocks = ["# " + subject, "\n".join(f"{k}: {' '.join(str(msg[k]).split())}" for k in _EMAIL_FIELDS if msg[k])]
+    part = msg.get_body(preferencelist=("plain", "html"))
+    if part is not None:
+        content = part.get_content()
+        if part.get_content_type() == "text/html":
+            content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
+        blocks.append(content if isinstance(content, str) else "")
+    names = [" ".join(str(p.get_filename()).split()) for p in msg.iter_attachments() if p.get_filename()]
+    if names:
+        blocks.append("Attachments: " + ", ".join(names))
+    text = _tidy("\n\n".join(b for b in blocks if b.strip()))
+    return Converted(text, "eml")
 
 
 # XLSX ───────────────────────────────────────────────────────────────────────

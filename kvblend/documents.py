@@ -7,7 +7,7 @@ found plus the files (or records) it had to skip, each with a short reason.
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
   directories (no loops) and the ``Page_files/`` folder a browser saves
   beside ``Page.html`` (one skip line for the folder).  A hidden file named explicitly is read.
-* PDF, HTML, DOCX, PPTX, EPUB and XLSX files are converted to Markdown-flavoured text by
+* PDF, HTML, DOCX, PPTX, EPUB, XLSX and e-mail (.eml) files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
   web page without its navigation, banners and footer; a PDF's pages, or a
   deck's slides, apart by a blank line, where each begins in
@@ -162,7 +162,7 @@ def read_documents(
     is_unchanged: Callable[[str, str], bool] | None = None,
     on_file: Callable[[int, int, str], None] | None = None,
 ) -> Reading:
-    """:func:`iter_documents`, for ingest. A file to convert (PDF, HTML, DOCX, PPTX, EPUB, XLSX) for which
+    """:func:`iter_documents`, for ingest. A file to convert (PDF, HTML, DOCX, PPTX, EPUB, XLSX, e-mail) for which
     ``is_unchanged(path as shown, source_hash(bytes))`` holds is listed as :class:`Unchanged` and not
     converted: re-ingesting 1,000 unchanged PDFs would otherwise convert them all again to find nothing new.
     ``on_file(done, total, path)`` follows the reading file by file, since converting a folder of PDFs takes

@@ -91,6 +91,7 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     # high bytes without a NUL: no BOM, not UTF-8, and no legacy code page reads them as language
     (root / "noise.txt").write_bytes(bytes(128 + (i * 7919 + 13) % 128 for i in range(4096)))
     (root / "damaged-utf16.txt").write_bytes(b"\xff\xfe" + "Half a ".encode("utf-16-le") + b"\x00\xd8")
+    (root / "notes.eml").write_text("Only notes, saved under a mail client's extension.\n")
     (root / "logo.svg").write_text('<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"><path d="M0 0h9"/></svg>')
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
@@ -116,6 +117,7 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "hollow.epub": r"^corrupt EPUB \(META-INF/container.xml names no package file\)$",
         "slides.epub": r"^not an EPUB \(content looks like a PPTX\)$",
         "drm.epub": r"^encrypted EPUB \(DRM-protected\)$",
+        "notes.eml": r"^not an email \(content looks like text\)$",
         "logo.svg": r"^unsupported format \(SVG image\)$",
         "letter.rtf": r"^unsupported format \(RTF: save it as .docx or plain text\)$",
         "noise.txt": r"^not UTF-8, and no other text encoding reads it as text$",

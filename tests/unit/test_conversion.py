@@ -417,3 +417,44 @@ def test_markdown_front_matter_becomes_its_title_and_description(tmp_path, page,
 )
 def test_text_that_only_looks_like_front_matter_is_kept_as_it_is(page):
     assert conversion.markdown_body(page) == page
+
+
+def email_bytes(html_only: bool = False) -> bytes:
+    """A message as a mail client exports it (Python's email package writes it): an RFC 2047 subject, a plain
+    and an HTML alternative (or HTML only), and a PDF attachment."""
+    from email.message import EmailMessage
+
+    msg = EmailMessage()
+    msg["From"] = "Ada Lovelace <ada@kestrel.example>"
+    msg["To"] = "service@kestrel.example"
+    msg["Subject"] = "Réparation: Orca-7 seal leaks"  # non-ASCII: encoded as RFC 2047 words
+    msg["Date"] = "Tue, 03 Nov 2026 09:30:00 +0000"
+    html = "<html><body><h2>Leak report</h2><table><tr><td>Pump</td><td>Orca-7</td></tr></table></body></html>"
+    if html_only:
+        msg.set_content(html, subtype="html")
+    else:
+        msg.set_content("The Orca-7 seal leaks after 400 hours.\nPlease send a seal kit.\n")
+        msg.add_alternative(html, subtype="html")
+    msg.add_attachment(b"%PDF-1.7 ...", maintype="application", subtype="pdf", filename="photos.pdf")
+    return bytes(msg)
+
+
+def test_an_email_is_its_subject_its_people_and_its_body(tmp_path):
+    (tmp_path / "leak.eml").write_bytes(email_bytes())
+    doc = read_one(tmp_path / "leak.eml")
+    assert doc.format == "eml"
+    assert doc.text == (
+        "# Réparation: Orca-7 seal leaks\n\n"
+        "From: Ada Lovelace <ada@kestrel.example>\nTo: service@kestrel.example\nDate: Tue, 03 Nov 2026 09:30:00 +0000\n\n"
+        "The Orca-7 seal leaks after 400 hours.\nPlease send a seal kit.\n\n"
+        "Attachments: photos.pdf"
+    )  # the plain part, as a reader's client shows it; the attachment named, not read
+
+
+def test_an_html_only_email_keeps_its_headings_and_tables_and_a_text_file_named_eml_is_refused(tmp_path):
+    (tmp_path / "report.eml").write_bytes(email_bytes(html_only=True))
+    text = read_one(tmp_path / "report.eml").text
+    assert "## Leak report" in text and "| Pump | Orca-7 |" in text and "<td>" not in text
+    (tmp_path / "notes.eml").write_text("Just some notes.\n")
+    docs, skipped = iter_documents([tmp_path / "notes.eml"])
+    assert docs == [] and skipped == [Skipped((tmp_path / "notes.eml").as_posix(), "not an email (content looks like text)")]
