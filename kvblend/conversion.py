@@ -412,8 +412,8 @@ def markdown_body(text: str) -> str:
 
     Static-site and notes tools (Jekyll, Hugo, Docusaurus, MkDocs, Obsidian) start a page with a YAML block
     between ``---`` lines (TOML between ``+++`` for Hugo): ``title``, ``layout``, ``tags``, ``date``,
-    ``draft``. Read as text, that block becomes KV and the first segment's text; worse, ``title: X`` over
-    the closing ``---`` is a Markdown heading ("X" underlined). The block is parsed (PyYAML's safe loader,
+    ``draft``. Read as text, that block becomes KV and the first segment's text, and the title names no
+    section (sections come from ``#`` headings). The block is parsed (PyYAML's safe loader,
     or tomllib: data only, never objects) and replaced by the page's title as a ``#`` heading, unless the
     body has one, and its description as a paragraph; the other keys are page settings, not content. Text
     that does not open with a block that parses as a mapping is returned as it is.
