@@ -62,12 +62,15 @@ __all__ = [
     "Document",
     "Reading",
     "Skipped",
+    "SourceFile",
     "Unchanged",
     "TEXT_FIELDS",
     "MAX_FILE_BYTES",
     "content_hash",
     "iter_documents",
+    "find_files",
     "read_documents",
+    "read_file",
     "source_hash",
 ]
 
@@ -157,23 +160,22 @@ def iter_documents(paths: list[Path]) -> tuple[list[Document], list[Skipped]]:
     return reading.docs, reading.skipped
 
 
-def read_documents(
-    paths: list[Path],
-    is_unchanged: Callable[[str, str], bool] | None = None,
-    on_file: Callable[[int, int, str], None] | None = None,
-) -> Reading:
-    """:func:`iter_documents`, for ingest. A file to convert (PDF, HTML, DOCX, PPTX, EPUB, XLSX, e-mail) for which
-    ``is_unchanged(path as shown, source_hash(bytes))`` holds is listed as :class:`Unchanged` and not
-    converted: re-ingesting 1,000 unchanged PDFs would otherwise convert them all again to find nothing new.
-    ``on_file(done, total, path)`` follows the reading file by file, since converting a folder of PDFs takes
-    long enough to need a progress bar.
+@dataclass(frozen=True)
+class SourceFile:
+    """A file found under the paths given: where it is, its path as shown, and its name below its root."""
 
-    The walk comes first, so a path that does not exist is an error before any file is read.
-    """
-    reading = Reading()
-    docs, skipped = reading.docs, reading.skipped
+    path: Path
+    shown: str
+    name: str
+
+
+def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
+    """The walk of :func:`iter_documents`: every file to read once (by resolved path), in order, and the
+    folders skipped (unreadable, a saved web page's assets). Nothing is read yet, so a path that does not
+    exist is an error before any work."""
+    skipped: list[Skipped] = []
     seen: set[str] = set()
-    everything: list[tuple[Path, str, str]] = []
+    found: list[SourceFile] = []
     for given in paths:
         given = Path(given)
         shown = given.as_posix()
@@ -188,26 +190,40 @@ def read_documents(
             )
             if not files and not unreadable and not assets:
                 raise UsageError(f"no documents found under {shown}")
-            targets = [(f, _join(shown, rel), rel) for f, rel in files]
+            targets = [SourceFile(f, _join(shown, rel), rel) for f, rel in files]
         else:
-            targets = [(given, shown, given.name)]
-        for file, name, label in targets:
-            key = os.path.realpath(file)
+            targets = [SourceFile(given, shown, given.name)]
+        for target in targets:
+            key = os.path.realpath(target.path)
             if key not in seen:
                 seen.add(key)
-                everything.append((file, name, label))
-    for done, (file, name, label) in enumerate(everything):
-        if on_file is not None:
-            on_file(done, len(everything), name)
-        before = len(docs)
-        unread = _read_file(file, name, docs, skipped, is_unchanged)
-        if unread is not None:
-            reading.unchanged.append(Unchanged(name, label, unread))
-            continue
-        # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
-        docs[before:] = [dataclasses.replace(d, name=label + d.path[len(name) :]) for d in docs[before:]]
-    if on_file is not None:
-        on_file(len(everything), len(everything), "")
+                found.append(target)
+    return found, skipped
+
+
+def read_file(source: SourceFile, is_unchanged: Callable[[str, str], bool] | None = None) -> Reading:
+    """One file's documents (a JSON(L) file holds several), or why it was skipped. A file to convert (PDF, HTML,
+    DOCX, PPTX, EPUB, XLSX, e-mail) for which ``is_unchanged(path as shown, source_hash(bytes))`` holds is
+    :class:`Unchanged` and not converted: re-ingesting 1,000 unchanged PDFs would otherwise convert them all
+    again to find nothing new."""
+    reading = Reading()
+    unread = _read_file(source.path, source.shown, reading.docs, reading.skipped, is_unchanged)
+    if unread is not None:
+        reading.unchanged.append(Unchanged(source.shown, source.name, unread))
+    # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
+    reading.docs[:] = [dataclasses.replace(d, name=source.name + d.path[len(source.shown) :]) for d in reading.docs]
+    return reading
+
+
+def read_documents(paths: list[Path], is_unchanged: Callable[[str, str], bool] | None = None) -> Reading:
+    """:func:`find_files`, then :func:`read_file` for each: everything at once (ingest reads file by file)."""
+    files, skipped = find_files(paths)
+    reading = Reading(skipped=skipped)
+    for source in files:
+        one = read_file(source, is_unchanged)
+        reading.docs.extend(one.docs)
+        reading.skipped.extend(one.skipped)
+        reading.unchanged.extend(one.unchanged)
     return reading
 
 

@@ -126,33 +126,28 @@ def ingest(
     with Engine(archive, model, compute, chosen, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
             with Progress(
-                TextColumn("[bold]{task.description}"),
+                TextColumn("[bold]ingest"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("{task.fields[unit]}"),
+                TextColumn("files"),
                 TextColumn("{task.fields[rate]}"),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[current]}"),
                 console=err,
                 transient=True,
             ) as bar:
-                task = bar.add_task("read", total=None, rate="", unit="files")
+                task = bar.add_task("ingest", total=None, rate="", current="")
                 started = time.perf_counter()
 
                 def on_progress(p: dict) -> None:  # the rate leaves out the model's load time
-                    if p.get("reading"):  # converting files (a folder of PDFs takes a while), before any prefill
-                        bar.update(task, completed=p["documents"], total=p["total"], rate=escape(p["current"][-48:]))
-                        return
-                    if bar.tasks[0].description != "ingest":  # a fresh bar: the reading's pace says nothing
-                        bar.reset(task, description="ingest", unit="docs", rate="")
                     rate = p["tokens"] / max(1e-9, time.perf_counter() - started - engine.model_load_s)
                     bar.update(
                         task,
-                        description="ingest",
-                        unit="docs",
-                        completed=p["documents"],
-                        total=p.get("total"),
-                        rate=f"{rate:,.0f} tok/s",
+                        completed=p["files"],
+                        total=p["total"],
+                        rate=f"{rate:,.0f} tok/s" if p["tokens"] else "",
+                        current=escape(p["current"][-40:]),  # the file being read (a PDF takes a moment)
                     )
 
                 report = engine.ingest(

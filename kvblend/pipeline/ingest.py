@@ -27,7 +27,7 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, read_documents
+from kvblend.documents import Document, Reading, SourceFile, find_files, read_documents, read_file
 from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
@@ -146,57 +146,75 @@ def ingest_paths(
         previous = existing[0].get_document(path) if existing[0] is not None else None
         return previous is not None and previous.source_hash == digest and not previous.incomplete
 
-    def reading_progress(done: int, total: int, current: str) -> None:
-        if on_progress is not None:
-            on_progress({"reading": True, "documents": done, "total": total, "tokens": 0, "current": current})
+    # Files are read (converted) one at a time as the ingest goes, so memory holds a batch's documents, not
+    # the corpus's, and the first batch commits before the last file is read.
+    files, walked_past = find_files([Path(p) for p in paths])
+    report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
+    done = 0
 
-    reading = read_documents([Path(p) for p in paths], held, reading_progress)
-    skipped = reading.skipped
-    if not reading.docs and not reading.unchanged:
-        shown = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
+    def read(source: SourceFile) -> Reading:
+        nonlocal done
+        reading = read_file(source, held)
+        report.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
+        done += 1
+        return reading
+
+    first = None  # the archive is created (and locked) only once there is something to put in it
+    for source in files:
+        _progress(on_progress, report, source.shown, done, len(files))
+        first = read(source)
+        if first.docs or first.unchanged:
+            break
+    if first is None or not (first.docs or first.unchanged):
+        skipped = report.skipped
+        shown = ", ".join(f"{s['path']} ({s['reason']})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
         raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
     load_before = res.model_load_s
-    report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
     archive = res.archive(create=True)
     pending = _Pending()
     with archive.writer(wait=wait_for_writer), StoreBehind() as behind:
-        docs = list(reading.docs)
-        total = len(docs) + len(reading.unchanged)
-        for unread in reading.unchanged:  # checked again under the lock: another writer may have changed it since
-            previous = archive.get_document(unread.path)
-            if (
-                previous is not None
-                and previous.source_hash == unread.source_hash
-                and _intact(res, archive, previous, codec)
-            ):
+        rest = iter(files[done:])
+        reading: Reading | None = first
+        while reading is not None:
+            docs = list(reading.docs)
+            for unread in reading.unchanged:  # checked again under the lock: another writer may have changed it
+                previous = archive.get_document(unread.path)
+                if (
+                    previous is not None
+                    and previous.source_hash == unread.source_hash
+                    and _intact(res, archive, previous, codec)
+                ):
+                    report.documents += 1
+                    _count_unchanged(report, archive, previous)
+                else:
+                    again = read_documents([Path(unread.path)])
+                    docs.extend(dataclasses.replace(d, name=unread.name) for d in again.docs)
+                    report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+            for doc in docs:
                 report.documents += 1
-                _count_unchanged(report, archive, previous)
-                _progress(on_progress, report, unread.path, total)
-            else:
-                again = read_documents([Path(unread.path)])
-                docs.extend(dataclasses.replace(d, name=unread.name) for d in again.docs)
-                report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
-        for doc in docs:
-            report.documents += 1
-            previous = archive.get_document(doc.path)
-            if (
-                previous is not None
-                and previous.content_hash == doc.content_hash
-                and _intact(res, archive, previous, codec)
-            ):
-                _count_unchanged(report, archive, previous)
-                if doc.source_hash and previous.source_hash != doc.source_hash:
-                    # the same text from bytes (or a converter) it was not recorded with: recorded now, so the
-                    # next ingest knows the file from its bytes
-                    archive.put_document(dataclasses.replace(previous, source_hash=doc.source_hash))
-            else:
-                pending.documents.append(
-                    _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
-                )
-                if pending.tokens() >= batch_tokens:
-                    _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
-            _progress(on_progress, report, doc.path, total)
+                previous = archive.get_document(doc.path)
+                if (
+                    previous is not None
+                    and previous.content_hash == doc.content_hash
+                    and _intact(res, archive, previous, codec)
+                ):
+                    _count_unchanged(report, archive, previous)
+                    if doc.source_hash and previous.source_hash != doc.source_hash:
+                        # the same text from bytes (or a converter) it was not recorded with: recorded now, so
+                        # the next ingest knows the file from its bytes
+                        archive.put_document(dataclasses.replace(previous, source_hash=doc.source_hash))
+                else:
+                    pending.documents.append(
+                        _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
+                    )
+                    if pending.tokens() >= batch_tokens:
+                        _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+            upcoming = next(rest, None)
+            if upcoming is not None:
+                _progress(on_progress, report, upcoming.shown, done, len(files))
+            reading = read(upcoming) if upcoming is not None else None
         _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+    _progress(on_progress, report, "", done, len(files))  # every file read, its KV committed (the store thread's)
     res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
@@ -298,9 +316,21 @@ def _segment_document(
     )
 
 
-def _progress(on_progress: Callable[[dict], None] | None, report: IngestReport, current: str, total: int) -> None:
+def _progress(
+    on_progress: Callable[[dict], None] | None, report: IngestReport, current: str, files_done: int, files: int
+) -> None:
+    """``files`` of ``total`` read, ``documents`` seen and ``tokens`` prefilled so far; ``current``: the file
+    being read next ("" at the end)."""
     if on_progress is not None:
-        on_progress({"documents": report.documents, "total": total, "tokens": report.tokens_new, "current": current})
+        on_progress(
+            {
+                "files": files_done,
+                "total": files,
+                "documents": report.documents,
+                "tokens": report.tokens_new,
+                "current": current,
+            }
+        )
 
 
 def _flush(

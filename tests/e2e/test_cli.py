@@ -280,9 +280,9 @@ def in_a_terminal(*args: object, timeout: float = 300) -> tuple[int, str]:
     return proc.wait(60), b"".join(chunks).decode(errors="replace")
 
 
-def test_ingest_in_a_terminal_shows_reading_then_ingest_progress_and_its_summary(tmp_path):
-    """The bars a user sees: one while files are read (converting a folder of PDFs takes a while), then one
-    while they are prefilled, then the summary; and on a second run, documents known unchanged."""
+def test_ingest_in_a_terminal_shows_its_progress_file_by_file_and_its_summary(tmp_path):
+    """The bar a user sees: files read and prefilled as the ingest goes (converting a folder of PDFs takes a
+    while), the file being read, then the summary; and on a second run, documents known unchanged."""
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(DOCS / "plants.md", docs / "plants.md")
@@ -290,4 +290,4 @@ def test_ingest_in_a_terminal_shows_reading_then_ingest_progress_and_its_summary
     for expect in ("(0 unchanged)", "(2 unchanged)"):
         code, shown = in_a_terminal("ingest", docs, "--archive", tmp_path / "arc", "--compute", "cpu")
         assert code == 0 and "Traceback" not in shown, shown
-        assert "read" in shown and "files" in shown and f"2 documents {expect}" in shown, shown
+        assert "ingest" in shown and "files" in shown and f"2 documents {expect}" in shown, shown

@@ -54,7 +54,7 @@ def test_a_copy_keeps_its_segments_when_the_original_changes_in_the_same_ingest(
 def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default_runner, tmp_path, monkeypatch):
     """Re-ingesting a folder converts only what changed: a PDF whose bytes the archive recorded is not read into
     text again (1,000 unchanged PDFs would otherwise be converted again to find nothing new). New bytes with the
-    same text, or a new converter, convert it once more; the reading reports its progress file by file."""
+    same text, or a new converter, convert it once more; the ingest reports its progress file by file."""
     from kvblend import conversion
     from kvblend.pipeline import Engine
 
@@ -74,8 +74,10 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
     with Engine(tmp_path / "arc", runner=default_runner) as engine:
         first = engine.ingest([docs], on_progress=seen.append)
         assert converted == ["pdf"] and first.documents == 2 and first.documents_unchanged == 0
-        reading = [p for p in seen if p.get("reading")]
-        assert [(p["documents"], p["total"]) for p in reading] == [(0, 2), (1, 2), (2, 2)]
+        # file by file, read as the ingest goes: the file about to be read, then "" at the end
+        assert [(p["files"], p["total"], p["current"]) for p in seen] == [
+            (0, 2, f"{docs.as_posix()}/manual.pdf"), (1, 2, f"{docs.as_posix()}/quickstart.md"), (2, 2, "")]
+        assert seen[-1]["documents"] == 2 and seen[-1]["tokens"] == first.tokens_new
 
         again = engine.ingest([docs])
         assert converted == ["pdf"]  # known by its bytes: not converted
@@ -97,3 +99,33 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
             monkeypatch.undo()
             conversion.converter_identity.cache_clear()
         assert converted == ["pdf", "pdf", "pdf"]  # a new converter reads every file again
+
+
+def test_ingest_reads_as_it_goes_so_an_interrupt_keeps_what_was_committed(default_runner, tmp_path, monkeypatch):
+    """Files are read one at a time as the ingest prefills, not all before it: memory holds a batch, and a
+    batch commits before the next file is read. A Ctrl-C while a later PDF converts keeps the earlier
+    document (all files used to be converted first, so it lost everything)."""
+    from kvblend import conversion
+    from kvblend.pipeline import Engine
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(DOCS / "plants.md", docs / "a-plants.md")
+    shutil.copy(FIXTURES / "documents" / "manual.pdf", docs / "b-manual.pdf")
+
+    def interrupted(fmt, data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conversion, "convert", interrupted)
+    with Engine(tmp_path / "arc", runner=default_runner) as engine:
+        try:
+            engine.ingest([docs], batch_tokens=1)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interrupt was swallowed")
+        archive = engine.archive()
+        kept = archive.get_document(docs / "a-plants.md")
+        assert kept is not None and kept.segment_keys and all(archive.has_segment(k) for k in kept.segment_keys)
+        assert archive.get_document(docs / "b-manual.pdf") is None
+    assert subprocess.run([*kvblend_script(), "verify", "--archive", str(tmp_path / "arc")]).returncode == 0
