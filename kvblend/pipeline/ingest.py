@@ -27,7 +27,7 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, Reading, SourceFile, find_files, read_documents, read_file
+from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_documents, read_file
 from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
@@ -176,20 +176,7 @@ def ingest_paths(
         rest = iter(files[done:])
         reading: Reading | None = first
         while reading is not None:
-            docs = list(reading.docs)
-            for unread in reading.unchanged:  # checked again under the lock: another writer may have changed it
-                previous = archive.get_document(unread.path)
-                if (
-                    previous is not None
-                    and previous.source_hash == unread.source_hash
-                    and _intact(res, archive, previous, codec)
-                ):
-                    report.documents += 1
-                    _count_unchanged(report, archive, previous)
-                else:
-                    again = read_documents([Path(unread.path)])
-                    docs.extend(dataclasses.replace(d, name=unread.name) for d in again.docs)
-                    report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+            docs = reading.docs + _read_if_changed(res, archive, reading.unchanged, codec, report)
             for doc in docs:
                 report.documents += 1
                 previous = archive.get_document(doc.path)
@@ -219,6 +206,24 @@ def ingest_paths(
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report
+
+
+def _read_if_changed(
+    res: Resources, archive: Archive, unread: list[Unchanged], codec: str, report: IngestReport
+) -> list[Document]:
+    """Files left unread as unchanged, checked again under the writer lock (another writer may have replaced
+    their records since): counted as unchanged, or read now, their documents returned to ingest."""
+    docs: list[Document] = []
+    for file in unread:
+        previous = archive.get_document(file.path)
+        if previous is not None and previous.source_hash == file.source_hash and _intact(res, archive, previous, codec):
+            report.documents += 1
+            _count_unchanged(report, archive, previous)
+            continue
+        again = read_documents([Path(file.path)])
+        docs.extend(dataclasses.replace(d, name=file.name) for d in again.docs)
+        report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+    return docs
 
 
 def _existing_archive(res: Resources) -> Archive | None:

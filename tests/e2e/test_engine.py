@@ -91,6 +91,23 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
         engine.ingest([docs])
         assert converted == ["pdf", "pdf"]  # its new bytes were recorded: known again
 
+        # under the writer lock the record is asked again: if another writer replaced it since the file was
+        # left unread, the file is read after all
+        from kvblend.archive import check_codec
+        from kvblend.defaults import DEFAULT_CODEC
+        from kvblend.documents import Unchanged, source_hash
+        from kvblend.pipeline.ingest import _read_if_changed
+        from kvblend.pipeline.results import IngestReport
+
+        pdf = f"{docs.as_posix()}/manual.pdf"
+        for recorded, read_again in ((source_hash((docs / "manual.pdf").read_bytes()), 0), ("replaced", 1)):
+            report = IngestReport()
+            found = _read_if_changed(engine, engine.archive(), [Unchanged(pdf, "manual.pdf", recorded)],
+                                     check_codec(DEFAULT_CODEC), report)
+            assert [d.format for d in found] == ["pdf"] * read_again
+            assert report.documents_unchanged == 1 - read_again
+        assert converted == ["pdf"] * 3  # the read-again one
+
         monkeypatch.setattr(conversion, "CONVERSION_REVISION", conversion.CONVERSION_REVISION + 1)
         conversion.converter_identity.cache_clear()
         try:
@@ -98,7 +115,7 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
         finally:
             monkeypatch.undo()
             conversion.converter_identity.cache_clear()
-        assert converted == ["pdf", "pdf", "pdf"]  # a new converter reads every file again
+        assert converted == ["pdf"] * 4  # a new converter reads every file again
 
 
 def test_ingest_reads_as_it_goes_so_an_interrupt_keeps_what_was_committed(default_runner, tmp_path, monkeypatch):
