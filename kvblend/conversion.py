@@ -98,12 +98,7 @@ _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
 _TEXT_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".json": "text", ".jsonl": "text"}
 # Office formats that are ZIPs too, so an .xlsx is named as one rather than called "binary"
-_OTHER_ZIPS = {
-    "ppt/presentation.xml": "PowerPoint (.pptx)",  # read (below); named when a file claims to be something else
-    "xl/workbook.xml": "Excel (.xlsx)",
-    "content.xml": "OpenDocument",
-    "META-INF/container.xml": "EPUB",  # read (below)
-}
+_OTHER_ZIPS = {"content.xml": "OpenDocument"}  # those kvblend reads are named from _ZIP_FORMATS
 
 
 # Bumped whenever kvblend's own treatment of a format changes what text comes out (tidying, headings, running
@@ -265,40 +260,35 @@ def _zip_format(data: bytes) -> str | None:
     return next((fmt for fmt, _, marker in _ZIP_FORMATS.values() if marker in names), None)
 
 
+# What may come before a markup document's first element: whitespace, an XML declaration, comments (browsers'
+# "saved from url" one); and, where the caller does not look at it, a DOCTYPE.
 _LEADING_MARKUP = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->)", re.S)
+_LEADING_MARKUP_OR_DOCTYPE = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->|<!DOCTYPE[^>]*>)", re.S | re.I)
 
 
-_LEADING_DOCTYPE = re.compile(rb"<!DOCTYPE[^>]*>", re.I)
+def _first_markup(data: bytes, leading: re.Pattern[bytes] = _LEADING_MARKUP) -> bytes | None:
+    """The first 4 KiB of a markup document from its first element on (after a BOM and what ``leading``
+    matches), lowercased; None for bytes that do not open with ``<``."""
+    if not data[:256].lstrip(b"\xef\xbb\xbf \t\r\n\f").startswith(b"<"):  # plain text's fast way out
+        return None
+    head = data[:4096].removeprefix(b"\xef\xbb\xbf")
+    pos = 0
+    while (m := leading.match(head, pos)) is not None and m.end() > pos:
+        pos = m.end()
+    return head[pos:].lstrip().lower()
 
 
 def _is_svg(data: bytes) -> bool:
     """An SVG image: ``<svg`` first, after a BOM, whitespace, an XML declaration, comments and a DOCTYPE."""
-    head = data[:4096].removeprefix(b"\xef\xbb\xbf")
-    if not head.lstrip().startswith(b"<"):  # plain text's fast way out
-        return False
-    pos = 0
-    while True:
-        head = head[pos:].lstrip()
-        m = _LEADING_MARKUP.match(head) or _LEADING_DOCTYPE.match(head)
-        if m is None or m.end() == 0:
-            break
-        pos = m.end()
-    return head[:4].lower() == b"<svg"
+    rest = _first_markup(data, _LEADING_MARKUP_OR_DOCTYPE)
+    return rest is not None and rest.startswith(b"<svg")
 
 
 def _looks_like_html(data: bytes) -> bool:
     """A whole HTML document: ``<!DOCTYPE html`` or ``<html`` first, after a BOM, whitespace, an XML
-    declaration or comments (browsers' "saved from url" one). A text that only mentions a tag is text."""
-    if not data[:256].lstrip(b"\xef\xbb\xbf \t\r\n\f").startswith(b"<"):  # plain text's fast way out
-        return False
-    head = data[:4096]
-    if head.startswith(b"\xef\xbb\xbf"):
-        head = head[3:]
-    pos = 0
-    while (m := _LEADING_MARKUP.match(head, pos)) is not None and m.end() > pos:
-        pos = m.end()
-    rest = head[pos:].lstrip().lower()
-    return rest.startswith((b"<!doctype html", b"<html"))
+    declaration or comments. A text that only mentions a tag is text."""
+    rest = _first_markup(data)
+    return rest is not None and rest.startswith((b"<!doctype html", b"<html"))
 
 
 def _describe(data: bytes) -> str:
@@ -355,8 +345,8 @@ def decode_text(data: bytes) -> tuple[str, str]:
 
     Real corpora are not all UTF-8: Windows Notepad's "Unicode" and Windows PowerShell's ``>`` write UTF-16
     with a byte-order mark, and older files are in a legacy code page (Windows-1252, Shift-JIS, KOI8-R).
-    A byte-order mark is believed; then UTF-8, which almost every file is (strict: one bad byte and it is
-    not); then NUL bytes mean binary; then charset-normalizer (the detector requests and markitdown use)
+    A byte-order mark is believed; then NUL bytes mean binary; then UTF-8, which almost every file is
+    (strict: one bad byte and it is not); then charset-normalizer (the detector requests and markitdown use)
     picks the legacy encoding whose decoding reads as language, or none: bytes no encoding makes sense of
     are skipped rather than ingested as mojibake. The text is exact otherwise (no normalisation here).
 
@@ -612,14 +602,14 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
     if len(pages) < _RUNNING_MIN_PAGES:
         return pages
     lines = [page.split("\n") for page in pages]
-    edges = [_edge_indices(page_lines) for page_lines in lines]
+    # each page's edge lines, by index, as compared: whitespace collapsed, case folded
+    edges = [{i: " ".join(page_lines[i].split()).casefold() for i in _edge_indices(page_lines)} for page_lines in lines]
     enough = max(_RUNNING_MIN_PAGES, _RUNNING_MIN_SHARE * len(pages))
 
     pages_with: dict[str, set[int]] = {}  # an edge line's text -> the pages it is on
     numbered: dict[str, list[tuple[int, list[int]]]] = {}  # its shape, digits as '#' -> (page, its numbers)
-    for index, (page_lines, edge) in enumerate(zip(lines, edges)):
-        for i in edge:
-            text = " ".join(page_lines[i].split()).casefold()
+    for index, edge in enumerate(edges):
+        for text in edge.values():
             pages_with.setdefault(text, set()).add(index)
             numbers = [int(n) for n in _NUMBER.findall(text)]
             if numbers and len(text.split()) <= _PAGE_NUMBER_MAX_WORDS:
@@ -631,8 +621,7 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
     seen_running: set[str] = set()
     for page_lines, edge in zip(lines, edges):
         drop = set()
-        for i in edge:
-            text = " ".join(page_lines[i].split()).casefold()
+        for i, text in edge.items():
             if _NUMBER.sub("#", text) in page_numbers and _NUMBER.search(text):
                 drop.add(i)
             elif text in running:

@@ -27,7 +27,7 @@ from kvblend.archive import (
     codec_settings,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_documents, read_file
+from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_file
 from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
@@ -138,12 +138,11 @@ def ingest_paths(
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
     started = time.perf_counter()
-    existing: list[Archive | None] = []  # opened at the first file worth asking about (plain text is not)
+    existing = functools.cache(lambda: _existing_archive(res))  # opened at the first file worth asking about
 
     def held(path: str, digest: str) -> bool:  # the archive holds this file as its bytes are now (its KV is
-        if not existing:  # checked under the writer lock, below: a file that fails that is read then)
-            existing.append(_existing_archive(res))
-        previous = existing[0].get_document(path) if existing[0] is not None else None
+        archive = existing()  # checked under the writer lock, below: a file that fails that is read then)
+        previous = archive.get_document(path) if archive is not None else None
         return previous is not None and previous.source_hash == digest and not previous.incomplete
 
     # Files are read (converted) one at a time as the ingest goes, so memory holds a batch's documents, not
@@ -220,8 +219,8 @@ def _read_if_changed(
             report.documents += 1
             _count_unchanged(report, archive, previous)
             continue
-        again = read_documents([Path(file.path)])
-        docs.extend(dataclasses.replace(d, name=file.name) for d in again.docs)
+        again = read_file(SourceFile(Path(file.path), file.path, file.name))
+        docs.extend(again.docs)
         report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
     return docs
 
