@@ -446,8 +446,9 @@ def streaming(config: ModelConfig, workdir: Path) -> dict:
 
 
 def write_inputs(folder: Path) -> None:
-    """Here, before a lease: the bundled model's config and tokenizer (folder/smol) and every family's tiny
-    test config (folder/tiny), which the GPU machine cannot make (it has neither the model nor our pins)."""
+    """Here, before a lease: the bundled model's config and tokenizer (folder/smol), every family's tiny
+    test config (folder/tiny) and Gemma 3 270M's config (folder/shapes, for `--shape-configs`), which the GPU
+    machine cannot make (it has neither the models nor our pins)."""
     import shutil
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -466,6 +467,11 @@ def write_inputs(folder: Path) -> None:
         shutil.copy(converted / name, folder / "smol" / name)
     for arch in ARCHS:
         (folder / "tiny" / f"{arch}.json").write_text(json.dumps(tiny_config(arch).to_dict()))
+    gemma = load_model("gemma3-270m", "cpu")
+    gemma_converted = cached_conversion(gemma.name, gemma.fingerprint)
+    assert gemma_converted is not None, "Gemma 3 270M's conversion is not in the model cache"
+    (folder / "shapes").mkdir(parents=True, exist_ok=True)
+    shutil.copy(gemma_converted / "config.json", folder / "shapes" / "gemma3-270m.json")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -487,6 +493,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", action="store_true", help="batched eager step against graphs in turn, k = 1..16")
     parser.add_argument("--capture", action="store_true", help="capture a graph while a loader thread copies KV")
     parser.add_argument("--model", help="also check a real checkpoint (a GGUF or HF folder) on the bundled documents")
+    parser.add_argument(
+        "--shape-configs",
+        default="",
+        help="config.json files of other real models (comma-separated): parity and timings at that exact shape, "
+        "random weights (Gemma 3 270M's: a 512-token window inside the prompt, 262k vocabulary)",
+    )
     args = parser.parse_args(argv)
     global TARGET, PASSAGE
     if args.dry_run:
@@ -511,8 +523,13 @@ def main(argv: list[str] | None = None) -> dict:
             for p in sorted(args.tiny_configs.glob("*.json"))
         ]
     )
+    others = {
+        Path(p).stem: ModelConfig.from_dict(json.loads(Path(p).read_text())) for p in args.shape_configs.split(",") if p
+    }
     if not args.skip_parity:
         jobs.append(("SmolLM2-135M shape", smol, (4, 200, 12)))
+        # six 200-token passages: ~1,230 tokens, so a 512-token window cuts through the prompt
+        jobs += [(f"{name} shape", config, (6, 200, 12)) for name, config in others.items()]
     real = None
     if args.model:
         from kvblend.model import load_model
@@ -559,6 +576,14 @@ def main(argv: list[str] | None = None) -> dict:
                 report["timings"][f"{shape} shape, {name}"] = row
         except Exception as e:
             report["errors"].append(f"timings {shape}: {type(e).__name__}: {e}")
+        args.out.write_text(json.dumps(report, indent=1))
+        empty_cache()
+    for name, config in others.items() if not args.skip_timings else ():
+        try:
+            for row_name, row in timings(config).items():
+                report["timings"][f"{name} shape, {row_name}"] = row
+        except Exception as e:
+            report["errors"].append(f"timings {name}: {type(e).__name__}: {e}")
         args.out.write_text(json.dumps(report, indent=1))
         empty_cache()
     if args.capture:

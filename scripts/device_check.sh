@@ -16,6 +16,11 @@
 #   scripts/device_check.sh cli1..cli4  the installed CLI on CUDA with the real models (demo, ingest, query,
 #                                   verify, profile); the models travel as four parts of one tar, one per call
 #   scripts/device_check.sh sdpa    fresh and seen shapes with cuDNN's attention on and off
+#   scripts/device_check.sh blocks  timings of an earlier kvblend (.gpu/old/kvblend with this device_check.py
+#                                   beside it in .gpu/old/scripts) and of this tree, one after the other,
+#                                   at SmolLM2's and Gemma 3 270M's shapes; then this tree's `gemma` checks
+#   scripts/device_check.sh gemma   main's checks and timings, plus parity and timings at Gemma 3 270M's own
+#                                   shape (random weights; its config from --write-inputs, in .gpu/shapes/)
 set -u
 phase=${1:-main}
 out=${OUT:-/tmp/out}
@@ -30,6 +35,21 @@ if [ "$phase" = main ]; then
     lscpu | grep -E "Model name|^CPU\(s\)"
     timeout 480 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-2000
+elif [ "$phase" = blocks ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    for tree in .gpu/old .; do
+        timeout 200 python3 $tree/scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
+            --skip-parity --skip-streaming --shape-configs .gpu/shapes/gemma3-270m.json \
+            --out "$out/device_check_blocks_$(basename $(realpath $tree)).json" 2>&1 | grep -E "TTFT|ERROR" | cut -c1-260
+    done
+    exec bash "$0" gemma
+elif [ "$phase" = gemma ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    timeout 500 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
+        --shape-configs .gpu/shapes/gemma3-270m.json --out "$out/device_check_gemma.json" 2>&1 \
+        | tee "$out/device_check_gemma.log" | cut -c1-700
 elif [ "$phase" = shapes ]; then
     timeout 500 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs /nonexistent \
         --skip-parity --skip-streaming --shapes 1b,3b --profile \

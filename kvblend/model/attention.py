@@ -75,35 +75,59 @@ def dense_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 class QueryBlock(NamedTuple):
-    """One block of queries: its first row, the key range it can see, and an additive mask."""
+    """One block of queries: its rows, the key range they can see, and an additive mask."""
 
     start: int
+    stop: int
     lo: int
     hi: int
-    bias: torch.Tensor  # [1, 1, rows, hi - lo], 0 where allowed, -inf elsewhere
+    bias: torch.Tensor  # [1, 1, stop - start, hi - lo], 0 where allowed, -inf elsewhere
+
+
+#: On CUDA a block's mask may hold this many elements (32 MB in bf16): blocks as large as that, so a query
+#: set is one attention call where it fits. Small blocks pay on the CPU (QUERY_BLOCK); on a GPU each block is
+#: a launch and its plan a host sync, and 47 blocks a layer made Gemma 3's windowed `full` prefill of 2,980
+#: tokens take 369 ms on an H200 (BENCHMARKS.md, "On an H100").
+CUDA_MASK_ELEMENTS = 1 << 24
+
+
+def block_rows(device: torch.device, n_keys: int) -> int:
+    """Queries per block: QUERY_BLOCK on the CPU, as many as CUDA_MASK_ELEMENTS allows on a GPU."""
+    if device.type == "cpu":
+        return QUERY_BLOCK
+    return max(QUERY_BLOCK, CUDA_MASK_ELEMENTS // max(1, n_keys))
 
 
 class QueryBlockPlanner:
-    """Builds the block plan of a query set, memoised for the same query tensor.
+    """Builds the block plan of a query set, memoised for the same query tensor, one plan per window.
 
-    After the check layer the fusor keeps one set of query positions for all
-    remaining layers, so the masks are built once per fusion, not once per layer.
+    After the check layer the fusor keeps one set of query positions for all remaining layers, so the
+    masks are built once per fusion and window (Gemma's local and global layers alternate), not per layer.
     """
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
-        self._last: tuple[torch.Tensor, int, int | None, list[QueryBlock]] | None = None
+        self._positions: torch.Tensor | None = None  # held, so identity cannot be reused by another tensor
+        self._n_keys = -1
+        self._plans: dict[int | None, list[QueryBlock]] = {}
 
     def plan(self, query_positions: torch.Tensor, n_keys: int, window: int | None) -> list[QueryBlock]:
-        last = self._last
-        if last is not None and last[0] is query_positions and last[1] == n_keys and last[2] == window:
-            return last[3]
+        if query_positions is not self._positions or n_keys != self._n_keys:
+            self._positions, self._n_keys, self._plans = query_positions, n_keys, {}
+        if window not in self._plans:
+            self._plans[window] = self._build(query_positions, n_keys, window)
+        return self._plans[window]
+
+    def _build(self, query_positions: torch.Tensor, n_keys: int, window: int | None) -> list[QueryBlock]:
         key_positions = torch.arange(n_keys, device=query_positions.device)
+        rows = block_rows(query_positions.device, n_keys)
+        bounds = query_positions[::rows].tolist(), query_positions[rows - 1 :: rows].tolist()
+        last = int(query_positions[-1])
         blocks = []
-        for start in range(0, query_positions.numel(), QUERY_BLOCK):
-            pos = query_positions[start : start + QUERY_BLOCK]
-            hi = int(pos[-1]) + 1
-            lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
+        for i, start in enumerate(range(0, query_positions.numel(), rows)):
+            pos = query_positions[start : start + rows]
+            hi = (bounds[1][i] if i < len(bounds[1]) else last) + 1
+            lo = max(0, bounds[0][i] - window + 1) if window is not None else 0
             delta = pos[:, None] - key_positions[None, lo:hi]
             allowed = delta >= 0
             if window is not None:
@@ -111,8 +135,7 @@ class QueryBlockPlanner:
             # Additive float mask, built once: SDPA would convert a bool mask on every call (every layer).
             bias = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
             bias.masked_fill_(~allowed, float("-inf"))
-            blocks.append(QueryBlock(start, lo, hi, bias[None, None]))
-        self._last = (query_positions, n_keys, window, blocks)
+            blocks.append(QueryBlock(start, start + pos.numel(), lo, hi, bias[None, None]))
         return blocks
 
 
@@ -127,7 +150,7 @@ def sparse_queries(
     """
     outs = [
         F.scaled_dot_product_attention(
-            q[:, :, b.start : b.start + QUERY_BLOCK],
+            q[:, :, b.start : b.stop],
             k[:, :, b.lo : b.hi],
             v[:, :, b.lo : b.hi],
             attn_mask=b.bias,
@@ -136,7 +159,7 @@ def sparse_queries(
         )
         for b in blocks
     ]
-    return torch.cat(outs, dim=2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def visible_keys(query_positions: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:

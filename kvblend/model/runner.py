@@ -88,6 +88,7 @@ class ModelRunner:
         self._mixes_windows = len(set(self._windows)) > 1 and None in self._windows
         # The fusor reuses one query set for many layers: its sparse-attention masks are memoised.
         self._blocks = QueryBlockPlanner(self.dtype)
+        self._every: torch.Tensor | None = None  # _every_position's arange
         self._bias_memo: dict = {}
         rotary = self.decoder.rotary_emb
         # RoPE kinds: one per layer type (Gemma 3's local layers rotate with base 10k, its global ones with 1M).
@@ -223,10 +224,18 @@ class ModelRunner:
         elif dense and query_positions is not None and is_short_suffix(query_positions, n_keys):
             out = dense_suffix(q, k, v, scale)
         else:
-            if query_positions is None:
-                query_positions = torch.arange(n_keys, device=q.device)
+            if query_positions is None:  # every position, under a window shorter than the keys
+                query_positions = self._every_position(n_keys, q.device)
             out = sparse_queries(q, k, v, self._blocks.plan(query_positions, n_keys, window), scale)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def _every_position(self, n_keys: int, device: torch.device) -> torch.Tensor:
+        """arange(n_keys), one tensor per length: a windowed layer's block plan is memoised by the query
+        tensor's identity, so every local layer of one prefill reuses the plan the first one built."""
+        every = self._every
+        if every is None or every.numel() != n_keys or every.device != device:
+            every = self._every = torch.arange(n_keys, device=device)
+        return every
 
     def attention_weights(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor

@@ -12,6 +12,7 @@ from support import ARCHS, tiny_runner
 from kvblend.model.attention import (
     QUERY_BLOCK,
     QueryBlockPlanner,
+    block_rows,
     dense_suffix,
     is_short_suffix,
     last_query,
@@ -155,3 +156,18 @@ def test_reposition_equals_k_prefilled_at_the_new_position(runner):
     half = torch.empty_like(at_zero, dtype=torch.bfloat16)  # a 16-bit destination: rotated in fp32, then rounded
     runner.reposition(at_zero, 123, out=half)
     assert math.isclose(float((half.float() - at_offset).abs().max()), 0.0, abs_tol=0.05)
+
+
+def test_block_plan_keeps_one_plan_per_window_for_the_same_queries():
+    """Gemma's local and global layers alternate over one kept query set: each window's plan is built once."""
+    planner = QueryBlockPlanner(torch.float32)
+    positions = torch.arange(50, 200, 3)
+    local, dense = planner.plan(positions, 200, 17), planner.plan(positions, 200, None)
+    assert planner.plan(positions, 200, 17) is local and planner.plan(positions, 200, None) is dense
+    assert local[0].lo > 0 and dense[0].lo == 0
+
+
+def test_blocks_are_small_on_the_cpu_and_one_call_on_a_gpu_where_the_mask_fits():
+    assert block_rows(torch.device("cpu"), 3000) == QUERY_BLOCK
+    assert block_rows(torch.device("cuda"), 3000) >= 3000  # a 3,000-token prefill: one attention call a layer
+    assert QUERY_BLOCK <= block_rows(torch.device("cuda"), 1 << 20) < 1 << 20  # a long prompt: bounded masks
