@@ -21,15 +21,18 @@ How it cuts
    ``breaks`` that follows a sentence end.  Two refinements keep blocks whole:
 
    * a page start never cuts a sentence: where the text before a page start
-     does not end a sentence (``.``, ``!``, ``?``, ``…``, maybe closing
-     quotes) and no heading follows it, the two sides stay one block even if
+     does not end a sentence (``.``, ``!``, ``?``, ``…``, CJK ``。！？`` and
+     the other scripts' sentence terminals, maybe closing quotes) and no
+     heading follows it, the two sides stay one block even if
      the converter put a blank line there (a sentence running over a page);
    * a *bare* heading block (the heading line and nothing else) is glued to
      the block after it, so a heading never ends a segment apart from its
      text, and ``# Title`` / ``## Section`` / text stay together.
 
    A block that fits in ``chunk_tokens`` is one unit.  A longer one is split
-   at sentence ends, a sentence still too long at line breaks, then at spaces
+   at sentence ends (a terminal and whitespace; in Chinese and Japanese,
+   which put no space between sentences, after ``。！？`` wherever they
+   stand), a sentence still too long at line breaks, then at spaces
    between words, and a single giant word between characters (those last
    pieces are cut to fit exactly).
 2. Units are packed greedily, in order, into segments of at most
@@ -96,6 +99,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import regex
+
 from kvblend.errors import UsageError
 
 __all__ = [
@@ -113,11 +118,22 @@ ANCHOR_SPAN = 4
 HEADING_MIN_FILL = 8
 
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
-# A sentence ends at . ! ? … (optionally followed by closing quotes/brackets)
-# and whitespace; the cut falls just after the punctuation.
-_SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]]*(?=\s)")
+# Closing quotes and brackets that may follow a sentence's final punctuation (Western and CJK).
+_CLOSERS = "\"'”’)\\]」』）】〕〉》］｝"
+# Full-width terminals (。．！？ and half-width ｡): CJK writes no space after a sentence, so they end one
+# wherever they stand, except inside a quotation that the sentence goes on from (「本当？」と聞いた。: a closing
+# bracket followed by the quotative と or って).
+_CJK_TERMINALS = "。．！？｡"
+# A sentence ends at Unicode's sentence terminals (. ! ? and the other scripts' ones: ؟ । ॥ ። ...; the
+# `regex` module's \p{Sentence_Terminal}) or …, followed by whitespace, or at a CJK terminal, each with any
+# closing quotes/brackets after it; the cut falls just after them. On Latin text this is the . ! ? … rule
+# it always was, so archived segments keep their keys.
+_SENTENCE_END = regex.compile(
+    rf"[{_CJK_TERMINALS}]+(?:[{_CLOSERS}]+(?![とっ])|(?![{_CLOSERS}]))"
+    rf"|[\p{{Sentence_Terminal}}…][{_CLOSERS}]*(?=\s)"
+)
 # Text (stripped) that ends a sentence: what a page start must follow to cut there.
-_ENDS_SENTENCE = re.compile(r"[.!?…][\"'”’)\]]*$")
+_ENDS_SENTENCE = regex.compile(rf"[\p{{Sentence_Terminal}}…][{_CLOSERS}]*$")
 _LINE_BREAK = re.compile(r"\n")
 _WORD = re.compile(r"\S+")
 # CommonMark's ATX heading: up to 3 spaces, 1-6 #, a space or tab, a title (its closing #s are not part of it).

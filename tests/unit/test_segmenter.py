@@ -383,3 +383,56 @@ def test_structured_documents_still_fit_cover_and_repeat(seed):
         assert all(count(text[a:b]) <= 48 for a, b in spans)
         assert all(b <= c and text[b:c].strip() == "" for (_, b), (c, _) in zip(spans, spans[1:]))
         assert no_ws("".join(text[a:b] for a, b in spans)) == no_ws(text)
+
+
+def chars(s: str) -> int:
+    """One token per character (CJK text has no spaces for `words` to count)."""
+    return len(s.strip())
+
+
+# Japanese prose as a converter hands it over: one paragraph, no spaces, sentences ended by 。！？
+JAPANESE = (
+    "ソナー工場は港の北側にあり、毎朝八時に操業を始める。"
+    "工場長は三年前に着任した技術者で、品質の管理を最も重視している。"
+    "「今月の出荷は間に合うのか？」と営業部長が尋ねた。"
+    "新しい試験設備が導入され、検査の時間は半分になった！"
+    "ただし、深海用のセラミック部品は今も手作業で検査されている。"
+    "次の試験航海は来月の予定である。"
+)
+
+
+def test_japanese_is_cut_only_after_a_sentence_end_though_it_has_no_spaces():
+    paragraph = JAPANESE * 3
+    spans = split_into_spans(paragraph, chars, 80)
+    assert len(spans) >= 4 and all(chars(paragraph[a:b]) <= 80 for a, b in spans)
+    for a, b in spans:  # before: past the budget, a paragraph without spaces was cut between characters
+        assert paragraph[b - 1] in "。！", paragraph[a:b]
+    assert "".join(paragraph[a:b] for a, b in spans) == paragraph
+    # a terminal inside a quotation that the sentence goes on from (「…？」と) does not end the sentence
+    assert any("「今月の出荷は間に合うのか？」と営業部長が尋ねた。" in paragraph[a:b] for a, b in spans)
+
+
+def test_a_quotation_that_ends_a_sentence_is_a_cut():
+    text = "「おはようございます。」「今日は試験の日です。」それから二人は港へ向かった。" * 4
+    spans = split_into_spans(text, chars, 40)
+    assert all(text[b - 1] in "。」" for a, b in spans)
+    assert "".join(text[a:b] for a, b in spans) == text
+
+
+def test_a_japanese_page_start_cuts_after_a_sentence_and_never_inside_one():
+    first = JAPANESE + "この部品の最大圧力は"
+    second = "定格流量で四一二キロパスカルである。" + JAPANESE
+    text = first + "\n\n" + second  # a sentence running over the page start
+    spans = split_into_spans(text, chars, 150, breaks=[0, len(first) + 2])
+    assert any("この部品の最大圧力は\n\n定格流量で" in text[a:b] for a, b in spans)
+    ended = JAPANESE + "\n\n" + JAPANESE  # the page start follows 。: it is a cut
+    assert len(ended) > 160 and [a for a, _ in split_into_spans(ended, chars, 160, breaks=[len(JAPANESE) + 2])] == [
+        0,
+        len(JAPANESE) + 2,
+    ]
+
+
+def test_other_scripts_sentence_terminals_end_sentences():
+    hindi = "सोनार कारखाना बंदरगाह के उत्तर में है। प्रबंधक हर सुबह आते हैं। परीक्षण अगले महीने होगा। " * 6
+    spans = split_into_spans(hindi.strip(), words, 20)
+    assert len(spans) > 1 and all(hindi.strip()[b - 1] == "।" for a, b in spans)
