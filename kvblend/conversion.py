@@ -41,7 +41,7 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   the body (plain part first), attachments named.
 * **XLSX** — openpyxl (read-only, cached values): each visible sheet a
   ``##`` section, its cells pipe rows under their header, repeated every
-  :data:`XLSX_ROWS_PER_BLOCK` rows. 12x markitdown's speed (pandas), which
+  :data:`TABLE_ROWS_PER_BLOCK` rows. 12x markitdown's speed (pandas), which
   also keeps hidden sheets and writes empty cells as ``NaN``.
 
 Every converter is imported inside the function that needs it, so
@@ -71,6 +71,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS
+
 __all__ = [
     "CONVERTED_FORMATS",
     "MAX_CONVERT_SECONDS",
@@ -83,6 +85,7 @@ __all__ = [
     "convert",
     "converter_identity",
     "decode_text",
+    "delimited_table",
     "markdown_body",
     "describe_error",
 ]
@@ -96,14 +99,21 @@ CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
-_TEXT_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".json": "text", ".jsonl": "text"}
+_TEXT_EXTENSIONS = {
+    ".md": "markdown",
+    ".markdown": "markdown",
+    ".json": "text",
+    ".jsonl": "text",
+    ".csv": "csv",
+    ".tsv": "tsv",
+}
 # Office formats that are ZIPs too, so an .xlsx is named as one rather than called "binary"
 _OTHER_ZIPS = {"content.xml": "OpenDocument"}  # those kvblend reads are named from _ZIP_FORMATS
 
 
 # Bumped whenever kvblend's own treatment of a format changes what text comes out (tidying, headings, running
 # lines, encodings), so a file archived before is converted again rather than recognised by its bytes.
-CONVERSION_REVISION = 2
+CONVERSION_REVISION = 3
 # The libraries whose output is the text: a new version of one may read the same bytes differently.
 _CONVERTER_PACKAGES = (
     "pypdfium2",
@@ -830,8 +840,13 @@ def _pipe_rows(rows: list[list[str]]) -> str:
     header notion), each cell's whitespace collapsed and its pipes escaped."""
     if not rows:
         return ""
-    lines = ["| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |" for cells in rows]
+    lines = [_pipe_line(cells) for cells in rows]
     return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
+def _pipe_line(cells: list[str]) -> str:
+    """One table row as a Markdown pipe row: each cell's whitespace collapsed and its pipes escaped."""
+    return "| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |"
 
 
 # E-mail ─────────────────────────────────────────────────────────────────────
@@ -870,8 +885,13 @@ def _convert_eml(data: bytes) -> Converted:
 
 # XLSX ───────────────────────────────────────────────────────────────────────
 
-MAX_XLSX_CELLS = 1_000_000  # a workbook of data, not of prose; openpyxl reads ~1M cells a minute at worst
-XLSX_ROWS_PER_BLOCK = 25  # a table's header is repeated every this many rows, so every segment names its columns
+MAX_TABLE_CELLS = 1_000_000  # a workbook of data, not of prose; openpyxl reads ~1M cells a minute at worst
+TABLE_ROWS_PER_BLOCK = 25  # a table's header is repeated at least every this many rows ...
+# ... and before a block's pipe rows pass this many UTF-8 bytes: a byte-level BPE or byte-fallback tokenizer makes
+# at most a token of a byte, so a block fits a segment of the default size whole and every segment of a long
+# table begins under its header. (Blocks of 25 rows alone came to ~970 tokens for a 5-column ledger, so the
+# second segment of each had no header.) A table of digits is ~0.8 tokens a byte with SmolLM2's tokenizer.
+TABLE_BLOCK_BYTES = DEFAULT_CHUNK_TOKENS - 32
 
 
 def _convert_xlsx(data: bytes, started: float) -> Converted:
@@ -879,7 +899,7 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
 
     Values are what Excel shows as cached in the file (``data_only``: a formula gives its last result, not its
     text); dates in ISO form; trailing empty columns and empty rows dropped. A long table is cut into blocks
-    of :data:`XLSX_ROWS_PER_BLOCK` rows, each under the header again and a paragraph of its own, so a segment
+    of :data:`TABLE_ROWS_PER_BLOCK` rows, each under the header again and a paragraph of its own, so a segment
     of row 500 still names its columns. Hidden sheets (helper data) and charts are left out. No pages: a
     sheet is a section, not a printed page.
     """
@@ -897,31 +917,86 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
             rows: list[list[str]] = []
             for values in sheet.iter_rows(values_only=True):
                 cells += len(values)
-                if cells > MAX_XLSX_CELLS:
-                    raise ConversionError(f"too large for XLSX (over {MAX_XLSX_CELLS:,} cells)")
-                row = [_cell(v) for v in values]
-                while row and not row[-1]:
-                    row.pop()
-                if row:
-                    rows.append(row)
+                if cells > MAX_TABLE_CELLS:
+                    raise ConversionError(f"too large for XLSX (over {MAX_TABLE_CELLS:,} cells)")
+                rows.append([_cell(v) for v in values])
                 if len(rows) % 1000 == 0:
                     _check_time(started)
-            if not rows:
-                continue
-            width = max(len(r) for r in rows)
-            rows = [r + [""] * (width - len(r)) for r in rows]
-            blocks.append(f"## {' '.join(str(sheet.title).split())}")
-            if width == 1:  # a column of notes, not a table
-                blocks.append("\n".join(r[0] for r in rows))
-                continue
-            header, body = rows[0], rows[1:]
-            chunks = [body[i : i + XLSX_ROWS_PER_BLOCK] for i in range(0, len(body), XLSX_ROWS_PER_BLOCK)] or [[]]
-            blocks.extend(_pipe_rows([header, *chunk]) for chunk in chunks)
+            if table := _table_blocks(rows):
+                blocks.append(f"## {' '.join(str(sheet.title).split())}")
+                blocks.extend(table)
     finally:
         book.close()
     if not blocks:
         raise ConversionError("empty (the XLSX holds no values)")
     return Converted(_tidy("\n\n".join(blocks)), "xlsx")
+
+
+#: Delimiters a CSV export uses: Excel writes ";" where the decimal mark is a comma (most of Europe).
+_CSV_DELIMITERS = ",;\t|"
+
+
+def delimited_table(text: str, fmt: str) -> str:
+    """A CSV or TSV file's text as Markdown pipe rows, as an XLSX sheet becomes (:func:`_table_blocks`).
+
+    The raw text would reach the KV as rows of commas whose columns no segment past the first names; as pipe
+    rows under a header repeated every :data:`TABLE_ROWS_PER_BLOCK` rows, every segment says what its numbers
+    are. The delimiter of a ``.csv`` is sniffed from its first 64 KiB (Python's ``csv.Sniffer``: ``,`` ``;``
+    tab or ``|``; a comma where it cannot tell); a ``.tsv`` is tab-separated. Quoted fields keep their commas
+    and line breaks. The first row is the header, as in a spreadsheet.
+    """
+    import csv
+
+    delimiter = "\t"
+    if fmt == "csv":
+        try:
+            delimiter = csv.Sniffer().sniff(text[: 64 * 1024], delimiters=_CSV_DELIMITERS).delimiter
+        except csv.Error:  # one column, or too irregular to tell: a comma, as RFC 4180 has it
+            delimiter = ","
+    rows: list[list[str]] = []
+    cells = 0
+    label = fmt.upper()
+    try:
+        for values in csv.reader(io.StringIO(text, newline=""), delimiter=delimiter):
+            cells += len(values)
+            if cells > MAX_TABLE_CELLS:
+                raise ConversionError(f"too large for {label} (over {MAX_TABLE_CELLS:,} cells)")
+            rows.append([" ".join(v.split()) for v in values])
+    except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
+        raise ConversionError(f"corrupt {label} ({describe_error(e)})") from None
+    return _tidy("\n\n".join(_table_blocks(rows)))
+
+
+def _table_blocks(rows: list[list[str]]) -> list[str]:
+    """A sheet's rows as text blocks: trailing empty cells and empty rows dropped; a one-column sheet as lines
+    (notes, not a table); otherwise pipe rows in blocks of at most :data:`TABLE_ROWS_PER_BLOCK` rows and
+    :data:`TABLE_BLOCK_BYTES` bytes, each under the header row again and a paragraph of its own, so a segment of
+    row 500 still names its columns (a row longer than that is a block alone, which the segmenter then cuts)."""
+    kept = []
+    for row in rows:
+        row = list(row)
+        while row and not row[-1]:
+            row.pop()
+        if row:
+            kept.append(row)
+    if not kept:
+        return []
+    width = max(len(r) for r in kept)
+    if width == 1:
+        return ["\n".join(r[0] for r in kept)]
+    lines = [_pipe_line(r + [""] * (width - len(r))) for r in kept]
+    head = [lines[0], "|" + "---|" * width]
+    budget = TABLE_BLOCK_BYTES - sum(len(line.encode()) + 1 for line in head)
+    blocks: list[list[str]] = [[]]
+    used = 0
+    for line in lines[1:]:
+        cost = len(line.encode()) + 1
+        if blocks[-1] and (len(blocks[-1]) == TABLE_ROWS_PER_BLOCK or used + cost > budget):
+            blocks.append([])
+            used = 0
+        blocks[-1].append(line)
+        used += cost
+    return ["\n".join([*head, *block]) for block in blocks]
 
 
 def _cell(value: object) -> str:

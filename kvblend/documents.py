@@ -19,7 +19,8 @@ found plus the files (or records) it had to skip, each with a short reason.
 * Any other file that is text is a document (``.txt``, ``.md``, ``.rst``
   and every other extension alike; ``.md``/``.markdown`` are recorded as
   format ``"markdown"``, their text unchanged but for a page's front matter:
-  :func:`kvblend.conversion.markdown_body`).  Text is UTF-8, or UTF-16/32
+  :func:`kvblend.conversion.markdown_body`; ``.csv``/``.tsv`` as ``"csv"``/``"tsv"``, their rows as
+  Markdown pipe rows under a repeated header: :func:`kvblend.conversion.delimited_table`).  Text is UTF-8, or UTF-16/32
   with a byte-order mark, or a legacy encoding that charset-normalizer
   detects (recorded as :attr:`Document.encoding`; see
   :func:`kvblend.conversion.decode_text`).  Skipped: files with NUL bytes
@@ -347,6 +348,12 @@ def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Documen
         return
     if fmt == "markdown":
         text = conversion.markdown_body(text)
+    elif fmt in ("csv", "tsv"):
+        try:
+            text = conversion.delimited_table(text, fmt)
+        except conversion.ConversionError as e:
+            skipped.append(Skipped(name, str(e)))
+            return
     _add_text(name, text, docs, skipped, fmt, encoding=encoding)
 
 

@@ -333,7 +333,7 @@ def quality(fmt: str, name: str, text: str) -> str:
         notes.append("hidden sheet left out" if "rate table" not in text else "hidden sheet kept")
         notes.append("empty cells as NaN" if "NaN" in text else "empty cells empty")
         repeated = text.count("| Item | Quarter |") >= 2
-        notes.append("header over every 25 rows" if repeated else "header once")
+        notes.append("header over every block of rows" if repeated else "header once")
     elif fmt == "epub":
         in_order = 0 <= text.find("A red status light") < text.find("Clean the transducer window")
         notes.append("chapters in spine order" if in_order else "chapters out of order")

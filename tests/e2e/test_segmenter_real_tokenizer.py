@@ -42,3 +42,21 @@ def test_bundled_documents_are_about_one_default_chunk(real_count):
     for f in docs:
         n = real_count(f.read_text(encoding="utf-8"))
         assert 450 <= n <= 550, (f.name, n)
+
+
+def test_every_segment_of_a_long_table_begins_under_its_header(real_count):
+    """A CSV (or XLSX sheet) of 1,000 digit-dense rows: each block of pipe rows fits a default segment, so no
+    segment's numbers are left without their column names (blocks of 25 rows alone took ~970 tokens)."""
+    import csv
+    import io
+
+    from kvblend.conversion import delimited_table
+
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["Item", "Quarter", "Cost (EUR)", "Ordered", "With VAT"])
+    writer.writerows([f"Part {i % 97}", f"Q{i % 4 + 1}", f"{80 + 0.37 * i:.2f}", f"2026-{i % 12 + 1:02d}-{i % 28 + 1:02d}",
+                      f"{(80 + 0.37 * i) * 1.2:.4f}"] for i in range(1000))
+    segments = split_into_segments(delimited_table(out.getvalue(), "csv"), real_count, DEFAULT_CHUNK_TOKENS)
+    assert len(segments) > 20
+    assert all(s.startswith("| Item | Quarter | Cost (EUR) | Ordered | With VAT |\n|---|") for s in segments)

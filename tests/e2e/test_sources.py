@@ -24,7 +24,9 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     with Engine(arc, runner=default_runner) as engine:
         # 128 tokens: the 4-page manual (~330 tokens) is one segment per page, each starting at its heading
         docs = ["manual.pdf", "briefing.pptx", "handbook.epub", "budget.xlsx", "quickstart.md"]
-        engine.ingest([DOCUMENTS / name for name in docs], chunk_tokens=128)
+        # a spreadsheet exported as CSV (Excel's ";" where the decimal mark is a comma)
+        (tmp_path / "parts.csv").write_text("Part;Cost (EUR)\nSeal kit;11,75\nImpeller;1011,25\n")
+        engine.ingest([*(DOCUMENTS / name for name in docs), tmp_path / "parts.csv"], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
     assert segment["document"] == "manual.pdf"
@@ -50,6 +52,10 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert (listed["budget.xlsx"]["format"], listed["budget.xlsx"]["pages"]) == ("xlsx", 0)
     sheets = json.loads(run_cli("show", "budget.xlsx", "--archive", arc, "--json", check=True).stdout)["sources"]
     assert {s["section"] for s in sheets} == {"Service costs", "Notes"}, sheets  # hidden and empty sheets left out
+    assert listed["parts.csv"]["format"] == "csv"
+    (key,) = json.loads(run_cli("show", "parts.csv", "--archive", arc, "--json", check=True).stdout)["segments"]
+    table = json.loads(run_cli("show", key, "--archive", arc, "--json", check=True).stdout)["text"]
+    assert table == "| Part | Cost (EUR) |\n|---|---|\n| Seal kit | 11,75 |\n| Impeller | 1011,25 |", table
     human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
     assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
     assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human

@@ -241,12 +241,71 @@ def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block
         text,
         "## Service costs\n\n| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| Seal kit | Q1 | 80 | 2026-01-05 |",
         "| Seal kit | Q3 | 1240.5 | 2026-06-16 |",  # a float as written, a date as a date
-        "\n\n| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| Impeller | Q4 | 1011.25 |",  # row 26
         "| Total |  | 19093.75 |  |",  # a formula's cached value
         "\n\n## Notes\n\nCosts exclude VAT.",  # one column: lines, not a table
     )
-    assert text.count("| Item | Quarter |") == 2  # 31 rows under the header: blocks of 25
+    # 31 rows under the header: blocks of at most 25 rows and TABLE_BLOCK_BYTES bytes, each under the header
+    table = text.split("## Service costs\n\n")[1].split("\n\n## ")[0].split("\n\n")
+    assert len(table) == 4 and all(len(b.encode()) <= conversion.TABLE_BLOCK_BYTES for b in table)
+    assert all(b.startswith("| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| ") for b in table)
+    assert sum(b.count("\n") - 1 for b in table) == 31
     assert "Lookup" not in text and "rate table" not in text and "Empty" not in text  # hidden, empty: left out
+
+
+def test_csv_is_pipe_rows_under_its_header_repeated_every_block_of_rows(tmp_path):
+    import csv
+
+    with open(tmp_path / "parts.csv", "w", newline="", encoding="utf-8") as f:  # Python's csv: RFC 4180 quoting
+        writer = csv.writer(f)
+        writer.writerow(["Part", "Note", "Cost"])
+        writer.writerow(["Seal kit", "fits Orca-7, Orca-9", "11.75"])  # a quoted comma
+        writer.writerow(["Pump", "rated 412 kPa\nat full flow", "412"])  # a quoted line break
+        writer.writerow([])  # an empty row: dropped
+        writer.writerows([[f"Spare {i}", "", str(i)] for i in range(28)])
+    doc = read_one(tmp_path / "parts.csv")
+    assert doc.format == "csv" and doc.page_starts == ()
+    in_order(
+        doc.text,
+        "| Part | Note | Cost |\n|---|---|---|\n| Seal kit | fits Orca-7, Orca-9 | 11.75 |",
+        "| Pump | rated 412 kPa at full flow | 412 |",
+        "| Spare 27 |  | 27 |",
+    )
+    blocks = doc.text.split("\n\n")  # 30 rows: more than one block, each under the header
+    assert len(blocks) >= 2 and all(b.startswith("| Part | Note | Cost |\n|---|---|---|\n| ") for b in blocks)
+    assert "," not in doc.text.replace("Orca-7, Orca-9", "")
+    # wide rows: blocks close at TABLE_BLOCK_BYTES, before 25 rows, each under the header again
+    wide = conversion.delimited_table("a,b\n" + "".join(f"{i},{'x' * 60}\n" for i in range(30)), "csv")
+    blocks = wide.split("\n\n")
+    assert len(blocks) > 4 and all(b.startswith("| a | b |\n|---|---|\n| ") for b in blocks)
+    assert all(len(b.encode()) <= conversion.TABLE_BLOCK_BYTES for b in blocks)
+
+
+def test_a_european_excel_csv_and_a_tsv_are_tables_too(tmp_path):
+    # Excel where the decimal mark is a comma: ";" between fields, Windows-1252 without a byte-order mark
+    (tmp_path / "kosten.csv").write_bytes("Teil;Preis (€);Größe\r\nDichtung;11,75;klein\r\nPumpe;412,00;groß\r\n".encode("cp1252"))
+    (tmp_path / "depths.tsv").write_text("site\tdepth m\nHalifax\t210\n")
+    (tmp_path / "names.csv").write_text("Ada Lovelace\nGrace Hopper\n")  # one column: lines, not a table
+    docs, skipped = iter_documents([tmp_path])
+    assert skipped == []
+    by_name = {d.name: d for d in docs}
+    kosten = by_name["kosten.csv"]
+    assert (kosten.format, kosten.encoding) == ("csv", "cp1252")
+    assert kosten.text == "| Teil | Preis (€) | Größe |\n|---|---|---|\n| Dichtung | 11,75 | klein |\n| Pumpe | 412,00 | groß |"
+    assert by_name["depths.tsv"].format == "tsv"
+    assert by_name["depths.tsv"].text == "| site | depth m |\n|---|---|\n| Halifax | 210 |"
+    assert by_name["names.csv"].text == "Ada Lovelace\nGrace Hopper"
+
+
+def test_a_csv_too_large_or_with_a_field_csv_cannot_hold_is_skipped_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "huge_field.csv").write_text('a,b\n1,"' + "x" * 200_000 + '"\n')
+    (tmp_path / "many.csv").write_text("a,b\n" + "1,2\n" * 60)
+    monkeypatch.setattr(conversion, "MAX_TABLE_CELLS", 100)
+    docs, skipped = iter_documents([tmp_path])
+    assert docs == []
+    assert sorted((Path(s.path).name, s.reason) for s in skipped) == [
+        ("huge_field.csv", "corrupt CSV (Error: field larger than field limit (131072))"),
+        ("many.csv", "too large for CSV (over 100 cells)"),
+    ]
 
 
 def test_markdown_and_text_are_read_unchanged(tmp_path):
