@@ -830,9 +830,10 @@ def _heading_level(style_name: str) -> int:
 
 
 def _docx_table(table) -> str:
-    """A Word table as Markdown pipe rows; a merged cell's text appears once per grid column it spans, as
-    python-docx reports it."""
-    return _pipe_rows([[cell.text for cell in row.cells] for row in table.rows])
+    """A Word table as Markdown pipe rows in blocks under its header row (:func:`_table_blocks`: a long
+    table's later segments still name its columns); a merged cell's text appears once per grid column it
+    spans, as python-docx reports it."""
+    return "\n\n".join(_table_blocks([[cell.text for cell in row.cells] for row in table.rows]))
 
 
 def _pipe_rows(rows: list[list[str]]) -> str:

@@ -252,6 +252,20 @@ def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block
     assert "Lookup" not in text and "rate table" not in text and "Empty" not in text  # hidden, empty: left out
 
 
+def test_a_long_word_table_repeats_its_header_over_every_block(tmp_path):
+    import docx
+
+    document = docx.Document()
+    table = document.add_table(rows=61, cols=3)
+    for i, row in enumerate(table.rows):
+        for j, cell in enumerate(row.cells):
+            cell.text = ["Part", "Site", "Depth (m)"][j] if i == 0 else f"{['P', 'Halifax', ''][j]}{i}"
+    document.save(tmp_path / "depths.docx")
+    blocks = read_one(tmp_path / "depths.docx").text.split("\n\n")
+    assert len(blocks) > 2 and all(b.startswith("| Part | Site | Depth (m) |\n|---|---|---|\n| P") for b in blocks)
+    assert sum(b.count("\n") - 1 for b in blocks) == 60 and blocks[-1].endswith("| P60 | Halifax60 | 60 |")
+
+
 def test_csv_is_pipe_rows_under_its_header_repeated_every_block_of_rows(tmp_path):
     import csv
 
