@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX, EPUB and XLSX files into Markdown-flavoured text, or say in one line why not (issue 32).
+"""Turn PDF, HTML, DOCX, PPTX, EPUB, XLSX, e-mail and CSV files into Markdown-flavoured text, or say why not.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -40,9 +40,12 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
 * **E-mail (.eml)** — Python's ``email`` package: subject, people, date and
   the body (plain part first), attachments named.
 * **XLSX** — openpyxl (read-only, cached values): each visible sheet a
-  ``##`` section, its cells pipe rows under their header, repeated every
-  :data:`TABLE_ROWS_PER_BLOCK` rows. 12x markitdown's speed (pandas), which
-  also keeps hidden sheets and writes empty cells as ``NaN``.
+  ``##`` section, its cells pipe rows under their header, repeated over
+  every block of rows that fits a default segment (:func:`_table_blocks`).
+  12x markitdown's speed (pandas), which also keeps hidden sheets and writes
+  empty cells as ``NaN``.
+* **CSV / TSV** — Python's ``csv``, the delimiter sniffed: read as text (any
+  encoding), then the same blocks of pipe rows (:func:`delimited_table`).
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
