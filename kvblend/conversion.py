@@ -185,6 +185,8 @@ def classify(suffix: str, data: bytes) -> str:
         raise ConversionError("unsupported format (RTF: save it as .docx or plain text)")
     if _is_svg(data):  # an image written as XML: its path data would become the KV
         raise ConversionError("unsupported format (SVG image)")
+    if _is_postscript(data):  # a page description program: its drawing operators would become the KV
+        raise ConversionError("unsupported format (PostScript: convert it to PDF, e.g. with ps2pdf)")
     if data.startswith(_OLE_MAGIC) and _ole_encrypted(data):
         what = suffix[1:].upper() if suffix in (".docx", ".pptx", ".xlsx") else "Office file"
         raise ConversionError(f"encrypted {what} (password protected)")
@@ -233,6 +235,11 @@ def _ole_encrypted(data: bytes) -> bool:
             return bool(ole.exists("EncryptedPackage"))
     except Exception:  # a damaged compound file: whatever it is, it is not read (the caller's reason stands)
         return False
+
+
+def _is_postscript(data: bytes) -> bool:
+    """PostScript or EPS: "%!PS" first (after a DOS EPS binary header's magic, or a ^D that old drivers sent)."""
+    return data[:8].lstrip(b"\x04").startswith(b"%!PS") or data.startswith(b"\xc5\xd0\xd3\xc6")
 
 
 def _is_rtf(data: bytes) -> bool:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import stat
@@ -314,6 +315,13 @@ def _read_file(
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
         return None
     suffix = file.suffix.lower()
+    if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
+        try:
+            data = _gunzip(data)
+        except conversion.ConversionError as e:
+            skipped.append(Skipped(name, str(e)))
+            return None
+        suffix = Path(file.stem).suffix.lower()  # what the file inside is: ".md" of notes.md.gz ("" for README.gz)
     try:
         fmt = conversion.classify(suffix, data)
     except conversion.ConversionError as e:
@@ -330,6 +338,27 @@ def _read_file(
         return None
     _read_text(name, suffix, fmt, data, docs, skipped)
     return None
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _gunzip(data: bytes) -> bytes:
+    """A gzip file's contents (every member, as `zcat` reads them), at most :data:`MAX_FILE_BYTES` of them: a
+    few KiB of gzip can inflate to gigabytes (a gzip bomb), so inflating stops at the limit, never past it."""
+    import gzip
+    import zlib
+
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            out = f.read(MAX_FILE_BYTES + 1)
+    except EOFError:
+        raise conversion.ConversionError("truncated gzip (it ends before its last member does)") from None
+    except (OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise conversion.ConversionError(f"corrupt gzip ({conversion.describe_error(e)})") from None
+    if len(out) > MAX_FILE_BYTES:
+        raise conversion.ConversionError(f"too large (over {MAX_FILE_BYTES // (1024 * 1024)} MiB decompressed)")
+    return out
 
 
 def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:

@@ -6,6 +6,7 @@ producer is needed at test time: cut short, bytes flipped, a ZIP bomb, a 50 MB p
 
 from __future__ import annotations
 
+import gzip
 import io
 import zipfile
 from pathlib import Path
@@ -93,6 +94,10 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "damaged-utf16.txt").write_bytes(b"\xff\xfe" + "Half a ".encode("utf-16-le") + b"\x00\xd8")
     (root / "notes.eml").write_text("Only notes, saved under a mail client's extension.\n")
     (root / "logo.svg").write_text('<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"><path d="M0 0h9"/></svg>')
+    (root / "poster.ps").write_text("%!PS-Adobe-3.0\n/Times-Roman findfont 12 scalefont setfont\n72 720 moveto (Hi) show\n")
+    notes = gzip.compress((DOCS / "quickstart.md").read_bytes() * 40)
+    (root / "truncated.md.gz").write_bytes(notes[: len(notes) // 2])
+    (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))  # 65 MiB inflated
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
         "scanned.pdf": r"^no text layer \(",
@@ -119,6 +124,9 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "drm.epub": r"^encrypted EPUB \(DRM-protected\)$",
         "notes.eml": r"^not an email \(content looks like text\)$",
         "logo.svg": r"^unsupported format \(SVG image\)$",
+        "poster.ps": r"^unsupported format \(PostScript: convert it to PDF, e.g. with ps2pdf\)$",
+        "truncated.md.gz": r"^truncated gzip \(it ends before its last member does\)$",
+        "bomb.txt.gz": r"^too large \(over 64 MiB decompressed\)$",
         "letter.rtf": r"^unsupported format \(RTF: save it as .docx or plain text\)$",
         "noise.txt": r"^not UTF-8, and no other text encoding reads it as text$",
         "damaged-utf16.txt": r"^not valid UTF-16 \(damaged text after a UTF-16 byte-order mark\)$",

@@ -266,6 +266,25 @@ def test_a_long_word_table_repeats_its_header_over_every_block(tmp_path):
     assert sum(b.count("\n") - 1 for b in blocks) == 60 and blocks[-1].endswith("| P60 | Halifax60 | 60 |")
 
 
+def test_gzip_files_are_read_as_what_they_hold(tmp_path):
+    """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
+    import gzip
+
+    (tmp_path / "quickstart.md.gz").write_bytes(gzip.compress((DOCS / "quickstart.md").read_bytes()))
+    (tmp_path / "corpus.jsonl.gz").write_bytes(gzip.compress(b'{"text": "first record"}\n{"text": "second"}\n'))
+    (tmp_path / "manual.pdf.gz").write_bytes(gzip.compress((DOCS / "manual.pdf").read_bytes()))
+    two = gzip.compress("Changes in 1.1.\n".encode()) + gzip.compress("Changes in 1.0.\n".encode())
+    (tmp_path / "changelog.gz").write_bytes(two)  # two members, as `gzip -c a >> f` leaves: zcat reads both
+    docs, skipped = iter_documents([tmp_path])
+    assert skipped == []
+    got = {d.name: d for d in docs}
+    assert got["quickstart.md.gz"].format == "markdown"
+    assert got["quickstart.md.gz"].text == read_one(DOCS / "quickstart.md").text
+    assert [d.text for d in docs if d.name.startswith("corpus.jsonl.gz")] == ["first record", "second"]
+    assert got["manual.pdf.gz"].format == "pdf" and len(got["manual.pdf.gz"].page_starts) == 4
+    assert got["changelog.gz"].text == "Changes in 1.1.\nChanges in 1.0.\n"
+
+
 def test_csv_is_pipe_rows_under_its_header_repeated_every_block_of_rows(tmp_path):
     import csv
 
