@@ -754,7 +754,7 @@ def _convert_html(data: bytes) -> Converted:
     if not text or not text.strip():
         # too little text for an article (a short page, a fragment): all of its text, with no boilerplate filter
         text = trafilatura.html2txt(data)
-    text = _tidy(text or "")
+    text = _block_tables(_tidy(text or ""))
     if not text:
         raise ConversionError("no text in the HTML page")
     return Converted(text, "html")
@@ -996,11 +996,16 @@ def _table_blocks(rows: list[list[str]]) -> list[str]:
     if width == 1:
         return ["\n".join(r[0] for r in kept)]
     lines = [_pipe_line(r + [""] * (width - len(r))) for r in kept]
-    head = [lines[0], "|" + "---|" * width]
+    return _row_blocks([lines[0], "|" + "---|" * width], lines[1:])
+
+
+def _row_blocks(head: list[str], rows: list[str]) -> list[str]:
+    """A table's pipe-row lines in blocks of at most :data:`TABLE_ROWS_PER_BLOCK` rows and
+    :data:`TABLE_BLOCK_BYTES` bytes, each block the header lines (`head`) then its rows."""
     budget = TABLE_BLOCK_BYTES - sum(len(line.encode()) + 1 for line in head)
     blocks: list[list[str]] = [[]]
     used = 0
-    for line in lines[1:]:
+    for line in rows:
         cost = len(line.encode()) + 1
         if blocks[-1] and (len(blocks[-1]) == TABLE_ROWS_PER_BLOCK or used + cost > budget):
             blocks.append([])
@@ -1008,6 +1013,31 @@ def _table_blocks(rows: list[list[str]]) -> list[str]:
         blocks[-1].append(line)
         used += cost
     return ["\n".join([*head, *block]) for block in blocks]
+
+
+# A Markdown table's delimiter row: |---|:---:|, or | --- | --- | as markdownify writes it.
+_TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
+
+
+def _block_tables(markdown: str) -> str:
+    """Every pipe table a converter wrote (trafilatura's web tables, markdownify's EPUB ones) cut into blocks
+    under its header, as :func:`_table_blocks` cuts a sheet: a long table's later segments name its columns."""
+    if "|" not in markdown:
+        return markdown
+    lines = markdown.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
+            end = i + 2
+            while end < len(lines) and lines[end].startswith("|"):
+                end += 1
+            out.append("\n\n".join(_row_blocks(lines[i : i + 2], lines[i + 2 : end])))
+            i = end
+        else:
+            out.append(lines[i])
+            i += 1
+    return "\n".join(out)
 
 
 def _cell(value: object) -> str:
@@ -1141,7 +1171,7 @@ def _convert_epub(data: bytes, started: float) -> Converted:
                     f"at most {MAX_HTML_BYTES // _MIB} MiB)"
                 )
             chapters.append(_xhtml_markdown(book.read(name)))
-    text = _tidy("\n\n".join(chapters))
+    text = _block_tables(_tidy("\n\n".join(chapters)))
     if not text:
         raise ConversionError("no text in the EPUB (its chapters hold only pictures?)")
     return Converted(text, "epub")

@@ -266,6 +266,24 @@ def test_a_long_word_table_repeats_its_header_over_every_block(tmp_path):
     assert sum(b.count("\n") - 1 for b in blocks) == 60 and blocks[-1].endswith("| P60 | Halifax60 | 60 |")
 
 
+def test_a_long_web_or_book_table_repeats_its_header_over_every_block():
+    rows = "".join(f"<tr><td>Part {i}</td><td>{i * 3.5}</td><td>Halifax</td></tr>" for i in range(60))
+    page = (
+        "<!DOCTYPE html><html><body><nav>Home | About</nav><article><h1>Parts list</h1><p>All parts we stock, "
+        "with prices, are listed below for the whole fleet.</p><table><tr><th>Part</th><th>Price</th><th>Site</th>"
+        f"</tr>{rows}</table><p>Prices exclude VAT and shipping to any of the harbours.</p></article></body></html>"
+    )
+    text = conversion.convert("html", page.encode()).text
+    tables = [b for b in text.split("\n\n") if b.startswith("|")]
+    assert len(tables) > 2 and all(b.startswith("| Part | Price | Site |\n|---|---|---|\n| Part ") for b in tables)
+    assert all(len(b.encode()) <= conversion.TABLE_BLOCK_BYTES for b in tables)
+    assert sum(b.count("\n") - 1 for b in tables) == 60 and text.endswith("shipping to any of the harbours.")
+    # markdownify's delimiter row (an EPUB chapter's tables) is a table too; a short table is left as it is
+    book = "| a | b |\n| --- | --- |\n" + "".join(f"| {i} | {'x' * 40} |\n" for i in range(30)) + "\nAfter."
+    assert conversion._block_tables(book).count("| a | b |\n| --- | --- |\n") > 2
+    assert conversion._block_tables("| a | b |\n|---|---|\n| 1 | 2 |\n\nText.") == "| a | b |\n|---|---|\n| 1 | 2 |\n\nText."
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
