@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX, EPUB, XLSX, e-mail and CSV files into Markdown-flavoured text, or say why not.
+"""Turn PDF, HTML, DOCX, PPTX, ODT, EPUB, XLSX, e-mail and CSV files into Markdown-flavoured text, or say why not.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -46,6 +46,8 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   empty cells as ``NaN``.
 * **CSV / TSV** — Python's ``csv``, the delimiter sniffed: read as text (any
   encoding), then the same blocks of pipe rows (:func:`delimited_table`).
+* **ODT** — odfdo (its own Markdown export): LibreOffice's headings, lists
+  and tables; its Markdown escapes inside a line removed.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -98,7 +100,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -126,6 +128,7 @@ _CONVERTER_PACKAGES = (
     "markdownify",
     "charset-normalizer",
     "openpyxl",
+    "odfdo",
 )
 
 
@@ -269,7 +272,9 @@ _ZIP_FORMATS = {
     ".pptx": ("pptx", "a PPTX", "ppt/presentation.xml"),
     ".xlsx": ("xlsx", "an XLSX", "xl/workbook.xml"),
     ".epub": ("epub", "an EPUB", "META-INF/container.xml"),
+    ".odt": ("odt", "an ODT", "content.xml"),  # and its mimetype member says text (ODS, ODP hold content.xml too)
 }
+_ODT_MIMETYPE = b"application/vnd.oasis.opendocument.text"
 
 
 def _zip_format(data: bytes) -> str | None:
@@ -277,7 +282,19 @@ def _zip_format(data: bytes) -> str | None:
     names = _zip_names(data) if _is_zip(data) else None
     if names is None:
         return None
-    return next((fmt for fmt, _, marker in _ZIP_FORMATS.values() if marker in names), None)
+    for fmt, _, marker in _ZIP_FORMATS.values():
+        if marker in names and (fmt != "odt" or _odf_mimetype(data) == _ODT_MIMETYPE):
+            return fmt
+    return None
+
+
+def _odf_mimetype(data: bytes) -> bytes | None:
+    """An OpenDocument package's `mimetype` member (text, spreadsheet, presentation ...; None: it has none)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return z.read("mimetype")[:200].strip() if "mimetype" in z.NameToInfo else None
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError):
+        return None
 
 
 # What may come before a markup document's first element: whitespace, an XML declaration, comments (browsers'
@@ -488,6 +505,8 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_xlsx(data, started)
         if fmt == "eml":
             return _convert_eml(data)
+        if fmt == "odt":
+            return _convert_odt(data)
     raise ValueError(f"no converter for {fmt!r}")
 
 
@@ -858,6 +877,49 @@ def _pipe_rows(rows: list[list[str]]) -> str:
 def _pipe_line(cells: list[str]) -> str:
     """One table row as a Markdown pipe row: each cell's whitespace collapsed and its pipes escaped."""
     return "| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |"
+
+
+# OpenDocument text ──────────────────────────────────────────────────────────
+
+# The Markdown escapes odfdo writes inside a line (`well\-known`, `item\_name`, `\#1`): read as text they are
+# noise in the KV, so they go; at a line's start they stay, where they keep a "- " or "# " from becoming a list
+# item or a heading, and `\|` stays everywhere (it is a cell's own pipe inside a table row).
+_ODT_ESCAPE = re.compile(r"(?m)^([ \t]*\\[-#*+])|\\([-_*#.!+()\[\]{}`])")
+
+
+def _unescape_odt(markdown: str) -> str:
+    return _ODT_ESCAPE.sub(lambda m: m.group(1) or m.group(2), markdown)
+
+
+def _convert_odt(data: bytes) -> Converted:
+    """LibreOffice's own format (ODF text), by odfdo: headings as ``#`` lines, lists, tables as pipe rows in
+    blocks under their header (:func:`_table_blocks`), in document order. No pages: ODF text reflows (as DOCX
+    does), so headings name the sections. A document saved with a password has its parts encrypted, which
+    its manifest says (``encryption-data``): named as such, never parsed."""
+    _check_zip(data, "ODT")
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        if "META-INF/manifest.xml" in z.NameToInfo and b"encryption-data" in z.read("META-INF/manifest.xml"):
+            raise ConversionError("encrypted ODT (password protected)")
+    import odfdo  # lazy: 0.05 s, lxml underneath
+
+    with _damage_named("ODT"):
+        document = odfdo.Document(io.BytesIO(data))
+        # Tables as a sheet's rows are read (_table_blocks): odfdo's Markdown export of a table deep-copies its
+        # formatting state per table, 33 ms each (a 50-table report took 1.55 s, 64 ms this way; BENCHMARKS.md)
+        tables: dict[str, str] = {}
+        for i, table in enumerate(document.body.get_tables()):
+            if table.parent is None:  # inside a table already taken out: its text is in that table's cells
+                continue
+            marker = f"kvblend-odt-table-{i}"
+            rows = [[_cell(v) for v in row] for row in table.get_values()]
+            tables[marker] = "\n\n".join(_table_blocks(rows))
+            table.parent.replace_element(table, odfdo.Paragraph(marker))
+        markdown = document.to_markdown()
+    lines = [tables.get(line.strip(), line) for line in _unescape_odt(markdown).split("\n")]
+    text = _tidy("\n".join(lines))
+    if not text:
+        raise ConversionError("empty (the ODT holds no text)")
+    return Converted(text, "odt")
 
 
 # E-mail ─────────────────────────────────────────────────────────────────────

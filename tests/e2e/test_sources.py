@@ -26,7 +26,14 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
         docs = ["manual.pdf", "briefing.pptx", "handbook.epub", "budget.xlsx", "quickstart.md"]
         # a spreadsheet exported as CSV (Excel's ";" where the decimal mark is a comma)
         (tmp_path / "parts.csv").write_text("Part;Cost (EUR)\nSeal kit;11,75\nImpeller;1011,25\n")
-        engine.ingest([*(DOCUMENTS / name for name in docs), tmp_path / "parts.csv"], chunk_tokens=128)
+        # and LibreOffice's format, as odfdo writes it
+        from odfdo import Document, Header, Paragraph
+
+        odt = Document("text")
+        odt.body.extend([Header(1, "Dock log"), Paragraph("The Tern-4 sonar left Halifax on the 3rd.")])
+        odt.save(tmp_path / "log.odt")
+        extra = [tmp_path / "parts.csv", tmp_path / "log.odt"]
+        engine.ingest([*(DOCUMENTS / name for name in docs), *extra], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
     assert segment["document"] == "manual.pdf"
@@ -52,7 +59,9 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert (listed["budget.xlsx"]["format"], listed["budget.xlsx"]["pages"]) == ("xlsx", 0)
     sheets = json.loads(run_cli("show", "budget.xlsx", "--archive", arc, "--json", check=True).stdout)["sources"]
     assert {s["section"] for s in sheets} == {"Service costs", "Notes"}, sheets  # hidden and empty sheets left out
-    assert listed["parts.csv"]["format"] == "csv"
+    assert listed["parts.csv"]["format"] == "csv" and listed["log.odt"]["format"] == "odt"
+    log = json.loads(run_cli("show", "log.odt", "--archive", arc, "--json", check=True).stdout)
+    assert log["sources"] == [{"pages": None, "section": "Dock log"}], log
     (key,) = json.loads(run_cli("show", "parts.csv", "--archive", arc, "--json", check=True).stdout)["segments"]
     table = json.loads(run_cli("show", key, "--archive", arc, "--json", check=True).stdout)["text"]
     assert table == "| Part | Cost (EUR) |\n|---|---|\n| Seal kit | 11,75 |\n| Impeller | 1011,25 |", table

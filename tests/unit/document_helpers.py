@@ -38,12 +38,13 @@ ENCRYPTED_CHAPTER = encryption_xml("http://www.w3.org/2001/04/xmlenc#aes128-cbc"
 
 
 def with_member(zip_data: bytes, name: str, data: bytes) -> bytes:
-    """The ZIP with one more member."""
+    """The ZIP with one more member, or with `name`'s contents replaced where it has one (in its place)."""
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(zip_data)) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
-            dst.writestr(info, src.read(info.filename))
-        dst.writestr(name, data)
+            dst.writestr(info, data if info.filename == name else src.read(info.filename))
+        if name not in src.NameToInfo:
+            dst.writestr(name, data)
     return out.getvalue()
 
 

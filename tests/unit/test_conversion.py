@@ -284,6 +284,61 @@ def test_a_long_web_or_book_table_repeats_its_header_over_every_block():
     assert conversion._block_tables("| a | b |\n|---|---|\n| 1 | 2 |\n\nText.") == "| a | b |\n|---|---|\n| 1 | 2 |\n\nText."
 
 
+def write_odt(path: Path) -> None:
+    """An OpenDocument text as odfdo writes it (LibreOffice's format): headings, a list, a table."""
+    from odfdo import Document, Header, List, Paragraph, Table
+
+    document = Document("text")
+    document.body.append(Header(1, "Orca-7 service notes"))
+    document.body.append(Paragraph("The well-known pump_head holds 412 kPa; see item #3 (spares) * twice."))
+    document.body.append(Header(2, "Spare parts"))
+    document.body.append(List(["Seal kit", "Impeller"]))
+    table = Table("Costs", width=2, height=3)
+    table.set_values([["Part", "Cost"], ["Seal kit", "11.75"], ["Impeller", "1011.25"]])
+    document.body.append(table)
+    document.save(path)
+
+
+def test_odt_has_headings_list_and_table_in_order_without_markdown_escapes(tmp_path):
+    write_odt(tmp_path / "notes.odt")
+    doc = read_one(tmp_path / "notes.odt")
+    assert doc.format == "odt" and doc.page_starts == ()
+    in_order(
+        doc.text,
+        "# Orca-7 service notes",
+        "The well-known pump_head holds 412 kPa; see item #3 (spares) * twice.",  # odfdo wrote \- \_ \# \*
+        "## Spare parts",
+        "Seal kit",
+        "Impeller",
+        "| Part",
+        "| Seal kit | 11.75",
+    )
+    assert "\\" not in doc.text
+    (tmp_path / "notes.dat").write_bytes((tmp_path / "notes.odt").read_bytes())  # no extension: read by content
+    assert read_one(tmp_path / "notes.dat").format == "odt"
+
+
+def test_an_encrypted_odt_and_an_opendocument_spreadsheet_are_named(tmp_path):
+    write_odt(tmp_path / "plain.odt")
+    data = (tmp_path / "plain.odt").read_bytes()
+    manifest = (
+        b'<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0">'
+        b'<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml">'
+        b'<manifest:encryption-data manifest:checksum-type="SHA1/1K"/></manifest:file-entry></manifest:manifest>'
+    )
+    (tmp_path / "locked.odt").write_bytes(with_member(data, "META-INF/manifest.xml", manifest))
+    sheet = with_member(data, "mimetype", b"application/vnd.oasis.opendocument.spreadsheet")
+    (tmp_path / "sheet.ods").write_bytes(sheet)
+    (tmp_path / "sheet.odt").write_bytes(sheet)
+    docs, skipped = iter_documents([tmp_path / n for n in ("locked.odt", "sheet.ods", "sheet.odt")])
+    assert docs == []
+    assert [(Path(s.path).name, s.reason) for s in skipped] == [
+        ("locked.odt", "encrypted ODT (password protected)"),
+        ("sheet.ods", "unsupported format (OpenDocument file)"),
+        ("sheet.odt", "not an ODT (content looks like OpenDocument file)"),
+    ]
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
