@@ -914,7 +914,7 @@ def _convert_odt(data: bytes) -> Converted:
             rows = [[_cell(v) for v in row] for row in table.get_values()]
             tables[marker] = "\n\n".join(_table_blocks(rows))
             table.parent.replace_element(table, odfdo.Paragraph(marker))
-        markdown = document.to_markdown()
+        markdown = str(document.to_markdown())  # str for a text document (a list only for a spreadsheet's tables)
     lines = [tables.get(line.strip(), line) for line in _unescape_odt(markdown).split("\n")]
     text = _tidy("\n".join(lines))
     if not text:
