@@ -48,6 +48,18 @@ def with_member(zip_data: bytes, name: str, data: bytes) -> bytes:
     return out.getvalue()
 
 
+def odt_bytes(scratch: Path) -> bytes:
+    """A small OpenDocument text as odfdo (LibreOffice's format library) writes it; `scratch` is removed."""
+    from odfdo import Document, Header, Paragraph
+
+    document = Document("text")
+    document.body.extend([Header(1, "Dock log"), Paragraph("The Tern-4 sonar left Halifax on the 3rd.")])
+    document.save(scratch)
+    data = scratch.read_bytes()
+    scratch.unlink()
+    return data
+
+
 def make_bad_documents(root: Path) -> dict[str, str]:
     """Every kind of bad document in ``root``; returns file name -> a regex its skip reason must match."""
     root.mkdir(parents=True, exist_ok=True)
@@ -96,6 +108,11 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "notes.eml").write_text("Only notes, saved under a mail client's extension.\n")
     (root / "logo.svg").write_text('<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"><path d="M0 0h9"/></svg>')
     (root / "poster.ps").write_text("%!PS-Adobe-3.0\n/Times-Roman findfont 12 scalefont setfont\n72 720 moveto (Hi) show\n")
+    odt = odt_bytes(root / "odt.tmp")
+    manifest = b'<manifest:manifest><manifest:encryption-data manifest:checksum-type="SHA1/1K"/></manifest:manifest>'
+    (root / "locked.odt").write_bytes(with_member(odt, "META-INF/manifest.xml", manifest))
+    (root / "truncated.odt").write_bytes(odt[: len(odt) // 2])
+    (root / "sheet.odt").write_bytes(with_member(odt, "mimetype", b"application/vnd.oasis.opendocument.spreadsheet"))
     notes = gzip.compress((DOCS / "quickstart.md").read_bytes() * 40)
     (root / "truncated.md.gz").write_bytes(notes[: len(notes) // 2])
     (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))  # 65 MiB inflated
@@ -125,6 +142,9 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "drm.epub": r"^encrypted EPUB \(DRM-protected\)$",
         "notes.eml": r"^not an email \(content looks like text\)$",
         "logo.svg": r"^unsupported format \(SVG image\)$",
+        "locked.odt": r"^encrypted ODT \(password protected\)$",
+        "truncated.odt": r"^corrupt ODT \(not a complete ZIP archive\)$",
+        "sheet.odt": r"^not an ODT \(content looks like OpenDocument file\)$",
         "poster.ps": r"^unsupported format \(PostScript: convert it to PDF, e.g. with ps2pdf\)$",
         "truncated.md.gz": r"^truncated gzip \(it ends before its last member does\)$",
         "bomb.txt.gz": r"^too large \(over 64 MiB decompressed\)$",
