@@ -90,6 +90,7 @@ __all__ = [
     "convert",
     "converter_identity",
     "decode_text",
+    "block_tables",
     "delimited_table",
     "markdown_body",
     "describe_error",
@@ -773,7 +774,7 @@ def _convert_html(data: bytes) -> Converted:
     if not text or not text.strip():
         # too little text for an article (a short page, a fragment): all of its text, with no boilerplate filter
         text = trafilatura.html2txt(data)
-    text = _block_tables(_tidy(text or ""))
+    text = block_tables(_tidy(text or ""))
     if not text:
         raise ConversionError("no text in the HTML page")
     return Converted(text, "html")
@@ -1079,18 +1080,28 @@ def _row_blocks(head: list[str], rows: list[str]) -> list[str]:
 
 # A Markdown table's delimiter row: |---|:---:|, or | --- | --- | as markdownify writes it.
 _TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
+_FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})")  # a fenced code block's opening or closing line
 
 
-def _block_tables(markdown: str) -> str:
-    """Every pipe table a converter wrote (trafilatura's web tables, markdownify's EPUB ones) cut into blocks
-    under its header, as :func:`_table_blocks` cuts a sheet: a long table's later segments name its columns."""
+def block_tables(markdown: str) -> str:
+    """Every pipe table a converter wrote (trafilatura's web tables, markdownify's EPUB ones) or a Markdown file
+    holds cut into blocks under its header, as :func:`_table_blocks` cuts a sheet: a long table's later segments
+    name its columns. A table that fits one block, and anything inside a ``` or ~~~ fence (a code sample), is
+    left as it is."""
     if "|" not in markdown:
         return markdown
     lines = markdown.split("\n")
     out: list[str] = []
+    fence: str | None = None  # the open fence's marker while inside one
     i = 0
     while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
+        if (m := _FENCE_LINE.match(lines[i])) is not None:
+            marker = m.group(1)
+            if fence is None:
+                fence = marker
+            elif marker[0] == fence[0] and len(marker) >= len(fence):
+                fence = None
+        if fence is None and lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
             end = i + 2
             while end < len(lines) and lines[end].startswith("|"):
                 end += 1
@@ -1233,7 +1244,7 @@ def _convert_epub(data: bytes, started: float) -> Converted:
                     f"at most {MAX_HTML_BYTES // _MIB} MiB)"
                 )
             chapters.append(_xhtml_markdown(book.read(name)))
-    text = _block_tables(_tidy("\n\n".join(chapters)))
+    text = block_tables(_tidy("\n\n".join(chapters)))
     if not text:
         raise ConversionError("no text in the EPUB (its chapters hold only pictures?)")
     return Converted(text, "epub")

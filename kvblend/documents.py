@@ -376,7 +376,7 @@ def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Documen
     if suffix == ".json" and _read_json(text, name, docs, skipped):
         return
     if fmt == "markdown":
-        text = conversion.markdown_body(text)
+        text = conversion.block_tables(conversion.markdown_body(text))
     elif fmt in ("csv", "tsv"):
         try:
             text = conversion.delimited_table(text, fmt)

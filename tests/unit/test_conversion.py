@@ -280,8 +280,8 @@ def test_a_long_web_or_book_table_repeats_its_header_over_every_block():
     assert sum(b.count("\n") - 1 for b in tables) == 60 and text.endswith("shipping to any of the harbours.")
     # markdownify's delimiter row (an EPUB chapter's tables) is a table too; a short table is left as it is
     book = "| a | b |\n| --- | --- |\n" + "".join(f"| {i} | {'x' * 40} |\n" for i in range(30)) + "\nAfter."
-    assert conversion._block_tables(book).count("| a | b |\n| --- | --- |\n") > 2
-    assert conversion._block_tables("| a | b |\n|---|---|\n| 1 | 2 |\n\nText.") == "| a | b |\n|---|---|\n| 1 | 2 |\n\nText."
+    assert conversion.block_tables(book).count("| a | b |\n| --- | --- |\n") > 2
+    assert conversion.block_tables("| a | b |\n|---|---|\n| 1 | 2 |\n\nText.") == "| a | b |\n|---|---|\n| 1 | 2 |\n\nText."
 
 
 def write_odt(path: Path) -> None:
@@ -337,6 +337,18 @@ def test_an_encrypted_odt_and_an_opendocument_spreadsheet_are_named(tmp_path):
         ("sheet.ods", "unsupported format (OpenDocument file)"),
         ("sheet.odt", "not an ODT (content looks like OpenDocument file)"),
     ]
+
+
+def test_a_markdown_table_too_long_for_a_segment_is_cut_under_its_header_but_not_in_a_code_sample(tmp_path):
+    table = "| Option | Default |\n|---|---|\n" + "".join(f"| --option-{i} | {'x' * 30} |\n" for i in range(40))
+    page = f"# Options\n\n{table}\nSee above.\n\n```text\n{table}```\n"
+    (tmp_path / "options.md").write_text(page)
+    text = read_one(tmp_path / "options.md").text
+    body, sample = text.split("```text\n")
+    assert sample == table + "```\n"  # a code sample is left as written
+    blocks = [b for b in body.split("\n\n") if b.startswith("|")]
+    assert len(blocks) > 2 and all(b.startswith("| Option | Default |\n|---|---|\n| --option-") for b in blocks)
+    assert sum(b.count("\n") - 1 for b in blocks) == 40 and body.endswith("See above.\n\n")
 
 
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
