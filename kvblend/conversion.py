@@ -575,6 +575,13 @@ def _tidy(text: str) -> str:
 # PDF ────────────────────────────────────────────────────────────────────────
 
 
+# Control characters PDFium puts in a page's text: U+0002 where it joined a word hyphenated over a line end
+# ("back\x02ground": the hyphen and the line break are already gone), other C0 codes for glyphs a font maps to
+# no character (a math font's symbols), and U+FFFE, older PDFium's hyphen mark. None is text: each would reach
+# the KV and split the word it sits in. Justified PDFs hyphenate: 9-80 per document in /usr/share/doc's.
+_PDF_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
 def _convert_pdf(data: bytes, started: float) -> Converted:
     import pypdfium2 as pdfium  # lazy: a 0.06 s import that plain text never needs
 
@@ -603,7 +610,7 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
                     textpage.close()
             finally:
                 page.close()
-            pages.append(_tidy(raw))
+            pages.append(_tidy(_PDF_CONTROLS.sub("", raw)))
     finally:
         pdf.close()
     if not pages:

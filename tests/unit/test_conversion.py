@@ -351,6 +351,20 @@ def test_a_markdown_table_too_long_for_a_segment_is_cut_under_its_header_but_not
     assert sum(b.count("\n") - 1 for b in blocks) == 40 and body.endswith("See above.\n\n")
 
 
+def test_a_word_hyphenated_over_a_pdf_line_end_is_one_word_again(tmp_path):
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=12)
+    for line in ("The seal needs regular mainte-", "nance every six months, as the", "manual says."):
+        pdf.cell(0, 8, line, new_x="LMARGIN", new_y="NEXT")
+    pdf.output(str(tmp_path / "seal.pdf"))  # PDFium reads the first line's end as "mainte\x02nance"
+    text = read_one(tmp_path / "seal.pdf").text
+    assert "regular maintenance every six months" in text
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in text)
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
