@@ -564,22 +564,24 @@ def _check_time(started: float) -> None:
         raise ConversionError(f"took longer than {MAX_CONVERT_SECONDS:.0f} s to convert")
 
 
+# Control characters are no text, and each would reach the KV and split the word it sits in. PDFium puts them
+# in a page's text: U+0002 where it joined a word hyphenated over a line end ("back\x02ground": the hyphen and the
+# line break already gone), other C0 codes for glyphs a font maps to no character (a math font's symbols), and
+# U+FFFE, older PDFium's hyphen mark. Justified PDFs hyphenate: 9-80 per manual in /usr/share/doc's.
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\ufffe\uffff]")
+
+
 def _tidy(text: str) -> str:
-    """Trailing spaces off every line, at most one blank line in a row, no lone surrogates, ends stripped."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    """Trailing spaces off every line, at most one blank line in a row, no control characters (:data:`_CONTROLS`)
+    or lone surrogates, ends stripped."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\v", "\n").replace("\f", "\n\n")
+    text = _CONTROLS.sub("", text)  # a vertical tab (Office's line break) and a form feed were breaks: kept as such
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     text = re.sub(r"\n{3,}", "\n\n", text).strip()
     return text.encode("utf-8", "replace").decode("utf-8")  # PDFs can hold lone UTF-16 surrogates
 
 
 # PDF ────────────────────────────────────────────────────────────────────────
-
-
-# Control characters PDFium puts in a page's text: U+0002 where it joined a word hyphenated over a line end
-# ("back\x02ground": the hyphen and the line break are already gone), other C0 codes for glyphs a font maps to
-# no character (a math font's symbols), and U+FFFE, older PDFium's hyphen mark. None is text: each would reach
-# the KV and split the word it sits in. Justified PDFs hyphenate: 9-80 per document in /usr/share/doc's.
-_PDF_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
 def _convert_pdf(data: bytes, started: float) -> Converted:
@@ -610,7 +612,7 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
                     textpage.close()
             finally:
                 page.close()
-            pages.append(_tidy(_PDF_CONTROLS.sub("", raw)))
+            pages.append(_tidy(raw))
     finally:
         pdf.close()
     if not pages:
