@@ -33,7 +33,7 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 
 
 def tiny_config(arch: str):
@@ -74,6 +74,11 @@ def tiny_config(arch: str):
             layer_types=layer_types,
             rope_parameters=rope,
             architectures=["Gemma3ForCausalLM"],
+        )
+    if arch == "phi3":
+        # Fused qkv_proj and gate_up_proj, and a window over every layer (Phi-3 mini's is 2,047 tokens)
+        return tf.Phi3Config(
+            **TINY, sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"]
         )
     raise ValueError(arch)
 

@@ -25,6 +25,7 @@ _MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # RoPE whose frequencies are fixed by the config; the runner computes each of these (kvblend.model.transformer).
@@ -150,8 +151,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[str, ..
     if arch == "Gemma3ForCausalLM":
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n_layers))
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-        return (SLIDING,) * n_layers
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and cfg.get("sliding_window"):
+        return (SLIDING,) * n_layers  # every layer in the one window (Phi-3 mini: 2,047 tokens)
     return (FULL,) * n_layers
 
 
@@ -168,6 +169,9 @@ def _rope(cfg: dict[str, Any], arch: str, layer_types: tuple[str, ...]) -> dict[
 
 def _rope_spec(arch: str, p: dict[str, Any]) -> RopeSpec:
     kind = str(p.get("rope_type") or p.get("type") or "default")
+    partial = float(p.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:  # Phi-4-mini rotates 3/4 of each head: kvblend's RoPE and re-rotation turn whole heads
+        raise UnsupportedModelError(f"{arch} with RoPE on part of each head ({partial:g}) is not supported")
     if kind not in ROPE_TYPES:
         why = (
             ": its frequencies change with the sequence length, so KV prefilled alone cannot be re-positioned exactly"

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 
@@ -123,6 +124,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # GGUF metadata value types (the spec's numbering) → byte size of a fixed-size value; 8 is a string, 9 an array.

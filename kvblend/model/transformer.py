@@ -198,6 +198,7 @@ class Transformer(nn.Module):
 
         Biases exist where the checkpoint has them (Qwen2's q/k/v, Llama's mlp_bias), which no config
         field says uniformly across families."""
+        tensors = _unfused(config, tensors)
         bias = {name.split(".")[-2] for name in tensors if name.endswith(".bias")}
         model = cls(config, bias)
         tensors = dict(tensors)
@@ -213,6 +214,29 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb = RotaryEmbedding(config)  # fp32 tables on the CPU: built off the meta device
         return model.eval().requires_grad_(False)
+
+
+def _unfused(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections as the separate ones every other family has: `qkv_proj` is q, k and v stacked
+    by rows, `gate_up_proj` the gate then the up projection (transformers' Phi3 slices them so). One layout
+    for every family keeps the runner, the fusor and the weight formats family-blind; the split is views."""
+    if not any(name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")) for name in tensors):
+        return tensors
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".qkv_proj.weight"):
+            stem = name.removesuffix("qkv_proj.weight")
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+            out |= {f"{stem}q_proj.weight": q, f"{stem}k_proj.weight": k, f"{stem}v_proj.weight": v}
+        elif name.endswith(".gate_up_proj.weight"):
+            stem = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2, dim=0)
+            out |= {f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up}
+        else:
+            out[name] = tensor
+    return out
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
