@@ -19,6 +19,7 @@
 #   scripts/device_check.sh blocks  timings of an earlier kvblend (.gpu/old/kvblend with this device_check.py
 #                                   beside it in .gpu/old/scripts) and of this tree, one after the other,
 #                                   at SmolLM2's and Gemma 3 270M's shapes; then this tree's `gemma` checks
+#   scripts/device_check.sh families  parity with the CPU for every family's tiny config only (a new family's check)
 #   scripts/device_check.sh gemma   main's checks and timings, plus parity and timings at Gemma 3 270M's own
 #                                   shape (random weights; its config from --write-inputs, in .gpu/shapes/)
 set -u
@@ -35,6 +36,11 @@ if [ "$phase" = main ]; then
     lscpu | grep -E "Model name|^CPU\(s\)"
     timeout 480 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
         --out "$out/device_check.json" 2>&1 | tee "$out/device_check.log" | cut -c1-2000
+elif [ "$phase" = families ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout 300 python3 scripts/device_check.py --config .gpu/smol/config.json --tiny-configs .gpu/tiny \
+        --skip-streaming --skip-timings --out "$out/device_check_families.json" 2>&1 \
+        | tee "$out/device_check_families.log" | cut -c1-400
 elif [ "$phase" = blocks ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     for tree in .gpu/old .; do
