@@ -184,13 +184,18 @@ def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
         if not os.path.lexists(given) or (given.is_symlink() and not given.exists()):
             raise UsageError(f"no such file or directory: {shown}")
         if given.is_dir():
-            files, unreadable, assets = _walk(given)
+            if is_archive_dir(given):
+                raise UsageError(f"{shown} is a kvblend archive, not a folder of documents")
+            files, unreadable, assets, archives = _walk(given)
             skipped.extend(Skipped(_join(shown, rel), "permission denied") for rel in unreadable)
             skipped.extend(
                 Skipped(_join(shown, rel), f"assets of the saved web page {_join(shown, page)} (read from the page)")
                 for rel, page in assets
             )
-            if not files and not unreadable and not assets:
+            skipped.extend(
+                Skipped(_join(shown, rel), "a kvblend archive (its files are no documents)") for rel in archives
+            )
+            if not files and not unreadable and not assets and not archives:
                 raise UsageError(f"no documents found under {shown}")
             targets = [SourceFile(f, _join(shown, rel), rel) for f, rel in files]
         else:
@@ -238,12 +243,14 @@ def _join(shown: str, rel: str) -> str:
     return rel if shown in ("", ".") else f"{shown.rstrip('/')}/{rel}"
 
 
-def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str, str]]]:
+def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str, str]], list[str]]:
     """Non-hidden files under root, sorted by relative path (deterministic), the relative paths of
-    directories that could not be listed, and the saved web pages' asset folders left out (with their page)."""
+    directories that could not be listed, the saved web pages' asset folders left out (with their page), and
+    the kvblend archives left out."""
     found: list[tuple[Path, str]] = []
     unreadable: list[str] = []
     assets: list[tuple[str, str]] = []
+    archives: list[str] = []
 
     def onerror(err: OSError) -> None:
         if err.filename is not None:
@@ -260,6 +267,9 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str
             if page is not None:
                 dirnames.remove(d)
                 assets.append(((rel_dir / d).as_posix().removeprefix("./") + "/", (rel_dir / page).as_posix()))
+            elif is_archive_dir(Path(dirpath) / d):
+                dirnames.remove(d)
+                archives.append((rel_dir / d).as_posix().removeprefix("./") + "/")
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -268,7 +278,14 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str
                 rel = rel[2:]
             found.append((Path(dirpath) / name, rel))
     found.sort(key=lambda item: item[1].split("/"))
-    return found, sorted(unreadable), sorted(assets)
+    return found, sorted(unreadable), sorted(assets), sorted(archives)
+
+
+def is_archive_dir(path: Path) -> bool:
+    """Whether a folder is a kvblend archive (kvblend/archive/FORMAT.md, section 1: an LMDB index and blob
+    folders). Its files are no documents: a folder ingested with its archive inside it (``kvblend ingest .
+    --archive ./kv``) once took the archive's manifests, lock and index stamp as text documents."""
+    return (path / "index" / "data.mdb").is_file() and (path / "blobs").is_dir()
 
 
 _PAGE_SUFFIXES = (".html", ".htm", ".xhtml", ".shtml")

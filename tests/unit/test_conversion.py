@@ -365,6 +365,25 @@ def test_a_word_hyphenated_over_a_pdf_line_end_is_one_word_again(tmp_path):
     assert not any(ord(c) < 32 and c not in "\n\t" for c in text)
 
 
+def test_an_archive_inside_the_folder_is_left_out_in_one_line(tmp_path):
+    """`kvblend ingest . --archive ./kv` a second time: the archive's manifests, lock and index are no documents."""
+    from kvblend.archive import Archive
+    from kvblend.errors import UsageError
+
+    (tmp_path / "notes.md").write_text("# Notes\n\nThe Tern-4 sonar left Halifax.\n")
+    archive = Archive.open(tmp_path / "kv", create=True, model_name="m", model_fingerprint="f")
+    archive.close()
+    (tmp_path / "kv" / "documents").mkdir(exist_ok=True)
+    (tmp_path / "kv" / "documents" / "abc.json").write_text('{"text": "a manifest"}')
+    docs, skipped = iter_documents([tmp_path])
+    assert [d.name for d in docs] == ["notes.md"]
+    assert [(s.path, s.reason) for s in skipped] == [
+        (f"{tmp_path.as_posix()}/kv/", "a kvblend archive (its files are no documents)")
+    ]
+    with pytest.raises(UsageError, match=r"kv is a kvblend archive, not a folder of documents$"):
+        iter_documents([tmp_path / "kv"])
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
