@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX, ODT, EPUB, XLSX, e-mail and CSV files into Markdown-flavoured text, or say why not.
+"""Turn PDF, HTML, DOCX, PPTX, ODT, EPUB, XLSX, XML, e-mail and CSV files into Markdown-flavoured text, or say why.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -48,6 +48,8 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   encoding), then the same blocks of pipe rows (:func:`delimited_table`).
 * **ODT** — odfdo (its own Markdown export): LibreOffice's headings, lists
   and tables; its Markdown escapes inside a line removed.
+* **XML** — lxml: a DocBook, TEI or JATS document's text without its tags,
+  titles as headings, a record's short fields as ``name: value``.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -101,7 +103,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "xml")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -222,6 +224,8 @@ def classify(suffix: str, data: bytes) -> str:
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
     if _looks_like_html(data):
         return "html"
+    if suffix in _XML_EXTENSIONS or _is_xml(data):  # DocBook, JATS, TEI, a feed: its tags would become the KV
+        return "xml"
     return "text"
 
 
@@ -320,6 +324,14 @@ def _is_svg(data: bytes) -> bool:
     """An SVG image: ``<svg`` first, after a BOM, whitespace, an XML declaration, comments and a DOCTYPE."""
     rest = _first_markup(data, _LEADING_MARKUP_OR_DOCTYPE)
     return rest is not None and rest.startswith(b"<svg")
+
+
+_XML_EXTENSIONS = {".xml", ".dbk", ".docbook", ".tei", ".jats", ".nxml"}
+
+
+def _is_xml(data: bytes) -> bool:
+    """An XML document by its declaration (``<?xml``, after a BOM and whitespace)."""
+    return data[:64].removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"<?xml")
 
 
 def _looks_like_html(data: bytes) -> bool:
@@ -508,6 +520,8 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_eml(data)
         if fmt == "odt":
             return _convert_odt(data)
+        if fmt == "xml":
+            return _convert_xml(data, started)
     raise ValueError(f"no converter for {fmt!r}")
 
 
@@ -930,6 +944,87 @@ def _convert_odt(data: bytes) -> Converted:
     if not text:
         raise ConversionError("empty (the ODT holds no text)")
     return Converted(text, "odt")
+
+
+# XML documents ───────────────────────────────────────────────────────────────
+
+# Elements whose text titles what follows them: DocBook's title, TEI's head, JATS's article-title, HTML's h1-h6.
+_XML_TITLES = {"title", "subtitle", "head", "heading", "article-title", "h1", "h2", "h3", "h4", "h5", "h6"}
+_XML_RECORD_FIELD_CHARS = 60  # a record's field (<price>12</price>) is short; a paragraph is not
+_XML_SKIPPED = ("{*}indexterm", "indexterm")  # DocBook's index entries repeat a word of the text inline
+
+
+def _convert_xml(data: bytes, started: float) -> Converted:
+    """A document written as XML (DocBook, TEI, JATS, a feed) as its text, parsed with lxml: an element with text
+    of its own (its text or a child's tail) is a paragraph, its inline children read with it; a title-like
+    element (:data:`_XML_TITLES`) a ``#`` heading, one level deeper per titled ancestor; an element of a few
+    short leaf fields (a record: ``<part><name>Seal kit</name><cost>11.75</cost></part>``) one line of
+    ``name: value`` pairs, so the fields keep their names. Only the file's own entities are expanded, and
+    nothing is fetched (no DTD, no network); libxml2's limits refuse a "billion laughs" file. DocBook's
+    index entries are left out and its citations bracketed. Read as text, DocBook's tags took 60% more tokens
+    than the same manual's PDF; read so, as many (BENCHMARKS.md)."""
+    if len(data) > MAX_HTML_BYTES:
+        raise ConversionError(f"too large for XML ({len(data) // _MIB} MiB; at most {MAX_HTML_BYTES // _MIB} MiB)")
+    from lxml import etree  # lazy: lxml is trafilatura's and python-docx's parser already
+
+    # Only entities the file itself declares are expanded (DocBook's "&version;"), within libxml2's default
+    # limits on expansion; an external one is never fetched, and a file that uses one (a chapter included by
+    # `<!ENTITY ch1 SYSTEM "ch1.xml">`) is read with no entity expanded.
+    root = None
+    for entities in ("internal", False):
+        parser = etree.XMLParser(
+            resolve_entities=entities, no_network=True, load_dtd=False, remove_comments=True, remove_pis=True
+        )
+        try:
+            root = etree.fromstring(data, parser)
+            break
+        except etree.XMLSyntaxError as e:
+            if entities is False or "not defined" not in str(e):
+                raise ConversionError(f"corrupt XML ({describe_error(e)})") from None
+    assert root is not None
+    etree.strip_elements(
+        root, etree.Entity, *_XML_SKIPPED, with_tail=False
+    )  # an unexpanded "&ch1;" is no text  # index entries: the word again, glued on
+    for citation in root.iter("{*}citation", "citation"):  # DocBook's "system<citation>MIME</citation>"
+        citation.text, citation.tail = f" [{citation.text or ''}", f"]{citation.tail or ''}"
+    blocks: list[str] = []
+    _xml_blocks(root, 1, blocks, started)
+    text = _tidy("\n\n".join(blocks))
+    if not text:
+        raise ConversionError("empty (the XML holds no text)")
+    return Converted(text, "xml")
+
+
+def _xml_text(element) -> str:
+    """An element's text with its inline children's, whitespace collapsed (unexpanded entities left out)."""
+    return " ".join("".join(t for t in element.itertext() if isinstance(t, str)).split())
+
+
+def _xml_blocks(element, level: int, blocks: list[str], started: float) -> None:
+    from lxml import etree
+
+    if not isinstance(element.tag, str):  # an unexpanded entity (a comment or PI was removed by the parser)
+        return
+    name = etree.QName(element).localname.lower()
+    children = [c for c in element if isinstance(c.tag, str)]
+    own = (element.text or "").strip() or any((c.tail or "").strip() for c in element)
+    if own or not children:
+        text = _xml_text(element)
+        if text:
+            blocks.append(f"{'#' * min(level, 6)} {text}" if name in _XML_TITLES else text)
+        return
+    names = [etree.QName(c).localname.lower() for c in children]
+    leaves = len(children) > 1 and all(len(c) == 0 for c in children) and not set(names) & _XML_TITLES
+    if leaves and all(len(_xml_text(c)) <= _XML_RECORD_FIELD_CHARS for c in children):
+        fields = [f"{n}: {t}" for n, c in zip(names, children) if (t := _xml_text(c))]
+        if fields:
+            blocks.append("; ".join(fields))
+        return
+    if len(blocks) % 200 == 0:
+        _check_time(started)
+    deeper = level + 1 if set(names) & _XML_TITLES else level  # a titled element: its sections sit under it
+    for child in children:
+        _xml_blocks(child, level if etree.QName(child).localname.lower() in _XML_TITLES else deeper, blocks, started)
 
 
 # E-mail ─────────────────────────────────────────────────────────────────────

@@ -113,6 +113,9 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     (root / "locked.odt").write_bytes(with_member(odt, "META-INF/manifest.xml", manifest))
     (root / "truncated.odt").write_bytes(odt[: len(odt) // 2])
     (root / "sheet.odt").write_bytes(with_member(odt, "mimetype", b"application/vnd.oasis.opendocument.spreadsheet"))
+    laughs = "".join(f'<!ENTITY lol{i} "{f"&lol{i - 1};" * 10}">' for i in range(1, 10))
+    (root / "laughs.xml").write_text(f'<?xml version="1.0"?><!DOCTYPE l [<!ENTITY lol0 "lol">{laughs}]><l>&lol9;</l>')
+    (root / "broken.xml").write_text('<?xml version="1.0"?><manual><para>An unclosed element</manual>')
     notes = gzip.compress((DOCS / "quickstart.md").read_bytes() * 40)
     (root / "truncated.md.gz").write_bytes(notes[: len(notes) // 2])
     (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))  # 65 MiB inflated
@@ -145,6 +148,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "locked.odt": r"^encrypted ODT \(password protected\)$",
         "truncated.odt": r"^corrupt ODT \(not a complete ZIP archive\)$",
         "sheet.odt": r"^not an ODT \(content looks like OpenDocument file\)$",
+        "laughs.xml": r"^corrupt XML \(XMLSyntaxError: Maximum entity amplification factor exceeded",
+        "broken.xml": r"^corrupt XML \(XMLSyntaxError: ",
         "poster.ps": r"^unsupported format \(PostScript: convert it to PDF, e.g. with ps2pdf\)$",
         "truncated.md.gz": r"^truncated gzip \(it ends before its last member does\)$",
         "bomb.txt.gz": r"^too large \(over 64 MiB decompressed\)$",

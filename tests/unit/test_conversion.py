@@ -384,6 +384,45 @@ def test_an_archive_inside_the_folder_is_left_out_in_one_line(tmp_path):
         iter_documents([tmp_path / "kv"])
 
 
+DOCBOOK = b"""<?xml version="1.0"?>
+<!DOCTYPE article PUBLIC "-//OASIS//DTD DocBook XML V4.1.2//EN" "http://www.oasis-open.org/docbook/xml/4.1.2/docbookx.dtd" [
+  <!ENTITY version "0.21">
+]>
+<article><articleinfo><title>Orca-7 service manual</title></articleinfo>
+<sect1><title>Limits</title>
+  <para>This is version &version; of the manual. The pump<indexterm><primary>pump</primary></indexterm> holds
+  <emphasis>412 kPa</emphasis> as the standard<citation>ISO</citation> says.</para>
+  <sect2><title>Spares</title><para>Order seal kits in pairs.</para></sect2>
+</sect1>
+<parts><part><name>Seal kit</name><cost>11.75</cost></part><part><name>Impeller</name><cost>1011.25</cost></part></parts>
+</article>"""
+
+
+def test_an_xml_document_is_its_text_with_headings_and_named_fields_not_its_tags(tmp_path):
+    (tmp_path / "manual.xml").write_bytes(DOCBOOK)
+    external = DOCBOOK.replace(b"]>", b'<!ENTITY host SYSTEM "file:///etc/hostname">]>').replace(b"pairs.", b"pairs.&host;")
+    (tmp_path / "external.dbk").write_bytes(external)  # an external entity is never read: the rest of the text is
+    (tmp_path / "feed.txt").write_bytes(b'<?xml version="1.0"?><rss><channel><title>Dock news</title></channel></rss>')
+    (tmp_path / "page.xml").write_bytes(b'<?xml version="1.0"?>\n<!DOCTYPE html><html><body><p>An XHTML page.</p></body></html>')
+    docs, skipped = iter_documents([tmp_path])
+    assert skipped == []
+    got = {d.name: d for d in docs}
+    assert got["manual.xml"].format == "xml" and "<" not in got["manual.xml"].text
+    in_order(
+        got["manual.xml"].text,
+        "# Orca-7 service manual",
+        "# Limits",
+        "This is version 0.21 of the manual. The pump holds 412 kPa as the standard [ISO] says.",  # entity, inline
+        "## Spares\n\nOrder seal kits in pairs.",  # a section inside a titled one: one level down
+        "name: Seal kit; cost: 11.75\n\nname: Impeller; cost: 1011.25",  # a record's fields keep their names
+    )
+    host = Path("/etc/hostname").read_text().strip() if Path("/etc/hostname").is_file() else "no-such-host"
+    assert got["external.dbk"].format == "xml" and "Order seal kits in pairs." in got["external.dbk"].text
+    assert host not in got["external.dbk"].text and "&" not in got["external.dbk"].text
+    assert (got["feed.txt"].format, got["feed.txt"].text) == ("xml", "# Dock news")  # by its declaration
+    assert got["page.xml"].format == "html"  # XHTML is a web page
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
