@@ -5,9 +5,11 @@ found plus the files (or records) it had to skip, each with a short reason.
 
 * Directories are walked recursively in sorted order; hidden entries (names
   starting with ``.``, e.g. ``.git``) are skipped, as are symlinked
-  directories (no loops) and the ``Page_files/`` folder a browser saves
-  beside ``Page.html`` (one skip line for the folder).  A hidden file named explicitly is read.
-* PDF, HTML, DOCX, PPTX, EPUB, XLSX and e-mail (.eml) files are converted to Markdown-flavoured text by
+  directories (no loops), the ``Page_files/`` folder a browser saves
+  beside ``Page.html`` and a kvblend archive (one skip line for each folder).  A hidden file named
+  explicitly is read.
+* A gzip'd file (``.gz``) is read as the file it holds, named by its name without ``.gz``.
+* PDF, HTML, DOCX, PPTX, ODT, EPUB, XLSX, XML and e-mail (.eml) files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
   web page without its navigation, banners and footer; a PDF's pages, or a
   deck's slides, apart by a blank line, where each begins in
