@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX, ODT, EPUB, XLSX, XML, e-mail and CSV files into Markdown-flavoured text, or say why.
+"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail and CSV into Markdown-flavoured text, or say why.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -46,8 +46,9 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   empty cells as ``NaN``.
 * **CSV / TSV** — Python's ``csv``, the delimiter sniffed: read as text (any
   encoding), then the same blocks of pipe rows (:func:`delimited_table`).
-* **ODT** — odfdo (its own Markdown export): LibreOffice's headings, lists
-  and tables; its Markdown escapes inside a line removed.
+* **ODT / ODS** — odfdo (its own Markdown export for text): LibreOffice's
+  headings, lists and tables, its Markdown escapes inside a line removed;
+  a Calc sheet read as an XLSX sheet is.
 * **XML** — lxml: a DocBook, TEI or JATS document's text without its tags,
   titles as headings, a record's short fields as ``name: value``.
 
@@ -103,7 +104,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "xml")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -277,9 +278,13 @@ _ZIP_FORMATS = {
     ".pptx": ("pptx", "a PPTX", "ppt/presentation.xml"),
     ".xlsx": ("xlsx", "an XLSX", "xl/workbook.xml"),
     ".epub": ("epub", "an EPUB", "META-INF/container.xml"),
-    ".odt": ("odt", "an ODT", "content.xml"),  # and its mimetype member says text (ODS, ODP hold content.xml too)
+    ".odt": ("odt", "an ODT", "content.xml"),  # and its mimetype member says which (ODP holds content.xml too)
+    ".ods": ("ods", "an ODS", "content.xml"),
 }
-_ODT_MIMETYPE = b"application/vnd.oasis.opendocument.text"
+_ODF_MIMETYPES = {
+    "odt": b"application/vnd.oasis.opendocument.text",
+    "ods": b"application/vnd.oasis.opendocument.spreadsheet",
+}
 
 
 def _zip_format(data: bytes) -> str | None:
@@ -288,7 +293,7 @@ def _zip_format(data: bytes) -> str | None:
     if names is None:
         return None
     for fmt, _, marker in _ZIP_FORMATS.values():
-        if marker in names and (fmt != "odt" or _odf_mimetype(data) == _ODT_MIMETYPE):
+        if marker in names and (fmt not in _ODF_MIMETYPES or _odf_mimetype(data) == _ODF_MIMETYPES[fmt]):
             return fmt
     return None
 
@@ -520,6 +525,8 @@ def convert(fmt: str, data: bytes) -> Converted:
             return _convert_eml(data)
         if fmt == "odt":
             return _convert_odt(data)
+        if fmt == "ods":
+            return _convert_ods(data, started)
         if fmt == "xml":
             return _convert_xml(data, started)
     raise ValueError(f"no converter for {fmt!r}")
@@ -915,19 +922,54 @@ def _unescape_odt(markdown: str) -> str:
     return _ODT_ESCAPE.sub(lambda m: m.group(1) or m.group(2), markdown)
 
 
+def _open_odf(data: bytes, what: str):
+    """An OpenDocument package opened by odfdo, after the ZIP's declared sizes are checked (a bomb) and its
+    manifest is read for ``encryption-data`` (LibreOffice encrypts a password-protected file's parts)."""
+    _check_zip(data, what)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        if "META-INF/manifest.xml" in z.NameToInfo and b"encryption-data" in z.read("META-INF/manifest.xml"):
+            raise ConversionError(f"encrypted {what} (password protected)")
+    import odfdo  # lazy: 0.05 s, lxml underneath
+
+    with _damage_named(what):
+        return odfdo.Document(io.BytesIO(data))
+
+
+def _convert_ods(data: bytes, started: float) -> Converted:
+    """LibreOffice Calc's format, as an XLSX workbook is read: each visible sheet a ``##`` section and its
+    cells pipe rows under their header (:func:`_table_blocks`); hidden sheets left out. A sheet's trailing
+    empty rows and columns, which Calc writes as one row repeated a million times, are stripped before any
+    value is read."""
+    document = _open_odf(data, "ODS")
+    blocks: list[str] = []
+    cells = 0
+    with _damage_named("ODS"):
+        for table in document.body.get_tables():
+            _check_time(started)
+            style = document.get_style("table", table.style) if table.style else None
+            if style is not None and style.get_properties(area="table").get("table:display") == "false":
+                continue  # a hidden sheet: helper data, as in XLSX
+            table.rstrip(aggressive=True)
+            cells += table.height * table.width
+            if cells > MAX_TABLE_CELLS:
+                raise ConversionError(f"too large for ODS (over {MAX_TABLE_CELLS:,} cells)")
+            if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()]):
+                blocks.append(f"## {' '.join(str(table.name).split())}")
+                blocks.extend(rows)
+    if not blocks:
+        raise ConversionError("empty (the ODS holds no values)")
+    return Converted(_tidy("\n\n".join(blocks)), "ods")
+
+
 def _convert_odt(data: bytes) -> Converted:
     """LibreOffice's own format (ODF text), by odfdo: headings as ``#`` lines, lists, tables as pipe rows in
     blocks under their header (:func:`_table_blocks`), in document order. No pages: ODF text reflows (as DOCX
     does), so headings name the sections. A document saved with a password has its parts encrypted, which
     its manifest says (``encryption-data``): named as such, never parsed."""
-    _check_zip(data, "ODT")
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        if "META-INF/manifest.xml" in z.NameToInfo and b"encryption-data" in z.read("META-INF/manifest.xml"):
-            raise ConversionError("encrypted ODT (password protected)")
-    import odfdo  # lazy: 0.05 s, lxml underneath
+    document = _open_odf(data, "ODT")
+    import odfdo
 
     with _damage_named("ODT"):
-        document = odfdo.Document(io.BytesIO(data))
         # Tables as a sheet's rows are read (_table_blocks): odfdo's Markdown export of a table deep-copies its
         # formatting state per table, 33 ms each (a 50-table report took 1.55 s, 64 ms this way; BENCHMARKS.md)
         tables: dict[str, str] = {}
@@ -1226,6 +1268,8 @@ def _cell(value: object) -> str:
         return ""
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
+    if type(value).__name__ == "Decimal":  # odfdo's numbers (ODS, ODT tables)
+        value = float(value)  # type: ignore[arg-type]
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.15g}"  # Excel's digits
     if isinstance(value, dt.datetime):

@@ -147,7 +147,7 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "logo.svg": r"^unsupported format \(SVG image\)$",
         "locked.odt": r"^encrypted ODT \(password protected\)$",
         "truncated.odt": r"^corrupt ODT \(not a complete ZIP archive\)$",
-        "sheet.odt": r"^not an ODT \(content looks like OpenDocument file\)$",
+        "sheet.odt": r"^not an ODT \(content looks like an ODS\)$",
         "laughs.xml": r"^corrupt XML \(XMLSyntaxError: Maximum entity amplification factor exceeded",
         "broken.xml": r"^corrupt XML \(XMLSyntaxError: ",
         "poster.ps": r"^unsupported format \(PostScript: convert it to PDF, e.g. with ps2pdf\)$",

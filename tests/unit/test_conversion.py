@@ -318,7 +318,7 @@ def test_odt_has_headings_list_and_table_in_order_without_markdown_escapes(tmp_p
     assert read_one(tmp_path / "notes.dat").format == "odt"
 
 
-def test_an_encrypted_odt_and_an_opendocument_spreadsheet_are_named(tmp_path):
+def test_an_encrypted_odt_and_a_spreadsheet_named_odt_are_named(tmp_path):
     write_odt(tmp_path / "plain.odt")
     data = (tmp_path / "plain.odt").read_bytes()
     manifest = (
@@ -331,12 +331,43 @@ def test_an_encrypted_odt_and_an_opendocument_spreadsheet_are_named(tmp_path):
     (tmp_path / "sheet.ods").write_bytes(sheet)
     (tmp_path / "sheet.odt").write_bytes(sheet)
     docs, skipped = iter_documents([tmp_path / n for n in ("locked.odt", "sheet.ods", "sheet.odt")])
-    assert docs == []
+    assert [(d.name, d.format) for d in docs] == [("sheet.ods", "ods")]  # what its mimetype says: its table read
     assert [(Path(s.path).name, s.reason) for s in skipped] == [
         ("locked.odt", "encrypted ODT (password protected)"),
-        ("sheet.ods", "unsupported format (OpenDocument file)"),
-        ("sheet.odt", "not an ODT (content looks like OpenDocument file)"),
+        ("sheet.odt", "not an ODT (content looks like an ODS)"),
     ]
+
+
+def test_ods_is_its_visible_sheets_as_sections_with_the_header_over_every_block(tmp_path):
+    import datetime as dt
+    from decimal import Decimal
+
+    from odfdo import Cell, Document, Row, Style, Table
+
+    document = Document("spreadsheet")
+    document.body.clear()
+    hidden = Style("table", name="hidden")
+    hidden.set_properties({"table:display": "false"}, area="table")
+    document.insert_style(hidden, automatic=True)
+    costs = Table("Service costs")
+    costs.set_values(
+        [["Item", "Cost (EUR)", "Ordered"]]
+        + [[f"Part {i}", Decimal("80") + Decimal("37.25") * i, dt.date(2026, 1, 1 + i)] for i in range(30)]
+    )
+    empty_rows = Row(repeated=1_048_000)  # as Calc writes a sheet's unused rows: one row repeated
+    empty_rows.set_cells([Cell()])
+    costs.append(empty_rows)
+    lookup = Table("Lookup", style="hidden")
+    lookup.set_values([["rate table"], ["0.2"]])
+    document.body.extend([costs, lookup])
+    document.save(tmp_path / "budget.ods")
+    doc = read_one(tmp_path / "budget.ods")
+    assert doc.format == "ods" and doc.page_starts == ()
+    blocks = doc.text.split("\n\n")
+    assert blocks[0] == "## Service costs" and "rate table" not in doc.text  # the hidden sheet left out
+    assert all(b.startswith("| Item | Cost (EUR) | Ordered |\n|---|---|---|\n| Part ") for b in blocks[1:])
+    assert "| Part 0 | 80 | 2026-01-01 |" in doc.text and "| Part 29 | 1160.25 | 2026-01-30 |" in doc.text
+    assert sum(b.count("\n") - 1 for b in blocks[1:]) == 30
 
 
 def test_a_markdown_table_too_long_for_a_segment_is_cut_under_its_header_but_not_in_a_code_sample(tmp_path):
