@@ -507,29 +507,12 @@ def convert(fmt: str, data: bytes) -> Converted:
     from a converter are the caller's to catch (kvblend.documents turns them into
     one line too).
     """
-    started = time.monotonic()
+    # Each format's converter is the function `_convert_<format>`, looked up when called (a test replaces one).
+    converter = globals().get(f"_convert_{fmt}") if fmt in CONVERTED_FORMATS else None
+    if converter is None:
+        raise ValueError(f"no converter for {fmt!r}")
     with _quiet():
-        if fmt == "pdf":
-            return _convert_pdf(data, started)
-        if fmt == "html":
-            return _convert_html(data)
-        if fmt == "docx":
-            return _convert_docx(data)
-        if fmt == "pptx":
-            return _convert_pptx(data, started)
-        if fmt == "epub":
-            return _convert_epub(data, started)
-        if fmt == "xlsx":
-            return _convert_xlsx(data, started)
-        if fmt == "eml":
-            return _convert_eml(data)
-        if fmt == "odt":
-            return _convert_odt(data)
-        if fmt == "ods":
-            return _convert_ods(data, started)
-        if fmt == "xml":
-            return _convert_xml(data, started)
-    raise ValueError(f"no converter for {fmt!r}")
+        return converter(data, time.monotonic())  # the start, for the time budget checked between pages
 
 
 _NOISY_LOGGERS = (
@@ -781,7 +764,7 @@ def _mark_headings(text: str, headings: list[tuple[str, int]]) -> str:
 # HTML ───────────────────────────────────────────────────────────────────────
 
 
-def _convert_html(data: bytes) -> Converted:
+def _convert_html(data: bytes, started: float) -> Converted:
     if len(data) > MAX_HTML_BYTES:
         raise ConversionError(
             f"too large for HTML ({len(data) // _MIB} MiB; at most {MAX_HTML_BYTES // _MIB} MiB of a web page is read)"
@@ -835,7 +818,7 @@ def _check_zip(data: bytes, what: str) -> None:
             )
 
 
-def _convert_docx(data: bytes) -> Converted:
+def _convert_docx(data: bytes, started: float) -> Converted:
     _check_zip(data, "DOCX")
     import docx  # lazy: python-docx and lxml, 0.09 s
     from docx.table import Table
@@ -961,7 +944,7 @@ def _convert_ods(data: bytes, started: float) -> Converted:
     return Converted(_tidy("\n\n".join(blocks)), "ods")
 
 
-def _convert_odt(data: bytes) -> Converted:
+def _convert_odt(data: bytes, started: float) -> Converted:
     """LibreOffice's own format (ODF text), by odfdo: headings as ``#`` lines, lists, tables as pipe rows in
     blocks under their header (:func:`_table_blocks`), in document order. No pages: ODF text reflows (as DOCX
     does), so headings name the sections. A document saved with a password has its parts encrypted, which
@@ -1075,7 +1058,7 @@ _EMAIL_HEADER = re.compile(rb"^[A-Za-z][A-Za-z0-9-]*:[ \t]")  # "From: ...", "Re
 _EMAIL_FIELDS = ("From", "To", "Cc", "Date")
 
 
-def _convert_eml(data: bytes) -> Converted:
+def _convert_eml(data: bytes, started: float) -> Converted:
     """A message saved as ``.eml`` (RFC 5322, what mail clients export) with Python's own ``email`` package:
     the subject as a ``#`` heading, From/To/Cc/Date, then the body, the plain-text part where the message has
     one (as a reader's client shows it), else its HTML part through markdownify (an e-mail's HTML is layout

@@ -252,7 +252,7 @@ def trafilatura_epub(data: bytes) -> str:
     import zipfile
 
     with zipfile.ZipFile(io.BytesIO(data)) as book:
-        parts = [conversion._convert_html(book.read(name)).text for name in conversion._epub_spine(book)]
+        parts = [conversion._convert_html(book.read(name), time.monotonic()).text for name in conversion._epub_spine(book)]
     return "\n\n".join(parts)
 
 

@@ -627,7 +627,7 @@ def test_a_converter_that_raises_or_runs_long_costs_one_line_not_the_run(tmp_pat
     (tmp_path / "b.pdf").write_bytes((DOCS / "manual.pdf").read_bytes())
     (tmp_path / "c.md").write_text("still read")
 
-    def explode(data: bytes) -> conversion.Converted:
+    def explode(data: bytes, started: float) -> conversion.Converted:
         raise KeyError("[Content_Types].xml")
 
     monkeypatch.setattr(conversion, "_convert_html", explode)
@@ -738,3 +738,10 @@ def test_an_html_only_email_keeps_its_headings_and_tables_and_a_text_file_named_
     (tmp_path / "notes.eml").write_text("Just some notes.\n")
     docs, skipped = iter_documents([tmp_path / "notes.eml"])
     assert docs == [] and skipped == [Skipped((tmp_path / "notes.eml").as_posix(), "not an email (content looks like text)")]
+
+
+def test_every_converted_format_has_its_converter_and_nothing_else_converts():
+    for fmt in conversion.CONVERTED_FORMATS:
+        assert callable(getattr(conversion, f"_convert_{fmt}", None)), fmt
+    with pytest.raises(ValueError, match="no converter for 'text'"):
+        conversion.convert("text", b"plain")
