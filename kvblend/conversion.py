@@ -212,7 +212,7 @@ def classify(suffix: str, data: bytes) -> str:
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
     if suffix in _HTML_EXTENSIONS:
-        if _is_pdf(data) or _is_zip(data) or b"\x00" in data[:4096]:
+        if _is_pdf(data) or _is_zip(data) or (b"\x00" in data[:4096] and _wide_bom(data) is None):
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
         return "html"
     if _is_pdf(data):
@@ -380,6 +380,12 @@ def _describe(data: bytes) -> str:
 
 
 # ─────────────────────────────── plain text ───────────────────────────────
+
+
+def _wide_bom(data: bytes) -> str | None:
+    """The encoding a UTF-16 or UTF-32 byte-order mark names ("utf-16", "utf-32"; None: none of them)."""
+    return next((enc for bom, enc in _BOMS if enc != "utf-8-sig" and data.startswith(bom)), None)
+
 
 # Byte-order marks, longest first: UTF-32 LE's begins with UTF-16 LE's.
 _BOMS = (
@@ -771,6 +777,12 @@ def _convert_html(data: bytes, started: float) -> Converted:
         )
     import trafilatura  # lazy: 0.2 s to import
 
+    if (wide := _wide_bom(data)) is not None:  # "Save as: Unicode" (old Internet Explorer, Word): UTF-16 pages
+        try:
+            data = data.decode(wide).encode("utf-8")  # its own <meta charset> may still say UTF-16: now wrong
+        except UnicodeDecodeError:
+            raise ConversionError(f"not valid {wide.upper()} (damaged text after its byte-order mark)") from None
+        data = re.sub(rb"(?i)<meta[^>]*charset\s*=\s*[\"']?utf-?(?:16|32)[^>]*>", b"", data[:4096]) + data[4096:]
     if b"<html" not in data[:4096].lower():  # a fragment ("<p>...</p>"): trafilatura reads only whole pages
         data = b"<html><body>" + data + b"</body></html>"
     text = trafilatura.extract(

@@ -454,6 +454,24 @@ def test_an_xml_document_is_its_text_with_headings_and_named_fields_not_its_tags
     assert got["page.xml"].format == "html"  # XHTML is a web page
 
 
+def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
+    """Old Internet Explorer's and Word's "Save as: Unicode" pages: UTF-16 with a byte-order mark, and a
+    <meta charset="utf-16"> that no longer holds once kvblend has decoded it."""
+    page = (
+        '<!DOCTYPE html><html><head><meta charset="utf-16"><title>Dock</title></head><body><nav>Home | About</nav>'
+        "<article><h1>Dock log</h1><p>The Tern-4 sonar left Halifax on the 3rd, with the crème brûlée crew aboard "
+        "and all gear checked twice.</p></article></body></html>"
+    )
+    (tmp_path / "le.html").write_bytes(b"\xff\xfe" + page.encode("utf-16-le"))
+    (tmp_path / "be.htm").write_bytes(b"\xfe\xff" + page.encode("utf-16-be"))
+    (tmp_path / "damaged.html").write_bytes(b"\xff\xfe" + page.encode("utf-16-le")[:-3] + b"\x00\xd8")
+    docs, skipped = iter_documents([tmp_path])
+    assert sorted(d.name for d in docs) == ["be.htm", "le.html"]
+    assert all(d.format == "html" and "crème brûlée crew" in d.text and "Home" not in d.text for d in docs)
+    assert [Path(s.path).name for s in skipped] == ["damaged.html"]
+    assert skipped[0].reason == "not valid UTF-16 (damaged text after its byte-order mark)"
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip
