@@ -930,6 +930,18 @@ def _open_odf(data: bytes, what: str):
         return odfdo.Document(io.BytesIO(data))
 
 
+def _odf_table_size(table, what: str, before: int, started: float) -> int:
+    """A table's cells once its trailing empty rows and columns are stripped (ODF writes them as one row
+    repeated up to a million times; a crafted file repeats a full one), refused past :data:`MAX_TABLE_CELLS`
+    with the cells read before it, before any value is read."""
+    _check_time(started)
+    table.rstrip(aggressive=True)
+    cells = table.height * table.width
+    if before + cells > MAX_TABLE_CELLS:
+        raise ConversionError(f"too large for {what} (over {MAX_TABLE_CELLS:,} cells)")
+    return cells
+
+
 def _convert_ods(data: bytes, started: float) -> Converted:
     """LibreOffice Calc's format, as an XLSX workbook is read: each visible sheet a ``##`` section and its
     cells pipe rows under their header (:func:`_table_blocks`); hidden sheets left out. A sheet's trailing
@@ -940,14 +952,10 @@ def _convert_ods(data: bytes, started: float) -> Converted:
     cells = 0
     with _damage_named("ODS"):
         for table in document.body.get_tables():
-            _check_time(started)
             style = document.get_style("table", table.style) if table.style else None
             if style is not None and style.get_properties(area="table").get("table:display") == "false":
                 continue  # a hidden sheet: helper data, as in XLSX
-            table.rstrip(aggressive=True)
-            cells += table.height * table.width
-            if cells > MAX_TABLE_CELLS:
-                raise ConversionError(f"too large for ODS (over {MAX_TABLE_CELLS:,} cells)")
+            cells += _odf_table_size(table, "ODS", cells, started)
             if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()]):
                 blocks.append(f"## {' '.join(str(table.name).split())}")
                 blocks.extend(rows)
@@ -968,9 +976,11 @@ def _convert_odt(data: bytes, started: float) -> Converted:
         # Tables as a sheet's rows are read (_table_blocks): odfdo's Markdown export of a table deep-copies its
         # formatting state per table, 33 ms each (a 50-table report took 1.55 s, 64 ms this way; BENCHMARKS.md)
         tables: dict[str, str] = {}
+        cells = 0
         for i, table in enumerate(document.body.get_tables()):
             if table.parent is None:  # inside a table already taken out: its text is in that table's cells
                 continue
+            cells += _odf_table_size(table, "ODT", cells, started)
             marker = f"kvblend-odt-table-{i}"
             rows = [[_cell(v) for v in row] for row in table.get_values()]
             tables[marker] = "\n\n".join(_table_blocks(rows))
@@ -1002,6 +1012,8 @@ def _convert_xml(data: bytes, started: float) -> Converted:
     than the same manual's PDF; read so, as many (BENCHMARKS.md)."""
     if len(data) > MAX_HTML_BYTES:
         raise ConversionError(f"too large for XML ({len(data) // _MIB} MiB; at most {MAX_HTML_BYTES // _MIB} MiB)")
+    from html.entities import name2codepoint
+
     from lxml import etree  # lazy: lxml is trafilatura's and python-docx's parser already
 
     # Only entities the file itself declares are expanded (DocBook's "&version;"), within libxml2's default
@@ -1019,9 +1031,10 @@ def _convert_xml(data: bytes, started: float) -> Converted:
             if entities is False or "not defined" not in str(e):
                 raise ConversionError(f"corrupt XML ({describe_error(e)})") from None
     assert root is not None
-    etree.strip_elements(
-        root, etree.Entity, *_XML_SKIPPED, with_tail=False
-    )  # an unexpanded "&ch1;" is no text  # index entries: the word again, glued on
+    for entity in root.iter(etree.Entity):  # left unexpanded: an HTML name (&mdash;, from an unread DTD) as its
+        code = name2codepoint.get(entity.name)  # character, any other ("&ch1;", an included file) as a space
+        entity.tail = (chr(code) if code is not None else " ") + (entity.tail or "")
+    etree.strip_elements(root, etree.Entity, *_XML_SKIPPED, with_tail=False)  # entities, index entries
     for citation in root.iter("{*}citation", "citation"):  # DocBook's "system<citation>MIME</citation>"
         citation.text, citation.tail = f" [{citation.text or ''}", f"]{citation.tail or ''}"
     blocks: list[str] = []
@@ -1051,7 +1064,9 @@ def _xml_blocks(element, level: int, blocks: list[str], started: float) -> None:
             blocks.append(f"{'#' * min(level, 6)} {text}" if name in _XML_TITLES else text)
         return
     names = [etree.QName(c).localname.lower() for c in children]
-    leaves = len(children) > 1 and all(len(c) == 0 for c in children) and not set(names) & _XML_TITLES
+    # a record's fields have names of their own (<name>, <cost>); siblings of one name are paragraphs or cells
+    distinct = len(set(names)) == len(names) > 1
+    leaves = distinct and all(len(c) == 0 for c in children) and not set(names) & _XML_TITLES
     if leaves and all(len(_xml_text(c)) <= _XML_RECORD_FIELD_CHARS for c in children):
         fields = [f"{n}: {t}" for n, c in zip(names, children) if (t := _xml_text(c))]
         if fields:
@@ -1156,7 +1171,7 @@ def delimited_table(text: str, fmt: str) -> str:
 
     The raw text would reach the KV as rows of commas whose columns no segment past the first names; as pipe
     rows under a header repeated every :data:`TABLE_ROWS_PER_BLOCK` rows, every segment says what its numbers
-    are. The delimiter of a ``.csv`` is sniffed from its first 64 KiB (Python's ``csv.Sniffer``: ``,`` ``;``
+    are. The delimiter of a ``.csv`` is sniffed from its first 8 KiB (Python's ``csv.Sniffer``: ``,`` ``;``
     tab or ``|``; a comma where it cannot tell); a ``.tsv`` is tab-separated. Quoted fields keep their commas
     and line breaks. The first row is the header, as in a spreadsheet.
     """
@@ -1165,7 +1180,8 @@ def delimited_table(text: str, fmt: str) -> str:
     delimiter = "\t"
     if fmt == "csv":
         try:
-            delimiter = csv.Sniffer().sniff(text[: 64 * 1024], delimiters=_CSV_DELIMITERS).delimiter
+            # 8 KiB: the sniffer's time grows with the square of its sample (64 KiB of odd quoting took 7.7 s)
+            delimiter = csv.Sniffer().sniff(text[: 8 * 1024], delimiters=_CSV_DELIMITERS).delimiter
         except csv.Error:  # one column, or too irregular to tell: a comma, as RFC 4180 has it
             delimiter = ","
     rows: list[list[str]] = []
@@ -1207,6 +1223,8 @@ def _row_blocks(head: list[str], rows: list[str]) -> list[str]:
     """A table's pipe-row lines in blocks of at most :data:`TABLE_ROWS_PER_BLOCK` rows and
     :data:`TABLE_BLOCK_BYTES` bytes, each block the header lines (`head`) then its rows."""
     budget = TABLE_BLOCK_BYTES - sum(len(line.encode()) + 1 for line in head)
+    if budget < TABLE_BLOCK_BYTES // 4:  # a header too wide to leave room: no block fits a segment anyway, so
+        budget = 1 << 62  # blocks of 25 rows rather than the header over every row
     blocks: list[list[str]] = [[]]
     used = 0
     for line in rows:
@@ -1240,8 +1258,8 @@ def block_tables(markdown: str) -> str:
             marker = m.group(1)
             if fence is None:
                 fence = marker
-            elif marker[0] == fence[0] and len(marker) >= len(fence):
-                fence = None
+            elif marker[0] == fence[0] and len(marker) >= len(fence) and not lines[i][m.end() :].strip():
+                fence = None  # a closing fence has no info string: "```python" inside a fence is code
         if fence is None and lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
             end = i + 2
             while end < len(lines) and lines[end].startswith("|"):

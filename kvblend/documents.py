@@ -20,8 +20,9 @@ found plus the files (or records) it had to skip, each with a short reason.
   with a one-line reason, and so is anything a converter raises.
 * Any other file that is text is a document (``.txt``, ``.md``, ``.rst``
   and every other extension alike; ``.md``/``.markdown`` are recorded as
-  format ``"markdown"``, their text unchanged but for a page's front matter:
-  :func:`kvblend.conversion.markdown_body`; ``.csv``/``.tsv`` as ``"csv"``/``"tsv"``, their rows as
+  format ``"markdown"``, their text unchanged but for a page's front matter
+  (:func:`kvblend.conversion.markdown_body`) and tables too long for a segment
+  (:func:`kvblend.conversion.block_tables`); ``.csv``/``.tsv`` as ``"csv"``/``"tsv"``, their rows as
   Markdown pipe rows under a repeated header: :func:`kvblend.conversion.delimited_table`).  Text is UTF-8, or UTF-16/32
   with a byte-order mark, or a legacy encoding that charset-normalizer
   detects (recorded as :attr:`Document.encoding`; see

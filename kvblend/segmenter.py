@@ -129,7 +129,7 @@ _CJK_TERMINALS = "。．！？｡"
 # closing quotes/brackets after it; the cut falls just after them. On Latin text this is the . ! ? … rule
 # it always was, so archived segments keep their keys.
 _SENTENCE_END = regex.compile(
-    rf"[{_CJK_TERMINALS}]+(?:[{_CLOSERS}]+(?![とっ])|(?![{_CLOSERS}]))"
+    rf"[{_CJK_TERMINALS}]++(?:[{_CLOSERS}]++(?![とっ])|(?![{_CLOSERS}]))"  # possessive: no cut inside 「…！？」と
     rf"|[\p{{Sentence_Terminal}}…][{_CLOSERS}]*(?=\s)"
 )
 # Text (stripped) that ends a sentence: what a page start must follow to cut there.

@@ -124,7 +124,6 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
 }
 
 # GGUF metadata value types (the spec's numbering) → byte size of a fixed-size value; 8 is a string, 9 an array.
@@ -187,6 +186,11 @@ def gguf_architecture(path: Path, max_entries: int = 64) -> str | None:
 def check_gguf_architecture(path: Path) -> None:
     """Refuse a GGUF whose architecture has no layer runner, from its header (see gguf_architecture)."""
     arch = gguf_architecture(path)
+    if arch == "phi3":  # transformers' GGUF reader drops phi3's RoPE width and scaling: Phi-4-mini and 128k
+        raise UnsupportedModelError(  # models would convert, then run with the wrong RoPE and no error
+            "Phi-3 is read from a checkpoint directory (config.json and safetensors), not a GGUF: its GGUF "
+            "conversion loses the RoPE settings that Phi-3.5 and Phi-4-mini need"
+        )
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {arch} (GGUF); kvblend supports {', '.join(SUPPORTED_ARCHITECTURES)}"

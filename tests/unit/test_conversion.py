@@ -472,6 +472,36 @@ def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
     assert skipped[0].reason == "not valid UTF-16 (damaged text after its byte-order mark)"
 
 
+def test_review_cases_wide_tables_xml_siblings_and_entities_an_odt_bomb_and_fences(tmp_path):
+    # a header too wide for a block's budget: blocks of 25 rows, not the header over every row
+    header = ",".join(f"column name number {i}" for i in range(30))
+    wide = conversion.delimited_table(header + "\n" + "".join(",".join("x" * 30) + "\n" for _ in range(30)), "csv")
+    assert len(wide.split("\n\n")) == 2
+    # paragraphs of one name are paragraphs, not a record's fields; an HTML entity from an unread DTD is its char
+    xml = (
+        b'<?xml version="1.0"?><!DOCTYPE a PUBLIC "-//OASIS//DTD DocBook XML V4.5//EN" "docbookx.dtd">'
+        b"<a><sect><para>Yes, it works.</para><para>Run it twice.</para></sect><p>A&mdash;B</p></a>"
+    )
+    assert conversion.convert("xml", xml).text == "Yes, it works.\n\nRun it twice.\n\nA\u2014B"
+    # an ODT table row repeated 100,000 times x 20 columns: refused before any value is read
+    from odfdo import Cell, Document, Row, Table
+
+    document = Document("text")
+    table = Table("T", width=20, height=1)
+    table.set_values([[f"v{i}" for i in range(20)]])
+    row = Row(repeated=100_000)
+    row.set_cells([Cell(value="full") for _ in range(20)])
+    table.append(row)
+    document.body.append(table)
+    document.save(tmp_path / "bomb.odt")
+    with pytest.raises(conversion.ConversionError, match=r"^too large for ODT \(over 1,000,000 cells\)$"):
+        conversion.convert("odt", (tmp_path / "bomb.odt").read_bytes())
+    # "```python" inside an open fence is code, not its end: the table after the real end is still cut
+    rows = "".join(f"| {i} | {'x' * 40} |\n" for i in range(30))
+    page = "```\n```python\n```\n\n| a | b |\n|---|---|\n" + rows
+    assert conversion.block_tables(page).count("| a | b |\n|---|---|\n") > 2
+
+
 def test_gzip_files_are_read_as_what_they_hold(tmp_path):
     """Debian's docs, datasets' corpus.jsonl.gz, a manual.pdf.gz: the inner name's extension says what it is."""
     import gzip

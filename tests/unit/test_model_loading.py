@@ -80,6 +80,8 @@ def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
     check_gguf_architecture(write("l.gguf", "llama"))  # supported: no error
     with pytest.raises(UnsupportedModelError, match="unsupported architecture gemma2 .*Gemma3ForCausalLM"):
         check_gguf_architecture(write("g2.gguf", "gemma2"))
+    with pytest.raises(UnsupportedModelError, match="Phi-3 is read from a checkpoint directory"):
+        check_gguf_architecture(write("p.gguf", "phi3"))  # its GGUF conversion loses the RoPE settings
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(40))
     with pytest.raises(ModelNotFoundError, match="not a GGUF file"):

@@ -412,6 +412,13 @@ def test_japanese_is_cut_only_after_a_sentence_end_though_it_has_no_spaces():
     assert any("「今月の出荷は間に合うのか？」と営業部長が尋ねた。" in paragraph[a:b] for a, b in spans)
 
 
+def test_no_cut_inside_a_quotation_the_sentence_goes_on_from():
+    from kvblend.segmenter import _SENTENCE_END
+
+    for text in ("「えっ！？」と驚いた。", "「本当。。」と言った。", "『「はい。」』と答えた。", "「行く？」って聞いた。"):
+        assert [m.end() for m in _SENTENCE_END.finditer(text)] == [len(text)], text
+
+
 def test_a_quotation_that_ends_a_sentence_is_a_cut():
     text = "「おはようございます。」「今日は試験の日です。」それから二人は港へ向かった。" * 4
     spans = split_into_spans(text, chars, 40)
