@@ -777,11 +777,8 @@ def _convert_html(data: bytes, started: float) -> Converted:
         )
     import trafilatura  # lazy: 0.2 s to import
 
-    if (wide := _wide_bom(data)) is not None:  # "Save as: Unicode" (old Internet Explorer, Word): UTF-16 pages
-        try:
-            data = data.decode(wide).encode("utf-8")  # its own <meta charset> may still say UTF-16: now wrong
-        except UnicodeDecodeError:
-            raise ConversionError(f"not valid {wide.upper()} (damaged text after its byte-order mark)") from None
+    if _wide_bom(data) is not None:  # "Save as: Unicode" (old Internet Explorer, Word): UTF-16 pages
+        data = decode_text(data)[0].encode("utf-8")  # its own <meta charset> may still say UTF-16: now wrong
         data = re.sub(rb"(?i)<meta[^>]*charset\s*=\s*[\"']?utf-?(?:16|32)[^>]*>", b"", data[:4096]) + data[4096:]
     if b"<html" not in data[:4096].lower():  # a fragment ("<p>...</p>"): trafilatura reads only whole pages
         data = b"<html><body>" + data + b"</body></html>"
@@ -931,15 +928,12 @@ def _open_odf(data: bytes, what: str):
 
 
 def _odf_table_size(table, what: str, before: int, started: float) -> int:
-    """A table's cells once its trailing empty rows and columns are stripped (ODF writes them as one row
-    repeated up to a million times; a crafted file repeats a full one), refused past :data:`MAX_TABLE_CELLS`
-    with the cells read before it, before any value is read."""
+    """The cells read so far with this table's, once its trailing empty rows and columns are stripped (ODF
+    writes them as one row repeated up to a million times; a crafted file repeats a full one): counted
+    against :data:`MAX_TABLE_CELLS` before any value is read."""
     _check_time(started)
     table.rstrip(aggressive=True)
-    cells = table.height * table.width
-    if before + cells > MAX_TABLE_CELLS:
-        raise ConversionError(f"too large for {what} (over {MAX_TABLE_CELLS:,} cells)")
-    return cells
+    return _spend_cells(before, table.height * table.width, what)
 
 
 def _convert_ods(data: bytes, started: float) -> Converted:
@@ -955,7 +949,7 @@ def _convert_ods(data: bytes, started: float) -> Converted:
             style = document.get_style("table", table.style) if table.style else None
             if style is not None and style.get_properties(area="table").get("table:display") == "false":
                 continue  # a hidden sheet: helper data, as in XLSX
-            cells += _odf_table_size(table, "ODS", cells, started)
+            cells = _odf_table_size(table, "ODS", cells, started)
             if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()]):
                 blocks.append(f"## {' '.join(str(table.name).split())}")
                 blocks.extend(rows)
@@ -980,7 +974,7 @@ def _convert_odt(data: bytes, started: float) -> Converted:
         for i, table in enumerate(document.body.get_tables()):
             if table.parent is None:  # inside a table already taken out: its text is in that table's cells
                 continue
-            cells += _odf_table_size(table, "ODT", cells, started)
+            cells = _odf_table_size(table, "ODT", cells, started)
             marker = f"kvblend-odt-table-{i}"
             rows = [[_cell(v) for v in row] for row in table.get_values()]
             tables[marker] = "\n\n".join(_table_blocks(rows))
@@ -1046,17 +1040,15 @@ def _convert_xml(data: bytes, started: float) -> Converted:
 
 
 def _xml_text(element) -> str:
-    """An element's text with its inline children's, whitespace collapsed (unexpanded entities left out)."""
-    return " ".join("".join(t for t in element.itertext() if isinstance(t, str)).split())
+    """An element's text with its inline children's, whitespace collapsed."""
+    return " ".join("".join(element.itertext()).split())
 
 
 def _xml_blocks(element, level: int, blocks: list[str], started: float) -> None:
     from lxml import etree
 
-    if not isinstance(element.tag, str):  # an unexpanded entity (a comment or PI was removed by the parser)
-        return
     name = etree.QName(element).localname.lower()
-    children = [c for c in element if isinstance(c.tag, str)]
+    children = list(element)  # elements only: the parser drops comments and PIs, and entities are stripped
     own = (element.text or "").strip() or any((c.tail or "").strip() for c in element)
     if own or not children:
         text = _xml_text(element)
@@ -1075,8 +1067,8 @@ def _xml_blocks(element, level: int, blocks: list[str], started: float) -> None:
     if len(blocks) % 200 == 0:
         _check_time(started)
     deeper = level + 1 if set(names) & _XML_TITLES else level  # a titled element: its sections sit under it
-    for child in children:
-        _xml_blocks(child, level if etree.QName(child).localname.lower() in _XML_TITLES else deeper, blocks, started)
+    for child, child_name in zip(children, names):
+        _xml_blocks(child, level if child_name in _XML_TITLES else deeper, blocks, started)
 
 
 # E-mail ─────────────────────────────────────────────────────────────────────
@@ -1146,9 +1138,7 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
                 continue
             rows: list[list[str]] = []
             for values in sheet.iter_rows(values_only=True):
-                cells += len(values)
-                if cells > MAX_TABLE_CELLS:
-                    raise ConversionError(f"too large for XLSX (over {MAX_TABLE_CELLS:,} cells)")
+                cells = _spend_cells(cells, len(values), "XLSX")
                 rows.append([_cell(v) for v in values])
                 if len(rows) % 1000 == 0:
                     _check_time(started)
@@ -1189,13 +1179,19 @@ def delimited_table(text: str, fmt: str) -> str:
     label = fmt.upper()
     try:
         for values in csv.reader(io.StringIO(text, newline=""), delimiter=delimiter):
-            cells += len(values)
-            if cells > MAX_TABLE_CELLS:
-                raise ConversionError(f"too large for {label} (over {MAX_TABLE_CELLS:,} cells)")
+            cells = _spend_cells(cells, len(values), label)
             rows.append([" ".join(v.split()) for v in values])
     except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
         raise ConversionError(f"corrupt {label} ({describe_error(e)})") from None
     return _tidy("\n\n".join(_table_blocks(rows)))
+
+
+def _spend_cells(before: int, cells: int, what: str) -> int:
+    """The cells read so far, these included; past :data:`MAX_TABLE_CELLS` the file is refused (every table
+    reader, XLSX, ODS, ODT, CSV, counts against the one bound)."""
+    if before + cells > MAX_TABLE_CELLS:
+        raise ConversionError(f"too large for {what} (over {MAX_TABLE_CELLS:,} cells)")
+    return before + cells
 
 
 def _table_blocks(rows: list[list[str]]) -> list[str]:

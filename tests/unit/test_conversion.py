@@ -469,7 +469,7 @@ def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
     assert sorted(d.name for d in docs) == ["be.htm", "le.html"]
     assert all(d.format == "html" and "crème brûlée crew" in d.text and "Home" not in d.text for d in docs)
     assert [Path(s.path).name for s in skipped] == ["damaged.html"]
-    assert skipped[0].reason == "not valid UTF-16 (damaged text after its byte-order mark)"
+    assert skipped[0].reason == "not valid UTF-16 (damaged text after a UTF-16 byte-order mark)"
 
 
 def test_review_cases_wide_tables_xml_siblings_and_entities_an_odt_bomb_and_fences(tmp_path):
