@@ -166,6 +166,9 @@ class Converted:
     text: str
     format: str
     page_starts: tuple[int, ...] = ()  # offsets into text where pages 1, 2, ... begin; empty without pages
+    # A sheet's (XLSX, ODS, CSV, TSV) rows: (offset into text where a data row's pipe line begins, its row number as
+    # the spreadsheet shows it), in text order; empty for other formats. What lets an answer cite "rows 26-50".
+    row_marks: tuple[tuple[int, int], ...] = ()
 
 
 # ─────────────────────────────── what is it ───────────────────────────────
@@ -943,6 +946,7 @@ def _convert_ods(data: bytes, started: float) -> Converted:
     value is read."""
     document = _open_odf(data, "ODS")
     blocks: list[str] = []
+    numbers: list[int] = []
     cells = 0
     with _damage_named("ODS"):
         for table in document.body.get_tables():
@@ -950,12 +954,13 @@ def _convert_ods(data: bytes, started: float) -> Converted:
             if style is not None and style.get_properties(area="table").get("table:display") == "false":
                 continue  # a hidden sheet: helper data, as in XLSX
             cells = _odf_table_size(table, "ODS", cells, started)
-            if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()]):
+            # get_values() starts at A1, so row i of it is the sheet's row i + 1
+            if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()], numbers):
                 blocks.append(f"## {' '.join(str(table.name).split())}")
                 blocks.extend(rows)
     if not blocks:
         raise ConversionError("empty (the ODS holds no values)")
-    return Converted(_tidy("\n\n".join(blocks)), "ods")
+    return _sheet_text(blocks, "ods", numbers)
 
 
 def _convert_odt(data: bytes, started: float) -> Converted:
@@ -1131,33 +1136,36 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
     with _damage_named("XLSX"):
         book = openpyxl.load_workbook(io.BytesIO(data), read_only=True, data_only=True)
     blocks: list[str] = []
+    numbers: list[int] = []
     cells = 0
     try:
         for sheet in book.worksheets:
             if sheet.sheet_state != "visible":
                 continue
             rows: list[list[str]] = []
-            for values in sheet.iter_rows(values_only=True):
+            for values in sheet.iter_rows(values_only=True):  # from row 1, empty rows included
                 cells = _spend_cells(cells, len(values), "XLSX")
                 rows.append([_cell(v) for v in values])
                 if len(rows) % 1000 == 0:
                     _check_time(started)
-            if table := _table_blocks(rows):
+            if table := _table_blocks(rows, numbers):
                 blocks.append(f"## {' '.join(str(sheet.title).split())}")
                 blocks.extend(table)
     finally:
         book.close()
     if not blocks:
         raise ConversionError("empty (the XLSX holds no values)")
-    return Converted(_tidy("\n\n".join(blocks)), "xlsx")
+    return _sheet_text(blocks, "xlsx", numbers)
 
 
 #: Delimiters a CSV export uses: Excel writes ";" where the decimal mark is a comma (most of Europe).
 _CSV_DELIMITERS = ",;\t|"
 
 
-def delimited_table(text: str, fmt: str) -> str:
-    """A CSV or TSV file's text as Markdown pipe rows, as an XLSX sheet becomes (:func:`_table_blocks`).
+def delimited_table(text: str, fmt: str) -> Converted:
+    """A CSV or TSV file's text as Markdown pipe rows, as an XLSX sheet becomes (:func:`_table_blocks`), with the
+    row number of each (a record's, as a spreadsheet opening the file numbers it: the header is row 1, a quoted
+    field's line breaks do not start a row).
 
     The raw text would reach the KV as rows of commas whose columns no segment past the first names; as pipe
     rows under a header repeated every :data:`TABLE_ROWS_PER_BLOCK` rows, every segment says what its numbers
@@ -1183,7 +1191,8 @@ def delimited_table(text: str, fmt: str) -> str:
             rows.append([" ".join(v.split()) for v in values])
     except csv.Error as e:  # a field over csv's 128 KiB limit, a NUL byte
         raise ConversionError(f"corrupt {label} ({describe_error(e)})") from None
-    return _tidy("\n\n".join(_table_blocks(rows)))
+    numbers: list[int] = []
+    return _sheet_text(_table_blocks(rows, numbers), fmt, numbers)
 
 
 def _spend_cells(before: int, cells: int, what: str) -> int:
@@ -1194,25 +1203,53 @@ def _spend_cells(before: int, cells: int, what: str) -> int:
     return before + cells
 
 
-def _table_blocks(rows: list[list[str]]) -> list[str]:
+def _table_blocks(rows: list[list[str]], numbers: list[int] | None = None) -> list[str]:
     """A sheet's rows as text blocks: trailing empty cells and empty rows dropped; a one-column sheet as lines
     (notes, not a table); otherwise pipe rows in blocks of at most :data:`TABLE_ROWS_PER_BLOCK` rows and
     :data:`TABLE_BLOCK_BYTES` bytes, each under the header row again and a paragraph of its own, so a segment of
-    row 500 still names its columns (a row longer than that is a block alone, which the segmenter then cuts)."""
-    kept = []
-    for row in rows:
+    row 500 still names its columns (a row longer than that is a block alone, which the segmenter then cuts).
+
+    ``numbers``, when given, gets the row number (1-based: ``rows[i]`` is row ``i + 1``) of each data row the
+    blocks hold, in order: what :func:`_sheet_text` marks them with. A one-column sheet's lines are not rows."""
+    kept: list[tuple[int, list[str]]] = []
+    for number, row in enumerate(rows, 1):
         row = list(row)
         while row and not row[-1]:
             row.pop()
         if row:
-            kept.append(row)
+            kept.append((number, row))
     if not kept:
         return []
-    width = max(len(r) for r in kept)
+    width = max(len(r) for _, r in kept)
     if width == 1:
-        return ["\n".join(r[0] for r in kept)]
-    lines = [_pipe_line(r + [""] * (width - len(r))) for r in kept]
+        return ["\n".join(r[0] for _, r in kept)]
+    if numbers is not None:
+        numbers.extend(number for number, _ in kept[1:])
+    lines = [_pipe_line(r + [""] * (width - len(r))) for _, r in kept]
     return _row_blocks([lines[0], "|" + "---|" * width], lines[1:])
+
+
+def _sheet_text(blocks: list[str], fmt: str, numbers: list[int]) -> Converted:
+    """A sheet format's blocks (:func:`_table_blocks`) as one text, each data row marked with its row number.
+
+    The rows are found again in the tidied text rather than counted while joining, since tidying moves
+    offsets: a table block is a paragraph whose second line is the delimiter row, and its lines after that
+    are data rows, one per number in order. Should the count ever differ (a cell that tidying empties of
+    everything, say), no row is marked: citing no rows is better than citing wrong ones."""
+    text = _tidy("\n\n".join(blocks))
+    marks: list[tuple[int, int]] = []
+    offset = 0
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.split("\n")
+        at = offset
+        for i, line in enumerate(lines):
+            if i >= 2 and lines[0].startswith("|") and _TABLE_DELIMITER.match(lines[1]) and line.startswith("|"):
+                marks.append((at, 0))
+            at += len(line) + 1
+        offset += len(paragraph) + 2
+    if len(marks) != len(numbers):
+        return Converted(text, fmt)
+    return Converted(text, fmt, row_marks=tuple((at, number) for (at, _), number in zip(marks, numbers)))
 
 
 def _row_blocks(head: list[str], rows: list[str]) -> list[str]:

@@ -100,6 +100,9 @@ class Document:
     format: str = "text"
     # Offsets into `text` where pages 1, 2, ... begin (page_starts[0] == 0); empty for formats without pages.
     page_starts: tuple[int, ...] = ()
+    # A sheet's data rows (XLSX, ODS, CSV, TSV): (offset where the row's line begins, its row number in the sheet
+    # or file), in text order; empty for other formats (kvblend.conversion.Converted.row_marks).
+    row_marks: tuple[tuple[int, int], ...] = ()
     # The encoding a plain-text file was decoded from when it was not UTF-8 ("utf-16", "cp1252", ...), so a
     # user can see what was guessed; "" for UTF-8 and for converted formats.
     encoding: str = ""
@@ -110,7 +113,13 @@ class Document:
 
     @classmethod
     def of(
-        cls, path: str, text: str, format: str = "text", page_starts: tuple[int, ...] = (), encoding: str = ""
+        cls,
+        path: str,
+        text: str,
+        format: str = "text",
+        page_starts: tuple[int, ...] = (),
+        encoding: str = "",
+        row_marks: tuple[tuple[int, int], ...] = (),
     ) -> Document:
         return cls(
             path=path,
@@ -118,6 +127,7 @@ class Document:
             content_hash=content_hash(text),
             format=format,
             page_starts=page_starts,
+            row_marks=row_marks,
             encoding=encoding,
         )
 
@@ -399,10 +409,12 @@ def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Documen
         text = conversion.block_tables(conversion.markdown_body(text))
     elif fmt in ("csv", "tsv"):
         try:
-            text = conversion.delimited_table(text, fmt)
+            table = conversion.delimited_table(text, fmt)
         except conversion.ConversionError as e:
             skipped.append(Skipped(name, str(e)))
             return
+        _add_text(name, table.text, docs, skipped, fmt, encoding=encoding, row_marks=table.row_marks)
+        return
     _add_text(name, text, docs, skipped, fmt, encoding=encoding)
 
 
@@ -429,7 +441,7 @@ def _add_converted(name: str, fmt: str, data: bytes, docs: list[Document], skipp
     except Exception as e:  # see the docstring
         skipped.append(Skipped(name, f"cannot be read as {label} ({conversion.describe_error(e)})"))
         return
-    _add_text(name, converted.text, docs, skipped, converted.format, converted.page_starts)
+    _add_text(name, converted.text, docs, skipped, converted.format, converted.page_starts, "", converted.row_marks)
 
 
 def _clean(text: str) -> str:
@@ -446,13 +458,14 @@ def _add_text(
     format: str = "text",
     page_starts: tuple[int, ...] = (),
     encoding: str = "",
+    row_marks: tuple[tuple[int, int], ...] = (),
 ) -> None:
     if not text.strip():
         skipped.append(Skipped(name, "empty"))
     elif not _is_text(text):  # a JSON string's lone "\ud800" escape
         skipped.append(Skipped(name, "holds a lone UTF-16 surrogate, which is no text"))
     else:
-        docs.append(Document.of(name, text, format, page_starts, "" if encoding == "utf-8" else encoding))
+        docs.append(Document.of(name, text, format, page_starts, "" if encoding == "utf-8" else encoding, row_marks))
 
 
 def _is_text(s: str) -> bool:

@@ -1,9 +1,10 @@
 """Where a segment came from (its pages and section in its document), and how an answer cites it.
 
 Ingest computes one source per (document, segment) from the segment's offsets
-in the document's text: the pages it spans (``Document.page_starts``) and the
+in the document's text: the pages it spans (``Document.page_starts``), the
 section it belongs to (the nearest Markdown heading at or before its text, as
-:func:`kvblend.segmenter.find_headings` finds them). The archive keeps them in
+:func:`kvblend.segmenter.find_headings` finds them) and, for a spreadsheet or a
+CSV file, the rows it holds (``Document.row_marks``). The archive keeps them in
 the document's record, parallel to its segment keys (a segment's KV is shared
 by every document holding the same text, its provenance is not). A query, a
 server response and the bench report them; :func:`cite` writes the line
@@ -21,7 +22,7 @@ from typing import Any
 
 from kvblend.segmenter import Heading, find_headings
 
-__all__ = ["cite", "describe", "page_range", "section_of", "segment_sources"]
+__all__ = ["cite", "describe", "page_range", "row_range", "section_of", "segment_sources"]
 
 
 def page_range(page_starts: Sequence[int], start: int, end: int) -> list[int] | None:
@@ -35,6 +36,31 @@ def page_range(page_starts: Sequence[int], start: int, end: int) -> list[int] | 
     first = max(1, bisect.bisect_right(page_starts, start))
     last = max(first, bisect.bisect_right(page_starts, max(start, end - 1)))
     return [first, last]
+
+
+def row_range(text: str, row_marks: Sequence[tuple[int, int]], start: int, end: int) -> list[int] | None:
+    """``[first, last]`` row numbers of the sheet rows ``text[start:end]`` touches; None when it touches none
+    (a document without rows, or a segment of headings and header rows only).
+
+    ``row_marks``: (offset where a data row's line begins, its row number), sorted by offset. A row touches the
+    span when its line, up to its newline, overlaps it: a segment cut inside a row too long for one segment
+    still cites that row.
+    """
+    if not row_marks:
+        return None
+    starts = [at for at, _ in row_marks]
+    first = bisect.bisect_right(starts, start) - 1  # the row whose line begins at or before the span, ...
+    if first < 0 or _line_end(text, starts[first]) <= start:
+        first += 1  # ... unless its line ends before the span does begin
+    last = bisect.bisect_left(starts, end) - 1  # the last row beginning inside the span
+    if first > last:
+        return None
+    return [row_marks[first][1], row_marks[last][1]]
+
+
+def _line_end(text: str, at: int) -> int:
+    end = text.find("\n", at)
+    return len(text) if end < 0 else end
 
 
 def section_of(
@@ -59,24 +85,37 @@ def section_of(
 
 
 def segment_sources(
-    text: str, spans: Sequence[tuple[int, int]], page_starts: Sequence[int] = ()
+    text: str,
+    spans: Sequence[tuple[int, int]],
+    page_starts: Sequence[int] = (),
+    row_marks: Sequence[tuple[int, int]] = (),
 ) -> list[dict[str, Any]]:
-    """One ``{"pages": [first, last] or None, "section": str or None}`` per span of ``text``, in order: what a
-    document record stores in ``sources``."""
+    """One ``{"pages": [first, last] or None, "section": str or None}`` per span of ``text``, in order, with
+    ``"rows": [first, last] or None`` too where the document has rows: what a document record stores in
+    ``sources``."""
     headings = find_headings(text)
     starts = [h.start for h in headings]
     pages = sorted(page_starts)
-    return [{"pages": page_range(pages, a, b), "section": section_of(text, headings, a, b, starts)} for a, b in spans]
+    sources = []
+    for a, b in spans:
+        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section_of(text, headings, a, b, starts)}
+        if row_marks:
+            source["rows"] = row_range(text, row_marks, a, b)
+        sources.append(source)
+    return sources
 
 
-def describe(pages: Sequence[int] | None, section: str | None) -> str:
-    """``p. 3 § Specifications``, ``pp. 3-4``, ``§ Install``, or "" when nothing is known."""
+def describe(pages: Sequence[int] | None, section: str | None, rows: Sequence[int] | None = None) -> str:
+    """``p. 3 § Specifications``, ``pp. 3-4``, ``§ Install``, ``§ Parts rows 26-50``, or "" when nothing is known."""
     parts = []
     if pages:
         first, last = pages[0], pages[-1]
         parts.append(f"p. {first}" if first == last else f"pp. {first}-{last}")
     if section:
         parts.append(f"§ {section}")
+    if rows:
+        first, last = rows[0], rows[-1]
+        parts.append(f"row {first}" if first == last else f"rows {first}-{last}")
     return " ".join(parts)
 
 
@@ -84,7 +123,8 @@ def cite(segments: Iterable[Any]) -> str:
     """The sources of an answer's passages, one document after another in prompt order:
     ``manual.pdf p. 3 § Specifications, p. 5 § Safety; guide.md § Install``.
 
-    ``segments``: objects or dicts with ``document``, ``pages`` and ``section`` (SegmentInfo, or its JSON).
+    ``segments``: objects or dicts with ``document``, ``pages``, ``section`` and maybe ``rows`` (SegmentInfo, or
+    its JSON).
     Passages of no ingested document (a ``--context-file``, a client's chunk) are left out; "" when none is left.
     """
     by_document: dict[str, list[str]] = {}
@@ -92,7 +132,7 @@ def cite(segments: Iterable[Any]) -> str:
         document = _field(seg, "document")
         if not document:
             continue
-        where = describe(_field(seg, "pages"), _field(seg, "section"))
+        where = describe(_field(seg, "pages"), _field(seg, "section"), _field(seg, "rows"))
         parts = by_document.setdefault(str(document), [])
         if where and where not in parts:
             parts.append(where)

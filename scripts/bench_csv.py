@@ -62,12 +62,12 @@ def main() -> None:
         ("semicolon, decimal comma, cp1252", ledger(delimiter=";", decimal=",").encode("cp1252")),
     ):
         raw, _ = conversion.decode_text(data)
-        table = conversion.delimited_table(raw, "csv")
+        table = conversion.delimited_table(raw, "csv").text
         rows[name] = {
             "bytes": len(data),
             "read as text ms": 1000 * best(lambda: conversion.decode_text(data)),
             "read as CSV table ms": 1000
-            * best(lambda: conversion.delimited_table(conversion.decode_text(data)[0], "csv")),
+            * best(lambda: conversion.delimited_table(conversion.decode_text(data)[0], "csv").text),
             "tokens as text": count(raw),
             "tokens as table": count(table),
         }

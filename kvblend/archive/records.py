@@ -172,13 +172,21 @@ def drop_listed(d: dict[str, Any], gone: Collection[str]) -> None:
     d["segment_keys"] = [k for k in keys if k not in gone]
 
 
+def _int_pair(value: Any) -> list[int] | None:
+    """``[first, last]`` as a record stores a page or row range; None for anything else (absent, damaged)."""
+    if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
+        return list(value)
+    return None
+
+
 @dataclass
 class DocumentRecord:
     """Index record of one ingested document: its segments in order, and where in the document each came from.
 
     Provenance lives here, not in the segment's record: the same text (so the same segment, the same KV) can
     occur in two documents, on different pages under different headings. ``sources[i]`` describes
-    ``segment_keys[i]`` as ``{"pages": [first, last] or None, "section": str or None}``. Records written before
+    ``segment_keys[i]`` as ``{"pages": [first, last] or None, "section": str or None}``, and a sheet's (XLSX, ODS,
+    CSV, TSV) also ``"rows": [first, last]`` (the row numbers it holds, or None). Records written before
     provenance existed have no ``sources`` (nor ``format``, ``pages``): they read as "text", 0 pages, and
     segments of unknown origin (:meth:`source`).
 
@@ -209,16 +217,19 @@ class DocumentRecord:
         return self.name or os.path.basename(self.path) or self.path
 
     def source(self, index: int) -> dict[str, Any]:
-        """Where segment ``index`` came from: ``{"pages": [first, last] or None, "section": str or None}``; both
-        None when the record does not say (written before provenance, or its sources are not parallel)."""
+        """Where segment ``index`` came from: ``{"pages": [first, last] or None, "section": str or None, "rows":
+        [first, last] or None}``; all None when the record does not say (written before provenance, or its sources
+        are not parallel), rows None for a document without rows."""
         if len(self.sources) == len(self.segment_keys) and 0 <= index < len(self.sources):
             src = self.sources[index]
             if isinstance(src, dict):
-                pages, section = src.get("pages"), src.get("section")
-                if not (isinstance(pages, list) and len(pages) == 2 and all(isinstance(p, int) for p in pages)):
-                    pages = None
-                return {"pages": pages and list(pages), "section": section if isinstance(section, str) else None}
-        return {"pages": None, "section": None}
+                section = src.get("section")
+                return {
+                    "pages": _int_pair(src.get("pages")),
+                    "section": section if isinstance(section, str) else None,
+                    "rows": _int_pair(src.get("rows")),
+                }
+        return {"pages": None, "section": None, "rows": None}
 
     def drop_segments(self, gone: Collection[str]) -> None:
         """Forget the segments in ``gone`` (evicted, damaged), keeping ``sources`` parallel to ``segment_keys``."""

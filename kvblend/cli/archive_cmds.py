@@ -122,7 +122,7 @@ def show(
                 "segments": doc.segment_keys,
             }
             if as_json:
-                # where each segment came from, parallel to "segments" ({"pages", "section"}: null when unknown)
+                # where each segment came from, parallel to "segments" ({"pages", "section", "rows"}: null when unknown)
                 print_json({**info, "sources": [doc.source(i) for i in range(len(doc.segment_keys))]})
             else:
                 for k, v in info.items():

@@ -32,7 +32,7 @@ class BenchReport:
     warnings: list[str] = field(default_factory=list)
     pareto: list[dict] | None = None  # `--pareto`: per (policy, ratio) first-token KL and recompute share
     # per record, the passages its prompts were built from, in prompt order, as a query reports its segments'
-    # provenance: {"document": the passage's title in the QA file, "pages", "section"} (a QA passage has neither)
+    # provenance: {"document": the passage's title in the QA file, "pages", "section", "rows"} (a QA passage has none)
     sources: list[list[dict]] = field(default_factory=list)
 
     def per_record(self) -> list[dict]:

@@ -316,7 +316,8 @@ def _segment_document(
         pages=len(doc.page_starts),
         encoding=doc.encoding,
         source_hash=doc.source_hash,
-        sources=segment_sources(doc.text, spans, doc.page_starts),  # per (document, segment): not in the KV's record
+        # per (document, segment): not in the KV's record
+        sources=segment_sources(doc.text, spans, doc.page_starts, doc.row_marks),
     )
 
 

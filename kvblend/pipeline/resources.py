@@ -180,7 +180,7 @@ class Resources:
 
     def origin_of(self, key: str) -> tuple[str, dict] | None:
         """The document holding segment `key` and where in it the segment came from (its source:
-        ``{"pages", "section"}``, see DocumentRecord), indexed once per engine. A segment several documents
+        ``{"pages", "section", "rows"}``, see DocumentRecord), indexed once per engine. A segment several documents
         share is reported in one of them, the same one every time."""
         if self._doc_index is None:
             self._doc_index = {

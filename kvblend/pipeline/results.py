@@ -61,9 +61,11 @@ class SegmentInfo:
     score: float | None = None
     stored: bool = False  # a context text missing from the archive: prefilled alone in this query and stored
     # Where in `document` the passage came from (None: not known, or no such structure): the pages it spans,
-    # [first, last] (1-based), and the section, the title of the nearest Markdown heading at or before it.
+    # [first, last] (1-based), the section, the title of the nearest Markdown heading at or before it, and for a
+    # spreadsheet or CSV file the rows it holds, [first, last] as the sheet numbers them.
     pages: list[int] | None = None
     section: str | None = None
+    rows: list[int] | None = None
 
 
 @dataclass

@@ -68,7 +68,8 @@ def segment_source(info: SegmentInfo) -> str:
 
 def segments_report(infos: list[SegmentInfo]) -> list[dict]:
     """The response's `kvblend.segments`: one entry per passage, in prompt order, with the document it came from
-    and where in it (`pages` [first, last], `section`: null when not known), so a client can cite its sources."""
+    and where in it (`pages` [first, last], `section`, a sheet's `rows` [first, last]: null when not known), so a
+    client can cite its sources."""
     return [
         {
             "key": info.key,
@@ -77,6 +78,7 @@ def segments_report(infos: list[SegmentInfo]) -> list[dict]:
             "document": info.document,
             "pages": info.pages,
             "section": info.section,
+            "rows": info.rows,
         }
         for info in infos
     ]

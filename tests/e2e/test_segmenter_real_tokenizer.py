@@ -57,6 +57,6 @@ def test_every_segment_of_a_long_table_begins_under_its_header(real_count):
     writer.writerow(["Item", "Quarter", "Cost (EUR)", "Ordered", "With VAT"])
     writer.writerows([f"Part {i % 97}", f"Q{i % 4 + 1}", f"{80 + 0.37 * i:.2f}", f"2026-{i % 12 + 1:02d}-{i % 28 + 1:02d}",
                       f"{(80 + 0.37 * i) * 1.2:.4f}"] for i in range(1000))
-    segments = split_into_segments(delimited_table(out.getvalue(), "csv"), real_count, DEFAULT_CHUNK_TOKENS)
+    segments = split_into_segments(delimited_table(out.getvalue(), "csv").text, real_count, DEFAULT_CHUNK_TOKENS)
     assert len(segments) > 20
     assert all(s.startswith("| Item | Quarter | Cost (EUR) | Ordered | With VAT |\n|---|") for s in segments)

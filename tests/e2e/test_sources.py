@@ -16,7 +16,7 @@ from support import FIXTURES, run_cli
 
 DOCUMENTS = FIXTURES / "documents"
 QUESTION = "What is the Orca-7 pump's maximum pressure?"  # page 3, "Operating limits": 412 kPa
-PAGE_3 = {"pages": [3, 3], "section": "Operating limits"}
+PAGE_3 = {"pages": [3, 3], "section": "Operating limits", "rows": None}
 
 
 def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, default_runner):
@@ -37,7 +37,7 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
     assert segment["document"] == "manual.pdf"
-    assert {"pages": segment["pages"], "section": segment["section"]} == PAGE_3
+    assert {"pages": segment["pages"], "section": segment["section"], "rows": segment["rows"]} == PAGE_3
     assert "412" in result.answer
 
     listed = {d["name"]: d for d in json.loads(run_cli("ls", "--archive", arc, "--json", check=True).stdout)}
@@ -50,24 +50,32 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     # a deck's slides are its pages; each slide's title names its section
     assert (listed["briefing.pptx"]["format"], listed["briefing.pptx"]["pages"]) == ("pptx", 6)
     deck = json.loads(run_cli("show", "briefing.pptx", "--archive", arc, "--json", check=True).stdout)
-    assert {"pages": [3, 3], "section": "Service costs"} in deck["sources"], deck["sources"]
+    assert {"pages": [3, 3], "section": "Service costs", "rows": None} in deck["sources"], deck["sources"]
     # a book has no pages (EPUBs reflow); its chapters' headings name the sections
     assert (listed["handbook.epub"]["format"], listed["handbook.epub"]["pages"]) == ("epub", 0)
     book = json.loads(run_cli("show", "handbook.epub", "--archive", arc, "--json", check=True).stdout)
-    assert {"pages": None, "section": "Maintenance"} in book["sources"], book["sources"]
+    assert {"pages": None, "section": "Maintenance", "rows": None} in book["sources"], book["sources"]
     # a workbook's visible sheets are its sections (no pages): each segment names the sheet it came from
     assert (listed["budget.xlsx"]["format"], listed["budget.xlsx"]["pages"]) == ("xlsx", 0)
     sheets = json.loads(run_cli("show", "budget.xlsx", "--archive", arc, "--json", check=True).stdout)["sources"]
     assert {s["section"] for s in sheets} == {"Service costs", "Notes"}, sheets  # hidden and empty sheets left out
+    # and the rows it holds, as the sheet numbers them (the header is row 1; the notes sheet's lines are no rows)
+    cost_rows = [s["rows"] for s in sheets if s["section"] == "Service costs"]
+    assert cost_rows[0][0] == 2 and cost_rows[-1][1] == 32 and all(a <= b for a, b in cost_rows), sheets
+    assert [s["rows"] for s in sheets if s["section"] == "Notes"] == [None]
     assert listed["parts.csv"]["format"] == "csv" and listed["log.odt"]["format"] == "odt"
     log = json.loads(run_cli("show", "log.odt", "--archive", arc, "--json", check=True).stdout)
-    assert log["sources"] == [{"pages": None, "section": "Dock log"}], log
-    (key,) = json.loads(run_cli("show", "parts.csv", "--archive", arc, "--json", check=True).stdout)["segments"]
+    assert log["sources"] == [{"pages": None, "section": "Dock log", "rows": None}], log
+    parts = json.loads(run_cli("show", "parts.csv", "--archive", arc, "--json", check=True).stdout)
+    assert parts["sources"] == [{"pages": None, "section": None, "rows": [2, 3]}], parts
+    (key,) = parts["segments"]
     table = json.loads(run_cli("show", key, "--archive", arc, "--json", check=True).stdout)["text"]
     assert table == "| Part | Cost (EUR) |\n|---|---|\n| Seal kit | 11,75 |\n| Impeller | 1011,25 |", table
     human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
     assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
     assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human
+    human = run_cli("show", "budget.xlsx", "--archive", arc, check=True).stdout
+    assert re.search(r"^  [0-9a-f]{12}  § Service costs rows 2-\d+$", human, re.M), human
     # when, as people read it (the JSON keeps epoch seconds)
     assert re.search(r"^ingested: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+ \((just now|\d+[mhd] ago)\)$", human, re.M), human
 
@@ -75,3 +83,8 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     answer, sources = proc.stdout.rstrip("\n").rsplit("\n", 1)
     assert answer.strip() == result.answer.strip()  # the answer as before, then its sources
     assert sources == "Sources: manual.pdf p. 3 § Operating limits"
+    # a spreadsheet's passage cites its rows, in the CLI's JSON as in its Sources line
+    proc = run_cli("query", "What does the impeller cost?", "--archive", arc, "--doc", "parts.csv", "--max-tokens", "1",
+                   "--json", check=True)
+    (segment,) = json.loads(proc.stdout)["segments"]
+    assert (segment["document"], segment["rows"]) == ("parts.csv", [2, 3]), segment

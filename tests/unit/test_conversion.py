@@ -33,6 +33,11 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def marked_rows(doc: Document) -> dict[int, str]:
+    """Each row number a sheet's document marks, with the pipe line it marks."""
+    return {number: doc.text[at:].split("\n", 1)[0] for at, number in doc.row_marks}
+
+
 def in_order(text: str, *parts: str) -> None:
     at = 0
     for part in parts:
@@ -250,6 +255,10 @@ def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block
     assert all(b.startswith("| Item | Quarter | Cost (EUR) | Ordered |\n|---|---|---|---|\n| ") for b in table)
     assert sum(b.count("\n") - 1 for b in table) == 31
     assert "Lookup" not in text and "rate table" not in text and "Empty" not in text  # hidden, empty: left out
+    # each data row marked with its row number in the sheet, so a segment cites "rows 2-26"; the notes are no rows
+    rows = marked_rows(doc)
+    assert list(rows) == list(range(2, 33)) and rows[2] == "| Seal kit | Q1 | 80 | 2026-01-05 |"
+    assert rows[32] == "| Total |  | 19093.75 |  |"  # =SUM(C2:C31) is on row 32 of the sheet
 
 
 def test_a_long_word_table_repeats_its_header_over_every_block(tmp_path):
@@ -368,6 +377,8 @@ def test_ods_is_its_visible_sheets_as_sections_with_the_header_over_every_block(
     assert all(b.startswith("| Item | Cost (EUR) | Ordered |\n|---|---|---|\n| Part ") for b in blocks[1:])
     assert "| Part 0 | 80 | 2026-01-01 |" in doc.text and "| Part 29 | 1160.25 | 2026-01-30 |" in doc.text
     assert sum(b.count("\n") - 1 for b in blocks[1:]) == 30
+    rows = marked_rows(doc)  # rows as Calc numbers them: the header is row 1
+    assert list(rows) == list(range(2, 32)) and rows[31] == "| Part 29 | 1160.25 | 2026-01-30 |"
 
 
 def test_a_markdown_table_too_long_for_a_segment_is_cut_under_its_header_but_not_in_a_code_sample(tmp_path):
@@ -475,7 +486,7 @@ def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
 def test_review_cases_wide_tables_xml_siblings_and_entities_an_odt_bomb_and_fences(tmp_path):
     # a header too wide for a block's budget: blocks of 25 rows, not the header over every row
     header = ",".join(f"column name number {i}" for i in range(30))
-    wide = conversion.delimited_table(header + "\n" + "".join(",".join("x" * 30) + "\n" for _ in range(30)), "csv")
+    wide = conversion.delimited_table(header + "\n" + "".join(",".join("x" * 30) + "\n" for _ in range(30)), "csv").text
     assert len(wide.split("\n\n")) == 2
     # paragraphs of one name are paragraphs, not a record's fields; an HTML entity from an unread DTD is its char
     xml = (
@@ -542,8 +553,13 @@ def test_csv_is_pipe_rows_under_its_header_repeated_every_block_of_rows(tmp_path
     blocks = doc.text.split("\n\n")  # 30 rows: more than one block, each under the header
     assert len(blocks) >= 2 and all(b.startswith("| Part | Note | Cost |\n|---|---|---|\n| ") for b in blocks)
     assert "," not in doc.text.replace("Orca-7, Orca-9", "")
+    # rows numbered as a spreadsheet opening the file numbers them: a record's quoted line break starts no row,
+    # the empty row 4 keeps its number, and a repeated header is no row
+    rows = marked_rows(doc)
+    assert list(rows) == [2, 3, *range(5, 33)] and rows[3] == "| Pump | rated 412 kPa at full flow | 412 |"
+    assert rows[5] == "| Spare 0 |  | 0 |" and rows[32] == "| Spare 27 |  | 27 |"
     # wide rows: blocks close at TABLE_BLOCK_BYTES, before 25 rows, each under the header again
-    wide = conversion.delimited_table("a,b\n" + "".join(f"{i},{'x' * 60}\n" for i in range(30)), "csv")
+    wide = conversion.delimited_table("a,b\n" + "".join(f"{i},{'x' * 60}\n" for i in range(30)), "csv").text
     blocks = wide.split("\n\n")
     assert len(blocks) > 4 and all(b.startswith("| a | b |\n|---|---|\n| ") for b in blocks)
     assert all(len(b.encode()) <= conversion.TABLE_BLOCK_BYTES for b in blocks)

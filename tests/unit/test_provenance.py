@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvblend.pipeline.results import SegmentInfo
-from kvblend.provenance import cite, describe, page_range, section_of, segment_sources
+from kvblend.provenance import cite, describe, page_range, row_range, section_of, segment_sources
 from kvblend.segmenter import find_headings, split_into_spans
 
 PAGES = (0, 100, 250, 400)  # pages 1..4
@@ -55,6 +55,26 @@ def test_segment_sources_for_a_paged_markdown_text():
     assert segment_sources(text, spans, starts)[-1] == {"pages": [3, 3], "section": "Specifications"}
 
 
+def test_row_range_is_the_sheet_rows_a_span_touches():
+    text = "## Parts\n\n| a | b |\n|---|---|\n| 1 | x |\n| 2 | yyyyyyyyyyyy |\n\n| a | b |\n|---|---|\n| 3 | z |"
+    lines = {line: text.index(line) for line in ("| 1 |", "| 2 |", "| 3 |")}
+    marks = [(lines["| 1 |"], 2), (lines["| 2 |"], 4), (lines["| 3 |"], 7)]  # row 3, 5, 6 were empty
+    block2 = text.index("| a | b |", lines["| 2 |"])
+    assert row_range(text, marks, 0, len(text)) == [2, 7]
+    assert row_range(text, marks, 0, lines["| 2 |"]) == [2, 2]  # heading, header, row 2: its header is not a row
+    assert row_range(text, marks, 0, lines["| 1 |"]) is None  # heading and header rows only
+    assert row_range(text, marks, block2, len(text)) == [7, 7]  # the next block: header again, then row 7
+    inside = text.index("yyyy")  # a segment cut inside a row too long for one segment cites that row
+    assert row_range(text, marks, inside, inside + 4) == [4, 4] and row_range(text, marks, inside, len(text)) == [4, 7]
+    assert row_range(text, [], 0, len(text)) is None
+    spans = [(0, block2), (block2, len(text))]
+    assert segment_sources(text, spans, (), marks) == [
+        {"pages": None, "section": "Parts", "rows": [2, 4]},
+        {"pages": None, "section": "Parts", "rows": [7, 7]},
+    ]
+    assert describe(None, "Parts", [2, 4]) == "§ Parts rows 2-4" and describe(None, None, [7, 7]) == "row 7"
+
+
 def test_describe_and_cite():
     assert describe([3, 3], "Specifications") == "p. 3 § Specifications"
     assert describe([3, 4], None) == "pp. 3-4" and describe(None, "Install") == "§ Install"
@@ -69,4 +89,5 @@ def test_describe_and_cite():
     ]
     assert cite(infos) == "manual.pdf p. 3 § Specifications, p. 5 § Safety; guide.md § Install; notes.txt"
     assert cite([{"document": "a.md", "pages": None, "section": "X"}]) == "a.md § X"  # the JSON form too
+    assert cite([{"document": "p.csv", "pages": None, "section": None, "rows": [2, 26]}]) == "p.csv rows 2-26"
     assert cite([SegmentInfo("k", None, 1, False)]) == ""

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from kvblend.errors import ArchiveBusyError, ArchiveError, UsageError
 from kvblend.errors import NotFoundError
 from kvblend.pipeline.query import ContextLengthError
+from kvblend.pipeline.results import SegmentInfo
 from kvblend.serve.app import error_for
 from kvblend.serve.metrics import Metrics
 from kvblend.serve.responses import chunk_body, completion_body, request_share
@@ -45,8 +46,7 @@ def test_metrics_text_is_prometheus_exposition():
 
 
 def fake_result(stored_tokens=0, eos=False, n_tokens=4):
-    segments = [SimpleNamespace(key="a", document=None, tokens=20, cached=True, stored=stored_tokens > 0, pages=None,
-                                section=None)]
+    segments = [SegmentInfo("a", None, 20, True, stored=stored_tokens > 0)]
     gen = SimpleNamespace(token_ids=list(range(n_tokens)), stopped_on_eos=eos)
     return SimpleNamespace(answer="Halifax", mode="blend", ratio=0.15, ttft_s=0.5, load_wait_s=0.01,
                            recompute_share=0.25, prompt_tokens=80, prefix_cached=True, segments=segments,

@@ -143,12 +143,10 @@ def test_malformed_bodies_are_400_invalid_json(raw):
 
 
 def test_segments_report_names_hits_and_computed_passages():
-    class Info:
-        def __init__(self, cached, stored):
-            self.key, self.document, self.tokens, self.cached, self.stored = "k", None, 5, cached, stored
-            self.pages, self.section = None, None
+    from kvblend.pipeline.results import SegmentInfo
 
-    sources = [s["source"] for s in segments_report([Info(True, False), Info(True, True), Info(False, False)])]
+    infos = [SegmentInfo("k", None, 5, cached, stored=stored) for cached, stored in ((True, False), (True, True), (False, False))]
+    sources = [s["source"] for s in segments_report(infos)]
     assert sources == ["hit", "computed", "computed"]
 
 
@@ -163,11 +161,12 @@ def test_segments_report_says_where_each_passage_came_from():
     from kvblend.pipeline.results import SegmentInfo
 
     infos = [SegmentInfo("k1", "manual.pdf", 5, True, pages=[3, 3], section="Operating limits"),
-             SegmentInfo("k2", None, 4, True, stored=True)]
-    first, second = segments_report(infos)
+             SegmentInfo("k2", None, 4, True, stored=True), SegmentInfo("k3", "parts.csv", 9, True, rows=[2, 26])]
+    first, second, third = segments_report(infos)
     assert first == {"key": "k1", "tokens": 5, "source": "hit", "document": "manual.pdf", "pages": [3, 3],
-                     "section": "Operating limits"}
-    assert (second["document"], second["pages"], second["section"]) == (None, None, None)
+                     "section": "Operating limits", "rows": None}
+    assert (second["document"], second["pages"], second["section"], second["rows"]) == (None, None, None, None)
+    assert (third["document"], third["rows"]) == ("parts.csv", [2, 26])
 
 
 @pytest.mark.parametrize("body,param,message", [
