@@ -122,7 +122,7 @@ _OTHER_ZIPS = {"content.xml": "OpenDocument"}  # those kvblend reads are named f
 
 # Bumped whenever kvblend's own treatment of a format changes what text comes out (tidying, headings, running
 # lines, encodings), so a file archived before is converted again rather than recognised by its bytes.
-CONVERSION_REVISION = 3
+CONVERSION_REVISION = 4
 # The libraries whose output is the text: a new version of one may read the same bytes differently.
 _CONVERTER_PACKAGES = (
     "pypdfium2",
@@ -1125,10 +1125,10 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
     """Each visible sheet as a ``## sheet name`` heading and its used cells as pipe rows, the first row the header.
 
     Values are what Excel shows as cached in the file (``data_only``: a formula gives its last result, not its
-    text); dates in ISO form; trailing empty columns and empty rows dropped. A long table is cut into blocks
-    of :data:`TABLE_ROWS_PER_BLOCK` rows, each under the header again and a paragraph of its own, so a segment
-    of row 500 still names its columns. Hidden sheets (helper data) and charts are left out. No pages: a
-    sheet is a section, not a printed page.
+    text); dates in ISO form; empty columns (a sheet begun at column B, a spacer) and rows dropped. A long
+    table is cut into blocks of :data:`TABLE_ROWS_PER_BLOCK` rows, each under the header again and a paragraph
+    of its own, so a segment of row 500 still names its columns. Hidden sheets (helper data) and charts are
+    left out. No pages: a sheet is a section, not a printed page.
     """
     _check_zip(data, "XLSX")
     import openpyxl  # lazy: 0.1 s
@@ -1204,7 +1204,7 @@ def _spend_cells(before: int, cells: int, what: str) -> int:
 
 
 def _table_blocks(rows: list[list[str]], numbers: list[int] | None = None) -> list[str]:
-    """A sheet's rows as text blocks: trailing empty cells and empty rows dropped; a one-column sheet as lines
+    """A sheet's rows as text blocks: empty rows and columns dropped; a one-column sheet as lines
     (notes, not a table); otherwise pipe rows in blocks of at most :data:`TABLE_ROWS_PER_BLOCK` rows and
     :data:`TABLE_BLOCK_BYTES` bytes, each under the header row again and a paragraph of its own, so a segment of
     row 500 still names its columns (a row longer than that is a block alone, which the segmenter then cuts).
@@ -1214,18 +1214,22 @@ def _table_blocks(rows: list[list[str]], numbers: list[int] | None = None) -> li
     kept: list[tuple[int, list[str]]] = []
     for number, row in enumerate(rows, 1):
         row = list(row)
-        while row and not row[-1]:
+        while row and not row[-1].strip():
             row.pop()
         if row:
             kept.append((number, row))
     if not kept:
         return []
-    width = max(len(r) for _, r in kept)
+    # Columns empty in every row go (a sheet begun at column B, a Word table's spacer column): each would cost
+    # a "|  |" in every row's KV and say nothing.
+    used = sorted({j for _, r in kept for j, value in enumerate(r) if value.strip()})
+    kept = [(number, [r[j] if j < len(r) else "" for j in used]) for number, r in kept]
+    width = len(used)
     if width == 1:
         return ["\n".join(r[0] for _, r in kept)]
     if numbers is not None:
         numbers.extend(number for number, _ in kept[1:])
-    lines = [_pipe_line(r + [""] * (width - len(r))) for _, r in kept]
+    lines = [_pipe_line(r) for _, r in kept]
     return _row_blocks([lines[0], "|" + "---|" * width], lines[1:])
 
 

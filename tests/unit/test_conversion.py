@@ -261,6 +261,23 @@ def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block
     assert rows[32] == "| Total |  | 19093.75 |  |"  # =SUM(C2:C31) is on row 32 of the sheet
 
 
+def test_a_sheet_begun_at_b3_with_a_spacer_column_has_no_empty_columns_and_keeps_its_row_numbers(tmp_path):
+    import openpyxl
+
+    book = openpyxl.Workbook()
+    sheet = book.active
+    sheet.title = "Pumps"
+    sheet["B3"], sheet["C3"], sheet["E3"] = "Pump", "Site", "Depth (m)"  # column D: a spacer, A: the margin
+    for row in range(4, 10):
+        sheet[f"B{row}"], sheet[f"C{row}"], sheet[f"E{row}"] = f"Orca-{row}", "Halifax", row * 10
+    sheet["D12"] = "   "  # a cell of spaces is no value
+    book.save(tmp_path / "pumps.xlsx")
+    doc = read_one(tmp_path / "pumps.xlsx")
+    assert doc.text.startswith("## Pumps\n\n| Pump | Site | Depth (m) |\n|---|---|---|\n| Orca-4 | Halifax | 40 |\n")
+    assert "|  |" not in doc.text and doc.text.endswith("| Orca-9 | Halifax | 90 |")
+    assert marked_rows(doc) == {row: f"| Orca-{row} | Halifax | {row * 10} |" for row in range(4, 10)}
+
+
 def test_a_long_word_table_repeats_its_header_over_every_block(tmp_path):
     import docx
 
