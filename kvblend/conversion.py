@@ -1,4 +1,5 @@
-"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail and CSV into Markdown-flavoured text, or say why.
+"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail, notebooks and CSV into Markdown-flavoured text,
+or say why.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -51,6 +52,9 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   a Calc sheet read as an XLSX sheet is.
 * **XML** — lxml: a DocBook, TEI or JATS document's text without its tags,
   titles as headings, a record's short fields as ``name: value``.
+* **Jupyter notebooks (.ipynb)** — Python's ``json``: Markdown cells as they
+  are, code cells fenced in the kernel's language, their text outputs after
+  them (cut at 40 lines); images, HTML and widgets left out.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -104,7 +108,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml", "ipynb")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -214,6 +218,10 @@ def classify(suffix: str, data: bytes) -> str:
         if not _EMAIL_HEADER.match(data[:1024].lstrip()):
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
+    if suffix == ".ipynb":  # JSON: read as text, its escaped sources and base64 images would become the KV
+        if data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] not in (b"{", b"["):
+            raise ConversionError(f"not a Jupyter notebook (content looks like {_describe(data)})")
+        return "ipynb"
     if suffix in _HTML_EXTENSIONS:
         if _is_pdf(data) or _is_zip(data) or (b"\x00" in data[:4096] and _wide_bom(data) is None):
             raise ConversionError(f"not HTML (content looks like {_describe(data)})")
@@ -1108,6 +1116,120 @@ def _convert_eml(data: bytes, started: float) -> Converted:
         blocks.append("Attachments: " + ", ".join(names))
     text = _tidy("\n\n".join(b for b in blocks if b.strip()))
     return Converted(text, "eml")
+
+
+# Jupyter notebooks ───────────────────────────────────────────────────────────
+
+NOTEBOOK_OUTPUT_LINES = 40  # of one cell output: a printed table says what it holds in its first lines ...
+NOTEBOOK_OUTPUT_CHARS = 4000  # ... and a training loop's log or a 10,000-row print would crowd out the prose
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # colours and cursor moves in a terminal's output
+
+
+def _convert_ipynb(data: bytes, started: float) -> Converted:
+    """A Jupyter notebook (nbformat 4, and 3's worksheets) with Python's ``json``: its cells in order, Markdown
+    cells as they are (their ``#`` headings name sections), code cells fenced with the kernel's language (so a
+    ``# comment`` is no heading), each followed by its text output (a stream, a result's ``text/plain``, an
+    error's name and message), fenced and cut at :data:`NOTEBOOK_OUTPUT_LINES` lines. Images, HTML and widget
+    outputs are left out: read as text, a notebook's JSON escapes and base64 PNGs would become the KV."""
+    import json
+
+    text, _ = decode_text(data)
+    try:
+        notebook = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"corrupt notebook (not JSON: {e.msg} at line {e.lineno})") from None
+    if not isinstance(notebook, dict):
+        raise ConversionError("not a Jupyter notebook (no cells)")
+    cells = notebook.get("cells")
+    if cells is None and isinstance(notebook.get("worksheets"), list):  # nbformat 3
+        cells = [c for sheet in notebook["worksheets"] if isinstance(sheet, dict) for c in sheet.get("cells") or []]
+    if not isinstance(cells, list):
+        raise ConversionError("not a Jupyter notebook (no cells)")
+    meta = _mapping(notebook.get("metadata"))
+    language = _notebook_language(meta)
+    blocks = [f"# {' '.join(title.split())}"] if isinstance(title := meta.get("title"), str) and title.strip() else []
+    for i, cell in enumerate(cells):
+        if i % 200 == 0:
+            _check_time(started)
+        if not isinstance(cell, dict):
+            continue
+        kind = cell.get("cell_type")
+        source = _notebook_text(cell.get("source", cell.get("input")))
+        if not source.strip():
+            continue
+        if kind == "code":
+            blocks.append(_fenced(source, language))
+            blocks.extend(_fenced(out) for out in _notebook_outputs(cell.get("outputs")))
+        elif kind == "heading":  # nbformat 3's heading cells
+            level = cell.get("level")
+            depth = min(max(level, 1), 6) if isinstance(level, int) else 1
+            blocks.append("#" * depth + " " + " ".join(source.split()))
+        else:  # markdown and raw cells
+            blocks.append(source)
+    text = _tidy("\n\n".join(blocks))
+    if not text:
+        raise ConversionError("empty (the notebook has no cells with text)")
+    return Converted(block_tables(text), "ipynb")
+
+
+def _notebook_language(meta: dict) -> str:
+    """The notebook kernel's language (``python``, ``r``, ``julia``), for its code fences; "" when unsaid."""
+    for key, field in (("kernelspec", "language"), ("language_info", "name")):
+        section = meta.get(key)
+        if isinstance(section, dict) and isinstance(value := section.get(field), str) and value.isidentifier():
+            return value.lower()
+    return ""
+
+
+def _mapping(value: object) -> dict:
+    """``value`` if a JSON object, else an empty one: a damaged notebook's field reads as absent."""
+    return value if isinstance(value, dict) else {}
+
+
+def _notebook_text(value: object) -> str:
+    """A notebook's multi-line string: one string, or a list of lines (as Jupyter writes them)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(v for v in value if isinstance(v, str))
+    return ""
+
+
+def _notebook_outputs(outputs: object) -> list[str]:
+    """A code cell's outputs as text: streams, results and displays by their ``text/plain`` (nbformat 3:
+    ``text``) unless they are images, errors as ``name: message``; terminal colours removed, and a progress
+    bar's carriage-return updates read as a terminal shows them (the last one). Each cut at
+    :data:`NOTEBOOK_OUTPUT_LINES` lines."""
+    found: list[str] = []
+    for out in outputs if isinstance(outputs, list) else []:
+        if not isinstance(out, dict):
+            continue
+        kind = out.get("output_type")
+        if kind in ("error", "pyerr"):
+            text = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
+        elif kind == "stream":
+            text = _notebook_text(out.get("text"))
+        else:  # execute_result, display_data (nbformat 3: pyout, display_data)
+            bundle = _mapping(out.get("data")) or out
+            if any(key.startswith("image/") or key in ("png", "jpeg", "svg") for key in bundle):
+                continue  # a plot: its text is the figure object's repr ("<Figure size 640x480 with 1 Axes>")
+            text = _notebook_text(bundle.get("text/plain", bundle.get("text")))
+        text = "\n".join(line.rsplit("\r", 1)[-1] for line in _ANSI.sub("", text).split("\n")).strip("\n")
+        if not text.strip():
+            continue
+        lines = text.split("\n")
+        if len(lines) > NOTEBOOK_OUTPUT_LINES or len(text) > NOTEBOOK_OUTPUT_CHARS:
+            kept = "\n".join(lines[:NOTEBOOK_OUTPUT_LINES])[:NOTEBOOK_OUTPUT_CHARS]
+            text = f"{kept}\n... (output cut: {len(lines):,} lines in all)"
+        found.append(text)
+    return found
+
+
+def _fenced(text: str, info: str = "") -> str:
+    """``text`` as a fenced block whose fence no line of it closes (a longer run of backticks than any inside)."""
+    longest = max((len(run) for run in re.findall(r"`{3,}", text)), default=2)
+    fence = "`" * (longest + 1)
+    return f"{fence}{info}\n{text.strip(chr(10))}\n{fence}"
 
 
 # XLSX ───────────────────────────────────────────────────────────────────────

@@ -32,7 +32,14 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
         odt = Document("text")
         odt.body.extend([Header(1, "Dock log"), Paragraph("The Tern-4 sonar left Halifax on the 3rd.")])
         odt.save(tmp_path / "log.odt")
-        extra = [tmp_path / "parts.csv", tmp_path / "log.odt"]
+        # a Jupyter notebook as Jupyter saves it: JSON, whose escapes and base64 plots must not become the KV
+        cells = [{"cell_type": "markdown", "metadata": {}, "source": ["## Sonar trials\n", "\n", "Tern-4 depths."]},
+                 {"cell_type": "code", "execution_count": 1, "metadata": {}, "source": ["# depths\n", "plot(d)"],
+                  "outputs": [{"output_type": "display_data", "metadata": {},
+                               "data": {"image/png": "iVBORw0KGgo" + "A" * 3000, "text/plain": ["<Figure>"]}}]}]
+        (tmp_path / "trials.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                                           "nbformat_minor": 5}, indent=1))
+        extra = [tmp_path / "parts.csv", tmp_path / "log.odt", tmp_path / "trials.ipynb"]
         engine.ingest([*(DOCUMENTS / name for name in docs), *extra], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
@@ -64,6 +71,10 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert cost_rows[0][0] == 2 and cost_rows[-1][1] == 32 and all(a <= b for a, b in cost_rows), sheets
     assert [s["rows"] for s in sheets if s["section"] == "Notes"] == [None]
     assert listed["parts.csv"]["format"] == "csv" and listed["log.odt"]["format"] == "odt"
+    notebook = json.loads(run_cli("show", "trials.ipynb", "--archive", arc, "--json", check=True).stdout)
+    assert notebook["format"] == "ipynb" and notebook["sources"] == [{"pages": None, "section": "Sonar trials",
+                                                                      "rows": None}], notebook
+    assert notebook["tokens"] < 30, notebook  # the prose and the code, not the plot's 3,000 base64 characters
     log = json.loads(run_cli("show", "log.odt", "--archive", arc, "--json", check=True).stdout)
     assert log["sources"] == [{"pages": None, "section": "Dock log", "rows": None}], log
     parts = json.loads(run_cli("show", "parts.csv", "--archive", arc, "--json", check=True).stdout)

@@ -19,6 +19,7 @@ from document_helpers import DOCS, ENCRYPTED_CHAPTER, encryption_xml, make_bad_d
 
 from kvblend import conversion
 from kvblend.documents import Document, Skipped, iter_documents
+from kvblend.segmenter import find_headings
 from support import REPO
 
 
@@ -826,3 +827,84 @@ def test_every_converted_format_has_its_converter_and_nothing_else_converts():
         assert callable(getattr(conversion, f"_convert_{fmt}", None)), fmt
     with pytest.raises(ValueError, match="no converter for 'text'"):
         conversion.convert("text", b"plain")
+
+
+def _notebook(cells: list[dict], **metadata) -> bytes:
+    """A notebook as Jupyter saves one (nbformat 4.5: JSON, one-space indent, sources as lists of lines)."""
+    import json
+
+    meta = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "language_info": {"name": "python"}, **metadata}
+    return json.dumps({"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": 5}, indent=1).encode()
+
+
+def _cell(kind: str, text: str, outputs: list | None = None) -> dict:
+    cell = {"cell_type": kind, "id": f"c{len(text)}", "metadata": {}, "source": text.splitlines(keepends=True)}
+    if kind == "code":
+        cell.update(execution_count=1, outputs=outputs or [])
+    return cell
+
+
+def test_a_notebook_is_its_cells_with_code_fenced_and_text_outputs_without_images(tmp_path):
+    png = "iVBORw0KGgo" + "A" * 5000  # a plot, base64
+    progress = "\r  0%|          | 0/3\r 33%|###       | 1/3\r100%|##########| 3/3\n"
+    cells = [
+        _cell("markdown", "# Pump survey\n\nDepths measured at **Halifax** in 2026."),
+        _cell("code", "# load the depths\nimport pandas as pd\ndf = pd.read_csv('depths.csv')\ndf.head(2)", [
+            {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+             "data": {"text/plain": ["   pump  depth\n", "0  Orca-7  412\n", "1  Skua-3  97"],
+                      "text/html": ["<table><tr><td>Orca-7</td></tr></table>"]}},
+        ]),
+        _cell("code", "for step in tqdm(range(3)):\n    fit(step)\nplot(df)", [
+            {"output_type": "stream", "name": "stderr", "text": [progress]},
+            {"output_type": "display_data", "metadata": {}, "data": {"image/png": png, "text/plain": ["<Figure>"]}},
+            {"output_type": "stream", "name": "stdout", "text": ["\x1b[32mdone\x1b[0m\n"]},
+        ]),
+        _cell("code", "print(*range(500), sep=chr(10))", [
+            {"output_type": "stream", "name": "stdout", "text": "".join(f"{i}\n" for i in range(500))},
+        ]),
+        _cell("code", "1 / 0", [{"output_type": "error", "ename": "ZeroDivisionError", "evalue": "division by zero",
+                                 "traceback": ["\x1b[0;31m---------------------------------------------------------"]}]),
+        _cell("markdown", "## Findings\n\n| pump | depth |\n|---|---|\n| Orca-7 | 412 |"),
+        _cell("raw", "   "),  # empty: left out
+    ]
+    (tmp_path / "survey.ipynb").write_bytes(_notebook(cells))
+    doc = read_one(tmp_path / "survey.ipynb")
+    assert doc.format == "ipynb" and doc.source_hash
+    in_order(
+        doc.text,
+        "# Pump survey\n\nDepths measured at **Halifax** in 2026.",
+        "```python\n# load the depths\nimport pandas as pd",  # fenced: the comment is code, no heading
+        "df.head(2)\n```\n\n```\n   pump  depth\n0  Orca-7  412\n1  Skua-3  97\n```",  # text/plain, not the HTML
+        "```\n100%|##########| 3/3\n```\n\n```\ndone\n```",  # the bar as a terminal ends it; the plot left out
+        "```\n0\n1\n",
+        "39\n... (output cut: 500 lines in all)\n```",
+        "```\nZeroDivisionError: division by zero\n```",
+        "## Findings\n\n| pump | depth |",
+    )
+    assert "iVBOR" not in doc.text and "<Figure>" not in doc.text and "<table>" not in doc.text and "\x1b" not in doc.text and "\\n" not in doc.text
+    assert "\n40\n" not in doc.text and '"cell_type"' not in doc.text
+    assert [h.title for h in find_headings(doc.text)] == ["Pump survey", "Findings"]
+    # nbformat 3 (worksheets, "input", heading cells), as notebooks saved before 2015 are
+    old = {"nbformat": 3, "metadata": {"name": "legacy"}, "worksheets": [{"cells": [
+        {"cell_type": "heading", "level": 2, "source": ["Old results"]},
+        {"cell_type": "code", "language": "python", "input": ["x = 3\n", "x"],
+         "outputs": [{"output_type": "pyout", "text": ["3"], "prompt_number": 1}]},
+    ]}]}
+    (tmp_path / "old.ipynb").write_text(json.dumps(old))
+    assert read_one(tmp_path / "old.ipynb").text == "## Old results\n\n```\nx = 3\nx\n```\n\n```\n3\n```"
+
+
+def test_a_bad_notebook_is_skipped_in_one_line(tmp_path):
+    (tmp_path / "cut.ipynb").write_bytes(_notebook([_cell("markdown", "# Cut")])[:-40])
+    (tmp_path / "list.ipynb").write_text("[1, 2]")
+    (tmp_path / "page.ipynb").write_text("<html><body>404 Not Found</body></html>")
+    (tmp_path / "blank.ipynb").write_bytes(_notebook([_cell("code", "  \n")]))
+    docs, skipped = iter_documents([tmp_path])
+    assert docs == []
+    assert {Path(s.path).name: s.reason for s in skipped} == {
+        "blank.ipynb": "empty (the notebook has no cells with text)",
+        "cut.ipynb": "corrupt notebook (not JSON: Expecting ',' delimiter at line 21)",
+        "list.ipynb": "not a Jupyter notebook (no cells)",
+        "page.ipynb": "not a Jupyter notebook (content looks like HTML)",
+    }
