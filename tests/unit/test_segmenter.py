@@ -8,6 +8,7 @@ import re
 import pytest
 
 from kvblend.errors import UsageError
+from kvblend.provenance import segment_sources
 from kvblend.segmenter import _is_anchor, _paragraph_spans, find_headings, split_into_segments, split_into_spans
 
 
@@ -286,6 +287,31 @@ def test_find_headings_reads_atx_lines_outside_code_fences():
     assert [(h.level, h.title) for h in found] == [(1, "Title"), (2, "Indented up to three"), (6, "Six")]
     assert all(text[h.start] == "#" and text[h.start : h.end].endswith(("#", "Six")) for h in found)
     assert find_headings("no hashes at all") == []
+
+
+def test_find_headings_reads_underlined_titles_as_plain_text_markdown_and_rst_write_them():
+    text = (
+        "README for Debian\n=================\n\nIntro.\n\nipv6 keys\n---------\nModern kernels have it.\n\n"
+        "========\nOverview\n========\n\nSub part\n~~~~~~~~\n\nA sentence over a separator.\n-----------\n\n"
+        "Lines of a\nparagraph\n---\n\n- a list item\n---\n\n> a quote\n---\n\n## ATX\n---\n\n"
+        "Run this:\n~~~\nInside\n------\n~~~\n\nShort\n^^\n\n    code title\n    ----------\n\nLast\n----\n"
+    )
+    found = find_headings(text)
+    assert [(h.level, h.title) for h in found] == [
+        (1, "README for Debian"), (2, "ipv6 keys"), (1, "Overview"), (3, "Sub part"), (2, "ATX"), (2, "Last")]
+    over = found[2]  # with an overline, the heading starts there; each ends with its underline
+    assert text[over.start : over.end] == "========\nOverview\n========"
+    assert text[found[0].start : found[0].end] == "README for Debian\n================="
+    # "Run this:" over ~~~ is a fence (so "Inside" is code); "Sub part" over a ~~~~~~~~ as long is an underline
+    assert [h.title for h in find_headings("Intro\n\nNote\n~~~~\n\n# after\n")] == ["Note", "after"]
+    assert [h.title for h in find_headings("Intro\n\nRun:\n~~~~\n\n# in code\n")] == []
+
+
+def test_an_underlined_title_starts_a_segment_and_names_its_section():
+    text = "\n\n".join(f"Part {i}\n{'-' * 6}\n\n" + "\n\n".join(make_doc(i, 4)) for i in range(3))
+    spans = split_into_spans(text, words, 150)
+    assert [text[a:b].split("\n", 1)[0] for a, b in spans] == ["Part 0", "Part 1", "Part 2"]
+    assert [src["section"] for src in segment_sources(text, spans)] == ["Part 0", "Part 1", "Part 2"]
 
 
 def test_a_heading_starts_a_new_segment():
