@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
 def ingest(
     paths: list[Path] = typer.Argument(
         ...,
-        help="Files or directories (recursive) to archive: text (any encoding), Markdown, JSON/JSONL, CSV/TSV, PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail (.eml); any of them gzip'd (.gz).",
+        help="Files or directories (recursive) to archive: text (any encoding), Markdown, JSON/JSONL, CSV/TSV, PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail (.eml), Jupyter notebooks (.ipynb); any of them gzip'd (.gz).",
     ),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(
@@ -101,6 +101,11 @@ def ingest(
         help="Tokens prefilled per batch (memory vs throughput); each batch commits on its own.",
     ),
     wait: bool = typer.Option(False, "--wait", help="Wait for another writer instead of exiting."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Write nothing: read and split the documents, and say what an ingest would prefill and store, with its size on disk and time estimated from one segment prefilled here.",
+    ),
     sink: Sink = typer.Option(
         Sink(DEFAULT_SINK),
         "--sink",
@@ -123,6 +128,9 @@ def ingest(
     from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
 
     chosen = compute_dtype(dtype, archive, model, compute)
+    if dry_run:
+        _dry_run(paths, chunk_tokens, codec, level, archive, model, compute, chosen, sink, as_json)
+        return
     with Engine(archive, model, compute, chosen, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
             with Progress(
@@ -177,6 +185,77 @@ def ingest(
         + (f" (model load {report.model_load_seconds:.1f}s)" if report.model_load_seconds else "")
         + (f"; {report.embeddings_restored} lost retrieval embeddings restored" if report.embeddings_restored else "")
     )
+
+
+def _dry_run(
+    paths: list[Path],
+    chunk_tokens: int,
+    codec: Codec,
+    level: int,
+    archive: Optional[str],
+    model: Optional[str],
+    compute: Optional[str],
+    dtype: Optional[str],
+    sink: Sink,
+    as_json: bool,
+) -> None:
+    """`ingest --dry-run`: what an ingest would prefill and store, and what that would cost here."""
+    from kvblend.pipeline import Engine
+
+    with Engine(archive, model, compute, dtype, sink=sink, weights="fp32") as engine:
+        if progress_enabled(as_json):
+            with Progress(
+                TextColumn("[bold]dry run"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("files"),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[current]}"),
+                console=err,
+                transient=True,
+            ) as bar:
+                task = bar.add_task("dry run", total=None, current="")
+
+                def on_progress(p: dict) -> None:
+                    bar.update(task, completed=p["files"], total=p["total"], current=escape(p["current"][-40:]))
+
+                plan = engine.plan_ingest(paths, chunk_tokens, codec.canonical, level, on_progress)
+        else:
+            plan = engine.plan_ingest(paths, chunk_tokens, codec.canonical, level)
+    for s in plan.skipped:
+        err.print(f"[yellow]skipped[/] {escape(s['path'])}: {escape(s['reason'])}")
+    if as_json:
+        print_json({**plan.to_dict(), "archive": str(engine.location)})
+        return
+    out.print(
+        f"dry run, nothing written: {plan.documents} documents ({plan.documents_unchanged} unchanged), "
+        f"{plan.segments_new} segments new / {plan.segments_reused} reused, {plan.tokens_total:,} tokens "
+        f"({plan.tokens_new:,} to prefill)"
+    )
+    if plan.tokens_new:
+        per_token = plan.estimated_bytes / plan.tokens_new
+        out.print(
+            f"would store about {human_bytes(plan.estimated_bytes)} ({human_bytes(per_token)} a token with "
+            f"--codec {codec.value}) and take about {_duration(plan.estimated_seconds)} at "
+            f"{plan.prefill_tokens_per_s:,.0f} tok/s (one {plan.sample_tokens}-token segment prefilled here)"
+        )
+    if plan.disk_free_bytes is not None:
+        where = escape(str(engine.location))
+        if plan.fits:
+            out.print(f"{human_bytes(plan.disk_free_bytes)} free where the archive is ({where})")
+        else:
+            err.print(
+                f"[yellow]warning:[/] it would not fit: {human_bytes(plan.disk_free_bytes)} free where the archive "
+                f"is ({where}); --codec int8 or int4 stores ~0.5x or ~0.3x the bytes, `kvblend gc` frees space"
+            )
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``17 min``, ``3 h 05 min``: an estimate, shown as coarsely as it is known."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def _read_context_files(files: list[Path]) -> list[str]:

@@ -23,7 +23,7 @@ from kvblend.options import QueryOptions
 from kvblend.pipeline import ingest as ingest_workflow
 from kvblend.pipeline import query as query_workflow
 from kvblend.pipeline.resources import Resources
-from kvblend.pipeline.results import IngestReport, QueryResult
+from kvblend.pipeline.results import IngestPlan, IngestReport, QueryResult
 
 
 class Engine(Resources):
@@ -43,6 +43,17 @@ class Engine(Resources):
         return ingest_workflow.ingest_paths(
             self, paths, chunk_tokens, codec, level, batch_tokens, wait_for_writer, on_progress
         )
+
+    def plan_ingest(
+        self,
+        paths: Iterable[str | Path],
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        codec: str = DEFAULT_CODEC,
+        level: int = DEFAULT_LEVEL,
+        on_progress: Callable[[dict], None] | None = None,
+    ) -> IngestPlan:
+        """What :meth:`ingest` would prefill and store, and its cost estimated here; nothing is written."""
+        return ingest_workflow.plan_ingest(self, paths, chunk_tokens, codec, level, on_progress)
 
     def store_texts(
         self, texts: Sequence[str], codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL

@@ -25,6 +25,7 @@ from kvblend.archive import (
     SegmentRecord,
     check_codec,
     codec_settings,
+    encode_layer,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
 from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_file
@@ -32,7 +33,7 @@ from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.resources import Resources
-from kvblend.pipeline.results import IngestReport
+from kvblend.pipeline.results import IngestPlan, IngestReport
 from kvblend.pipeline.writebehind import StagedSegment
 from kvblend.prompt import segment_text_for_kv
 from kvblend.provenance import segment_sources
@@ -287,13 +288,7 @@ def _segment_document(
     report: IngestReport,
 ) -> DocumentRecord:
     """Split a changed document into segments, queue the new ones, and return its record."""
-    runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
-    spans = split_into_spans(doc.text, runner.count_tokens, chunk_tokens, breaks=doc.page_starts)
-    segments = []
-    for a, b in spans:
-        text = doc.text[a:b]
-        ids = runner.tokenize(segment_text_for_kv(text))
-        segments.append((res.key_of(ids, codec), text, ids))
+    spans, segments = _segments_of(res, doc, chunk_tokens, codec)
     keys = [key for key, _, _ in segments]
     n_tokens = sum(len(ids) for _, _, ids in segments)
     with pending.claims.lock:  # see _Claims: no replacement may drop what is found reusable here
@@ -319,6 +314,144 @@ def _segment_document(
         # per (document, segment): not in the KV's record
         sources=segment_sources(doc.text, spans, doc.page_starts, doc.row_marks),
     )
+
+
+def _segments_of(
+    res: Resources, doc: Document, chunk_tokens: int, codec: str
+) -> tuple[list[tuple[int, int]], list[tuple[str, str, list[int]]]]:
+    """A document's segment spans, and each segment's (key, text, token ids)."""
+    runner = res.runner  # the model loads only here: re-ingesting an unchanged tree never pays for it
+    spans = split_into_spans(doc.text, runner.count_tokens, chunk_tokens, breaks=doc.page_starts)
+    segments = []
+    for a, b in spans:
+        text = doc.text[a:b]
+        ids = runner.tokenize(segment_text_for_kv(text))
+        segments.append((res.key_of(ids, codec), text, ids))
+    return spans, segments
+
+
+def plan_ingest(
+    res: Resources,
+    paths: Iterable[str | Path],
+    chunk_tokens: int,
+    codec: str,
+    level: int,
+    on_progress: Callable[[dict], None] | None = None,
+) -> IngestPlan:
+    """What :func:`ingest_paths` would prefill and store, with nothing written (``ingest --dry-run``).
+
+    Real corpora are large: a 16 MB folder of text is ~4M tokens, ~80 GB of KV and hours of prefill on a
+    CPU, so a user asks what an ingest will cost before starting it. Files are read, converted and split
+    exactly as ingest does, and checked against the archive (unchanged documents and segments it already
+    holds cost nothing); then the longest new segment is prefilled once and encoded with ``codec`` to
+    measure this machine's prefill rate and the bytes a token takes stored, from which the whole is
+    estimated. No archive is created or locked."""
+    if chunk_tokens < MIN_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
+    codec = check_codec(codec)
+    archive = _existing_archive(res)
+
+    def held(path: str, digest: str) -> bool:
+        previous = archive.get_document(path) if archive is not None else None
+        return previous is not None and previous.source_hash == digest and not previous.incomplete
+
+    files, walked_past = find_files([Path(p) for p in paths])
+    plan = IngestPlan(files=len(files), skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
+    seen: set[str] = set()
+    longest: list[int] = []  # the token ids of the longest new segment: what the estimate is measured on
+    for done, source in enumerate(files):
+        if on_progress is not None:
+            on_progress(
+                {
+                    "files": done,
+                    "total": len(files),
+                    "documents": plan.documents,
+                    "tokens": plan.tokens_new,
+                    "current": source.shown,
+                }
+            )
+        reading = read_file(source, held)
+        plan.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
+        for file in reading.unchanged:  # the same bytes as archived (checked again by a real ingest)
+            previous = archive.get_document(file.path) if archive is not None else None
+            plan.documents += 1
+            plan.documents_unchanged += 1
+            plan.segments_reused += len(previous.segment_keys) if previous is not None else 0
+            plan.tokens_total += previous.n_tokens if previous is not None else 0
+        for doc in reading.docs:
+            plan.documents += 1
+            previous = archive.get_document(doc.path) if archive is not None else None
+            if (
+                archive is not None
+                and previous is not None
+                and previous.content_hash == doc.content_hash
+                and _intact(res, archive, previous, codec)
+            ):
+                plan.documents_unchanged += 1
+                plan.segments_reused += len(previous.segment_keys)
+                plan.tokens_total += previous.n_tokens
+                continue
+            for key, _, ids in _segments_of(res, doc, chunk_tokens, codec)[1]:
+                plan.tokens_total += len(ids)
+                if key in seen or (archive is not None and archive.has_segment(key) and archive.has_embedding(key)):
+                    plan.segments_reused += 1
+                    continue
+                seen.add(key)
+                plan.segments_new += 1
+                plan.tokens_new += len(ids)
+                if len(ids) > len(longest):
+                    longest = ids
+    if on_progress is not None:
+        on_progress(
+            {
+                "files": len(files),
+                "total": len(files),
+                "documents": plan.documents,
+                "tokens": plan.tokens_new,
+                "current": "",
+            }
+        )
+    if plan.documents == 0:
+        shown = ", ".join(f"{s['path']} ({s['reason']})" for s in plan.skipped[:3])
+        raise UsageError(
+            f"no readable text documents to ingest; skipped {len(plan.skipped)}: {shown}"
+            + (" ..." if len(plan.skipped) > 3 else "")
+        )
+    runner = res.runner
+    plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new
+    if longest:
+        _measure_sample(res, plan, longest, codec, level)
+    plan.disk_free_bytes = _free_bytes(res)
+    return plan
+
+
+def _measure_sample(res: Resources, plan: IngestPlan, ids: list[int], codec: str, level: int) -> None:
+    """Prefill one segment as ingest would (after the sink, in the storage dtype), encode its layers with
+    ``codec``, and scale what that took to the plan's new tokens. A first prefill in a process pays one-off
+    set-up (allocations, kernel choice), so a short warm-up runs first, untimed."""
+    sink = res.sink_ids() or None
+    drain(precompute_kv_steps(res.runner, [ids[:16]], sink_prefix=sink))
+    t0 = time.perf_counter()
+    (kv,) = drain(precompute_kv_steps(res.runner, [ids], sink_prefix=sink))
+    seconds = time.perf_counter() - t0
+    stored = sum(len(encode_layer(k, v, codec, level)) for k, v in kv)
+    plan.sample_tokens = len(ids)
+    plan.prefill_tokens_per_s = len(ids) / seconds if seconds > 0 else 0.0
+    plan.estimated_bytes = round(stored / len(ids) * plan.tokens_new)
+    plan.estimated_seconds = plan.tokens_new / plan.prefill_tokens_per_s if plan.prefill_tokens_per_s else 0.0
+
+
+def _free_bytes(res: Resources) -> int | None:
+    """Free bytes where a local archive is (or would be created); None for Redis, whose memory is its own."""
+    import shutil
+
+    path = res.location.path
+    if path is None:
+        return None
+    for place in (path, *path.parents):
+        if place.exists():
+            return shutil.disk_usage(place).free
+    return None
 
 
 def _progress(

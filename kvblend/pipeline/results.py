@@ -51,6 +51,39 @@ class IngestReport:
 
 
 @dataclass
+class IngestPlan:
+    """What an ingest would do (``ingest --dry-run``), nothing written: documents and segments new or already
+    archived, and what the new ones would cost, estimated from one segment prefilled and encoded here."""
+
+    files: int = 0
+    documents: int = 0
+    documents_unchanged: int = 0
+    segments_new: int = 0
+    segments_reused: int = 0
+    tokens_new: int = 0  # to prefill
+    tokens_total: int = 0
+    raw_bytes: int = 0  # the new segments' KV as plain 16-bit tensors
+    estimated_bytes: int = 0  # as the chosen codec would store it, at the sample's bytes a token
+    prefill_tokens_per_s: float = 0.0  # measured on the sample, on this machine, without the model's load
+    estimated_seconds: float = 0.0  # tokens_new at that rate (an ingest also embeds and writes: a little more)
+    sample_tokens: int = 0  # the new segment measured (the longest)
+    disk_free_bytes: int | None = None  # where a local archive is or would be; None on Redis
+    skipped: list[dict] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the estimate fits the free disk space (None: not known, as on Redis)."""
+        return None if self.disk_free_bytes is None else self.estimated_bytes <= self.disk_free_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 1)
+        d["estimated_seconds"] = round(self.estimated_seconds, 1)
+        d["fits"] = self.fits
+        return d
+
+
+@dataclass
 class SegmentInfo:
     """One passage of an answered prompt: where it came from and whether its KV was reused."""
 

@@ -66,6 +66,36 @@ def test_reingest_unchanged_never_loads_the_model(archive, tmp_path):
     assert report.documents_unchanged == 3 and report.segments_new == 0
 
 
+def test_ingest_dry_run_writes_nothing_and_estimates_what_ingest_then_does(archive, tmp_path):
+    """`ingest --dry-run` reads and splits as ingest would, measures one new segment, and writes nothing: not
+    to an existing archive (its files byte for byte), and no archive where there is none. The ingest after it
+    prefills the segments and tokens it said, and stores the bytes it estimated."""
+    arc = tmp_path / "arc"
+    shutil.copytree(archive / "arc", arc)
+
+    def files() -> dict:
+        return {p: p.read_bytes() for p in sorted(arc.rglob("*")) if p.is_file() and "lock" not in p.name}
+
+    before = files()
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Harbour notes\n\nThe Tern-4 sonar left Halifax on the 3rd of May, two weeks late, after its "
+                     "housing failed a pressure test at 412 kPa.")
+    asked = (archive / "docs", notes, "--archive", arc, "--chunk-tokens", "128", "--json")
+    plan = json.loads(run("ingest", *asked, "--dry-run", check=True).stdout)
+    assert files() == before
+    assert (plan["documents"], plan["documents_unchanged"], plan["segments_new"]) == (4, 3, 1), plan
+    assert plan["sample_tokens"] == plan["tokens_new"] > 0 and plan["estimated_seconds"] > 0 and plan["fits"] is True
+    assert any(s["path"].endswith("image.bin") for s in plan["skipped"])
+    done = json.loads(run("ingest", *asked, check=True).stdout)
+    assert (done["segments_new"], done["tokens_new"]) == (plan["segments_new"], plan["tokens_new"])
+    assert abs(done["bytes_written"] - plan["estimated_bytes"]) <= 0.05 * done["bytes_written"], (done, plan)
+    fresh = tmp_path / "fresh"
+    proc = run("ingest", notes, "--archive", fresh, "--dry-run", check=True)
+    assert not fresh.exists()
+    assert proc.stdout.startswith("dry run, nothing written: 1 documents (0 unchanged), 1 segments new"), proc.stdout
+    assert "would store about" in proc.stdout and "free where the archive is" in proc.stdout, proc.stdout
+
+
 def test_query_json_and_the_prefix_cache(archive, tmp_path):
     """`query --json` carries every documented field; the instruction prefix is archived by the
     first query and reused by the next, unless `--no-prefix-cache`; `-v` adds the timing table.
