@@ -104,7 +104,7 @@ def ingest(
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
-        help="Write nothing: read and split the documents, and say what an ingest would prefill and store, with its size on disk and time estimated from one segment prefilled here.",
+        help="Write nothing: read and split the documents, and say what an ingest would prefill and store, with its size on disk and time estimated from a few segments prefilled here.",
     ),
     sink: Sink = typer.Option(
         Sink(DEFAULT_SINK),
@@ -237,7 +237,7 @@ def _dry_run(
         out.print(
             f"would store about {human_bytes(plan.estimated_bytes)} ({human_bytes(per_token)} a token with "
             f"--codec {codec.value}) and take about {_duration(plan.estimated_seconds)} at "
-            f"{plan.prefill_tokens_per_s:,.0f} tok/s (one {plan.sample_tokens}-token segment prefilled here)"
+            f"{plan.prefill_tokens_per_s:,.0f} tok/s (measured on {plan.sample_tokens:,} of the tokens, prefilled here)"
         )
     if plan.disk_free_bytes is not None:
         where = escape(str(engine.location))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +43,8 @@ from kvblend.segmenter import split_into_spans
 from kvblend.types import WAITING, LayerKV, Steps, drain
 
 MIN_CHUNK_TOKENS = 16
+SAMPLE_SEGMENTS = 8  # `ingest --dry-run` measures the longest new segments, at most this many ...
+SAMPLE_TOKENS = 2048  # ... and this many tokens, prefilled in one batch as ingest would
 CLAIM_WAIT_S = 60.0  # how long to wait for a segment another node is prefilling before prefilling it here
 
 
@@ -343,9 +346,9 @@ def plan_ingest(
     Real corpora are large: a 16 MB folder of text is ~4M tokens, ~80 GB of KV and hours of prefill on a
     CPU, so a user asks what an ingest will cost before starting it. Files are read, converted and split
     exactly as ingest does, and checked against the archive (unchanged documents and segments it already
-    holds cost nothing); then the longest new segment is prefilled once and encoded with ``codec`` to
-    measure this machine's prefill rate and the bytes a token takes stored, from which the whole is
-    estimated. No archive is created or locked."""
+    holds cost nothing); then the longest new segments (about 2,000 tokens) are prefilled once and encoded
+    with ``codec`` to measure this machine's prefill rate and the bytes a token takes stored, from which the
+    whole is estimated. No archive is created or locked."""
     if chunk_tokens < MIN_CHUNK_TOKENS:
         raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
     codec = check_codec(codec)
@@ -358,7 +361,7 @@ def plan_ingest(
     files, walked_past = find_files([Path(p) for p in paths])
     plan = IngestPlan(files=len(files), skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
     seen: set[str] = set()
-    longest: list[int] = []  # the token ids of the longest new segment: what the estimate is measured on
+    longest: list[tuple[int, int, list[int]]] = []  # a heap of the longest new segments: what is measured
     for done, source in enumerate(files):
         if on_progress is not None:
             on_progress(
@@ -399,8 +402,9 @@ def plan_ingest(
                 seen.add(key)
                 plan.segments_new += 1
                 plan.tokens_new += len(ids)
-                if len(ids) > len(longest):
-                    longest = ids
+                heapq.heappush(longest, (len(ids), plan.segments_new, ids))
+                if len(longest) > SAMPLE_SEGMENTS:
+                    heapq.heappop(longest)
     if on_progress is not None:
         on_progress(
             {
@@ -420,24 +424,32 @@ def plan_ingest(
     runner = res.runner
     plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new
     if longest:
-        _measure_sample(res, plan, longest, codec, level)
+        _measure_sample(res, plan, [ids for _, _, ids in sorted(longest, reverse=True)], codec, level)
     plan.disk_free_bytes = _free_bytes(res)
     return plan
 
 
-def _measure_sample(res: Resources, plan: IngestPlan, ids: list[int], codec: str, level: int) -> None:
-    """Prefill one segment as ingest would (after the sink, in the storage dtype), encode its layers with
-    ``codec``, and scale what that took to the plan's new tokens. A first prefill in a process pays one-off
+def _measure_sample(res: Resources, plan: IngestPlan, segments: list[list[int]], codec: str, level: int) -> None:
+    """Prefill the longest new segments, up to :data:`SAMPLE_TOKENS`, in one batch as ingest would (after the
+    sink, in the storage dtype), encode their layers with ``codec``, and scale what that took to the plan's
+    new tokens. One segment alone measured 20-40% under ingest's batched rate on a 2-core CPU (296-367 against
+    467 tok/s); four, ~2,000 tokens, measured it (BENCHMARKS.md). A first prefill in a process pays one-off
     set-up (allocations, kernel choice), so a short warm-up runs first, untimed."""
+    batch = segments[:1]
+    for ids in segments[1:]:
+        if sum(map(len, batch)) + len(ids) > SAMPLE_TOKENS:
+            break
+        batch.append(ids)
     sink = res.sink_ids() or None
-    drain(precompute_kv_steps(res.runner, [ids[:16]], sink_prefix=sink))
+    drain(precompute_kv_steps(res.runner, [batch[0][:16]], sink_prefix=sink))
     t0 = time.perf_counter()
-    (kv,) = drain(precompute_kv_steps(res.runner, [ids], sink_prefix=sink))
+    kvs = drain(precompute_kv_steps(res.runner, batch, sink_prefix=sink))
     seconds = time.perf_counter() - t0
-    stored = sum(len(encode_layer(k, v, codec, level)) for k, v in kv)
-    plan.sample_tokens = len(ids)
-    plan.prefill_tokens_per_s = len(ids) / seconds if seconds > 0 else 0.0
-    plan.estimated_bytes = round(stored / len(ids) * plan.tokens_new)
+    tokens = sum(map(len, batch))
+    stored = sum(len(encode_layer(k, v, codec, level)) for kv in kvs for k, v in kv)
+    plan.sample_tokens = tokens
+    plan.prefill_tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    plan.estimated_bytes = round(stored / tokens * plan.tokens_new)
     plan.estimated_seconds = plan.tokens_new / plan.prefill_tokens_per_s if plan.prefill_tokens_per_s else 0.0
 
 

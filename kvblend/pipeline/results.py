@@ -53,7 +53,7 @@ class IngestReport:
 @dataclass
 class IngestPlan:
     """What an ingest would do (``ingest --dry-run``), nothing written: documents and segments new or already
-    archived, and what the new ones would cost, estimated from one segment prefilled and encoded here."""
+    archived, and what the new ones would cost, estimated from a few segments prefilled and encoded here."""
 
     files: int = 0
     documents: int = 0
@@ -66,7 +66,7 @@ class IngestPlan:
     estimated_bytes: int = 0  # as the chosen codec would store it, at the sample's bytes a token
     prefill_tokens_per_s: float = 0.0  # measured on the sample, on this machine, without the model's load
     estimated_seconds: float = 0.0  # tokens_new at that rate (an ingest also embeds and writes: a little more)
-    sample_tokens: int = 0  # the new segment measured (the longest)
+    sample_tokens: int = 0  # the new segments measured (the longest, up to ~2,000 tokens in one batch)
     disk_free_bytes: int | None = None  # where a local archive is or would be; None on Redis
     skipped: list[dict] = field(default_factory=list)
 
