@@ -138,16 +138,12 @@ def ingest_paths(
     on_progress: Callable[[dict], None] | None,
 ) -> IngestReport:
     """Segment, prefill and archive documents; unchanged segments are not recomputed."""
-    if chunk_tokens < MIN_CHUNK_TOKENS:
-        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
-    codec = check_codec(codec)
+    codec = _checked(chunk_tokens, codec)
     started = time.perf_counter()
     existing = functools.cache(lambda: _existing_archive(res))  # opened at the first file worth asking about
 
-    def held(path: str, digest: str) -> bool:  # the archive holds this file as its bytes are now (its KV is
-        archive = existing()  # checked under the writer lock, below: a file that fails that is read then)
-        previous = archive.get_document(path) if archive is not None else None
-        return previous is not None and previous.source_hash == digest and not previous.incomplete
+    def held(path: str, digest: str) -> bool:  # its KV is checked under the writer lock, below: a file that
+        return _holds_file(existing(), path, digest)  # fails that is read then
 
     # Files are read (converted) one at a time as the ingest goes, so memory holds a batch's documents, not
     # the corpus's, and the first batch commits before the last file is read.
@@ -169,9 +165,7 @@ def ingest_paths(
         if first.docs or first.unchanged:
             break
     if first is None or not (first.docs or first.unchanged):
-        skipped = report.skipped
-        shown = ", ".join(f"{s['path']} ({s['reason']})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
-        raise UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
+        raise _nothing_to_ingest(report.skipped)
     load_before = res.model_load_s
     archive = res.archive(create=True)
     pending = _Pending()
@@ -183,11 +177,8 @@ def ingest_paths(
             for doc in docs:
                 report.documents += 1
                 previous = archive.get_document(doc.path)
-                if (
-                    previous is not None
-                    and previous.content_hash == doc.content_hash
-                    and _intact(res, archive, previous, codec)
-                ):
+                if _unchanged(res, archive, previous, doc, codec):
+                    assert previous is not None
                     _count_unchanged(report, archive, previous)
                     if doc.source_hash and previous.source_hash != doc.source_hash:
                         # the same text from bytes (or a converter) it was not recorded with: recorded now, so
@@ -244,6 +235,29 @@ def _existing_archive(res: Resources) -> Archive | None:
 def _intact(res: Resources, archive: Archive, previous: DocumentRecord, codec: str) -> bool:
     """Whether a stored document needs no work: complete, and its KV made with this codec and sink."""
     return not previous.incomplete and stored_as(archive, previous, codec, res.prefilled_under_sink)
+
+
+def _checked(chunk_tokens: int, codec: str) -> str:
+    """The codec's canonical name, once the settings an ingest (or its dry run) takes are valid."""
+    if chunk_tokens < MIN_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
+    return check_codec(codec)
+
+
+def _holds_file(archive: Archive | None, path: str, digest: str) -> bool:
+    """Whether the archive holds the converted file at ``path`` as its bytes are now (``digest``): not read."""
+    previous = archive.get_document(path) if archive is not None else None
+    return previous is not None and previous.source_hash == digest and not previous.incomplete
+
+
+def _unchanged(res: Resources, archive: Archive, previous: DocumentRecord | None, doc: Document, codec: str) -> bool:
+    """Whether ``doc`` is stored as it is now (``previous``, its record), with this codec and sink: no work."""
+    return previous is not None and previous.content_hash == doc.content_hash and _intact(res, archive, previous, codec)
+
+
+def _nothing_to_ingest(skipped: list[dict]) -> UsageError:
+    shown = ", ".join(f"{s['path']} ({s['reason']})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
+    return UsageError(f"no readable text documents to ingest; skipped {len(skipped)}: {shown}")
 
 
 def _count_unchanged(report: IngestReport, archive: Archive, previous: DocumentRecord) -> None:
@@ -349,14 +363,11 @@ def plan_ingest(
     holds cost nothing); then the longest new segments (about 2,000 tokens) are prefilled once and encoded
     with ``codec`` to measure this machine's prefill rate and the bytes a token takes stored, from which the
     whole is estimated. No archive is created or locked."""
-    if chunk_tokens < MIN_CHUNK_TOKENS:
-        raise UsageError(f"--chunk-tokens must be at least {MIN_CHUNK_TOKENS}")
-    codec = check_codec(codec)
+    codec = _checked(chunk_tokens, codec)
     archive = _existing_archive(res)
 
     def held(path: str, digest: str) -> bool:
-        previous = archive.get_document(path) if archive is not None else None
-        return previous is not None and previous.source_hash == digest and not previous.incomplete
+        return _holds_file(archive, path, digest)
 
     files, walked_past = find_files([Path(p) for p in paths])
     plan = IngestPlan(files=len(files), skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
@@ -384,12 +395,8 @@ def plan_ingest(
         for doc in reading.docs:
             plan.documents += 1
             previous = archive.get_document(doc.path) if archive is not None else None
-            if (
-                archive is not None
-                and previous is not None
-                and previous.content_hash == doc.content_hash
-                and _intact(res, archive, previous, codec)
-            ):
+            if archive is not None and _unchanged(res, archive, previous, doc, codec):
+                assert previous is not None
                 plan.documents_unchanged += 1
                 plan.segments_reused += len(previous.segment_keys)
                 plan.tokens_total += previous.n_tokens
@@ -416,11 +423,8 @@ def plan_ingest(
             }
         )
     if plan.documents == 0:
-        shown = ", ".join(f"{s['path']} ({s['reason']})" for s in plan.skipped[:3])
-        raise UsageError(
-            f"no readable text documents to ingest; skipped {len(plan.skipped)}: {shown}"
-            + (" ..." if len(plan.skipped) > 3 else "")
-        )
+        raise _nothing_to_ingest(plan.skipped)
+
     runner = res.runner
     plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new
     if longest:
