@@ -125,16 +125,19 @@ def show(
                 # where each segment came from, parallel to "segments" ({"pages", "section", "rows"}: null when unknown)
                 print_json({**info, "sources": [doc.source(i) for i in range(len(doc.segment_keys))]})
             else:
+                wheres = [describe(**doc.source(i)) for i in range(len(doc.segment_keys))]
                 for k, v in info.items():
                     if v is None:  # an encoding only where it was not UTF-8
                         continue
-                    shown = _when(doc.ingested) if k == "ingested" else str(v)
+                    if k == "segments":  # listed below, a line each (a long document's keys ran to a screenful)
+                        shown = f"{len(doc.segment_keys)}"
+                    else:
+                        shown = _when(doc.ingested) if k == "ingested" else str(v)
                     out.print(f"[bold]{k}[/]: {escape(shown)}")
-                wheres = [describe(**doc.source(i)) for i in range(len(doc.segment_keys))]
-                if any(wheres):  # where each segment came from (records of older kvblends do not say)
-                    out.print("[bold]sources[/]:")
-                    for key, where in zip(doc.segment_keys, wheres):
-                        out.print(f"  {key[:12]}  {escape(where or '-')}")
+                # each segment a line: its key's first 12 characters (what `show` takes) and where it came from
+                out.print("[bold]sources[/]:" if any(wheres) else "[bold]segment keys[/]:")  # (older records: no)
+                for key, where in zip(doc.segment_keys, wheres):
+                    out.print(f"  {key[:12]}  {escape(where or '-')}" if any(wheres) else f"  {key[:12]}")
             return
         try:
             rec = arc.find_segment(target)

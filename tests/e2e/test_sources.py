@@ -85,6 +85,8 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     human = run_cli("show", "briefing.pptx", "--archive", arc, check=True).stdout
     assert re.search(r"^format: pptx$", human, re.M) and re.search(r"^pages: 6$", human, re.M)
     assert re.search(r"^  [0-9a-f]{12}  p\. 3 § Service costs$", human, re.M), human
+    count = re.search(r"^segments: (\d+)$", human, re.M)  # a count, and then each key a line with its source
+    assert count and len(re.findall(r"^  [0-9a-f]{12}  ", human, re.M)) == int(count[1]) == 5, human
     human = run_cli("show", "budget.xlsx", "--archive", arc, check=True).stdout
     assert re.search(r"^  [0-9a-f]{12}  § Service costs rows 2-\d+$", human, re.M), human
     # when, as people read it (the JSON keeps epoch seconds)
