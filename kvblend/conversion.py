@@ -1,5 +1,5 @@
-"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail, notebooks and CSV into Markdown-flavoured text,
-or say why.
+"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail, notebooks, transcripts and CSV into
+Markdown-flavoured text, or say why.
 
 Segments are retrieved and prefilled as text, so every format must become
 text first, and text a segmenter can cut well: headings as ATX lines
@@ -55,6 +55,8 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
 * **Jupyter notebooks (.ipynb)** — Python's ``json``: Markdown cells as they
   are, code cells fenced in the kernel's language, their text outputs after
   them (cut at 40 lines); images, HTML and widgets left out.
+* **Transcripts (.vtt, .srt)** — webvtt-py: what was said, by whom, under a
+  heading of its time range every two minutes, so answers cite the minutes.
 
 Every converter is imported inside the function that needs it, so
 ``kvblend --help`` and plain-text ingest never pay for them (trafilatura
@@ -108,7 +110,7 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml", "ipynb")
+CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml", "ipynb", "vtt", "srt")
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -137,6 +139,7 @@ _CONVERTER_PACKAGES = (
     "charset-normalizer",
     "openpyxl",
     "odfdo",
+    "webvtt-py",
 )
 
 
@@ -218,6 +221,12 @@ def classify(suffix: str, data: bytes) -> str:
         if not _EMAIL_HEADER.match(data[:1024].lstrip()):
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
+    if suffix in (".vtt", ".srt"):  # a transcript's cue numbers and timings would become the KV
+        fmt = suffix[1:]
+        if not _TRANSCRIPT_START[fmt].match(data[:256].lstrip(b"\xef\xbb\xbf \t\r\n")):
+            named = "WebVTT" if fmt == "vtt" else "SubRip"
+            raise ConversionError(f"not {named} subtitles (content looks like {_describe(data)})")
+        return fmt
     if suffix == ".ipynb":  # JSON: read as text, its escaped sources and base64 images would become the KV
         if data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] not in (b"{", b"["):
             raise ConversionError(f"not a Jupyter notebook (content looks like {_describe(data)})")
@@ -1230,6 +1239,92 @@ def _fenced(text: str, info: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`{3,}", text)), default=2)
     fence = "`" * (longest + 1)
     return f"{fence}{info}\n{text.strip(chr(10))}\n{fence}"
+
+
+# Transcripts and subtitles ─────────────────────────────────────────────────────
+
+TRANSCRIPT_SECTION_SECONDS = 120  # a transcript's text under a "## 00:12:30-00:14:28" heading per ~2 minutes
+_TRANSCRIPT_START = {
+    "vtt": re.compile(rb"WEBVTT(?:[ \t\r\n]|$)"),
+    "srt": re.compile(rb"\d+[ \t]*\r?\n[ \t]*\d{1,2}:\d\d:\d\d[,.]\d{1,3}[ \t]*-->"),
+}
+
+
+def _convert_vtt(data: bytes, started: float) -> Converted:
+    """A WebVTT transcript or subtitle file (a meeting's recording, a video's captions) with webvtt-py."""
+    return _transcript(data, "vtt", started)
+
+
+def _convert_srt(data: bytes, started: float) -> Converted:
+    """A SubRip (.srt) subtitle file with webvtt-py, as :func:`_convert_vtt`."""
+    return _transcript(data, "srt", started)
+
+
+def _transcript(data: bytes, fmt: str, started: float) -> Converted:
+    """A transcript as what was said, cited by when: its captions joined into paragraphs, a new one where the
+    speaker changes (WebVTT's ``<v Name>``, written ``Name: ...``), under a heading of the time range every
+    :data:`TRANSCRIPT_SECTION_SECONDS` (``## 00:12:30-00:14:28``), so a segment starts at a section and an
+    answer cites the minutes it came from. Cue numbers, timings, settings and styling tags are left out, and
+    a line repeated by the next caption (live captions roll up a line at a time) is kept once."""
+    import webvtt
+    from webvtt.errors import MalformedFileError
+
+    text, _ = decode_text(data)
+    label = "WebVTT" if fmt == "vtt" else "SubRip"
+    try:
+        captions = webvtt.from_buffer(io.StringIO(text), format=fmt).captions
+    except MalformedFileError as e:
+        raise ConversionError(f"corrupt {label} ({describe_error(e)})") from None
+    blocks: list[str] = []
+    section: list[str] = []  # this section's paragraphs
+    paragraph: list[str] = []
+    speaker: str | None = None
+    section_start = section_end = 0.0
+    last_line = ""
+
+    def close_section() -> None:
+        if paragraph:
+            section.append(" ".join(paragraph))
+            paragraph.clear()
+        if section:
+            blocks.append(f"## {_clock(section_start)}-{_clock(section_end)}")
+            blocks.extend(section)
+            section.clear()
+
+    for i, caption in enumerate(captions):
+        if i % 1000 == 0:
+            _check_time(started)
+        lines = [" ".join(line.split()) for line in caption.text.split("\n")]
+        lines = [line for line in lines if line]
+        if lines and lines[0] == last_line:  # rolled up from the caption before
+            lines = lines[1:]
+        if not lines:
+            continue
+        last_line = lines[-1]
+        start, end = float(caption.start_in_seconds), float(caption.end_in_seconds)
+        if (section or paragraph) and start - section_start >= TRANSCRIPT_SECTION_SECONDS:
+            close_section()
+        if not section and not paragraph:
+            section_start = section_end = start
+        voice = getattr(caption, "voice", None) or None
+        if voice != speaker and paragraph:
+            section.append(" ".join(paragraph))
+            paragraph.clear()
+        if voice is not None and (voice != speaker or not paragraph):
+            lines[0] = f"{' '.join(voice.split())}: {lines[0]}"
+        speaker = voice
+        paragraph.extend(lines)
+        section_end = max(section_end, end)
+    close_section()
+    if not blocks:
+        raise ConversionError(f"empty (the {label} file has no captions with text)")
+    return Converted(_tidy("\n\n".join(blocks)), fmt)
+
+
+def _clock(seconds: float) -> str:
+    """``00:12:30``: hours, minutes and seconds, as players show a position."""
+    whole = int(seconds)
+    return f"{whole // 3600:02d}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 # XLSX ───────────────────────────────────────────────────────────────────────

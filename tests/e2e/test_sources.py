@@ -39,7 +39,10 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
                                "data": {"image/png": "iVBORw0KGgo" + "A" * 3000, "text/plain": ["<Figure>"]}}]}]
         (tmp_path / "trials.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
                                                            "nbformat_minor": 5}, indent=1))
-        extra = [tmp_path / "parts.csv", tmp_path / "log.odt", tmp_path / "trials.ipynb"]
+        # a meeting's transcript: cited by the minutes a passage was said in
+        (tmp_path / "standup.vtt").write_text("WEBVTT\n\n00:00:02.000 --> 00:00:06.000\n<v Ana>The impeller order "
+                                              "shipped.\n\n00:00:06.000 --> 00:00:09.500\n<v Ben>Good, thanks.\n")
+        extra = [tmp_path / "parts.csv", tmp_path / "log.odt", tmp_path / "trials.ipynb", tmp_path / "standup.vtt"]
         engine.ingest([*(DOCUMENTS / name for name in docs), *extra], chunk_tokens=128)
         result = engine.query(QUESTION, QueryOptions(top_k=1, sampling=SamplingConfig(max_new_tokens=16)))
     (segment,) = result.to_dict()["segments"]
@@ -97,7 +100,8 @@ def test_a_fact_from_page_3_is_answered_from_and_cited_as_page_3(tmp_path, defau
     assert answer.strip() == result.answer.strip()  # the answer as before, then its sources
     assert sources == "Sources: manual.pdf p. 3 § Operating limits"
     # a spreadsheet's passage cites its rows, in the CLI's JSON as in its Sources line
-    proc = run_cli("query", "What does the impeller cost?", "--archive", arc, "--doc", "parts.csv", "--max-tokens", "1",
-                   "--json", check=True)
-    (segment,) = json.loads(proc.stdout)["segments"]
-    assert (segment["document"], segment["rows"]) == ("parts.csv", [2, 3]), segment
+    proc = run_cli("query", "What does the impeller cost?", "--archive", arc, "--doc", "parts.csv", "--doc",
+                   "standup.vtt", "--max-tokens", "1", "--json", check=True)
+    sheet, talk = json.loads(proc.stdout)["segments"]
+    assert (sheet["document"], sheet["rows"]) == ("parts.csv", [2, 3]), sheet
+    assert (talk["document"], talk["section"]) == ("standup.vtt", "00:00:02-00:00:09"), talk

@@ -908,3 +908,36 @@ def test_a_bad_notebook_is_skipped_in_one_line(tmp_path):
         "list.ipynb": "not a Jupyter notebook (no cells)",
         "page.ipynb": "not a Jupyter notebook (content looks like HTML)",
     }
+
+
+def test_a_transcript_is_what_was_said_by_whom_under_the_minutes_it_was_said(tmp_path):
+    # a meeting's WebVTT as Teams and Zoom export one: voices, cue ids, settings, styling, a NOTE
+    cues = [f"{i}\n00:{i // 60:02d}:{i % 60:02d}.000 --> 00:{(i + 3) // 60:02d}:{(i + 3) % 60:02d}.000 align:start\n"
+            f"<v {'Ana Ruiz' if (i // 60) % 2 else 'Ben Ode'}><b>Point</b> {i}: the Tern-4 sonar.\n\n"
+            for i in range(0, 300, 6)]
+    (tmp_path / "meeting.vtt").write_text("WEBVTT\n\nNOTE exported 2026-11-27\n\n" + "".join(cues))
+    doc = read_one(tmp_path / "meeting.vtt")
+    assert doc.format == "vtt" and "-->" not in doc.text and "<v" not in doc.text and "align" not in doc.text
+    # two minutes a section, named by when its first caption starts and its last one ends
+    assert [h.title for h in find_headings(doc.text)] == ["00:00:00-00:01:57", "00:02:00-00:03:57",
+                                                          "00:04:00-00:04:57"]
+    in_order(doc.text, "## 00:00:00-00:01:57\n\nBen Ode: Point 0: the Tern-4 sonar. Point 6: the Tern-4 sonar.",
+             "Point 54: the Tern-4 sonar.\n\nAna Ruiz: Point 60:", "## 00:02:00-00:03:57\n\nBen Ode: Point 120:")
+    # SubRip in Windows-1252, with live captions' rolled-up lines: each line once
+    srt = ("1\r\n00:00:01,000 --> 00:00:03,000\r\nThe café opens at nine.\r\n\r\n"
+           "2\r\n00:00:03,000 --> 00:00:05,000\r\nThe café opens at nine.\r\n<i>Bring</i> the charts.\r\n\r\n")
+    (tmp_path / "talk.srt").write_bytes(srt.encode("cp1252"))
+    talk = read_one(tmp_path / "talk.srt")
+    assert talk.format == "srt" and talk.text == "## 00:00:01-00:00:05\n\nThe café opens at nine. Bring the charts."
+
+
+def test_a_bad_transcript_is_skipped_in_one_line(tmp_path):
+    (tmp_path / "notes.vtt").write_text("Meeting notes, not captions.\n")
+    (tmp_path / "cut.vtt").write_text("WEBVTT\n\n00:00:01.000 --> \nHello\n")  # cut inside its first cue
+    (tmp_path / "empty.srt").write_text("1\n00:00:01,000 --> 00:00:02,000\n\n")
+    docs, skipped = iter_documents([tmp_path])
+    assert docs == []
+    reasons = {Path(s.path).name: s.reason for s in skipped}
+    assert reasons["notes.vtt"] == "not WebVTT subtitles (content looks like text)"
+    assert reasons["cut.vtt"] == "empty (the WebVTT file has no captions with text)", reasons
+    assert reasons["empty.srt"] == "empty (the SubRip file has no captions with text)", reasons
