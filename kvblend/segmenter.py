@@ -177,39 +177,51 @@ def find_headings(text: str) -> list[Heading]:
     (``## Install``) and titles underlined with a rule (:func:`_underlined_headings`).
 
     Deterministic and linear: a ``#`` line or an underlined title inside a ``` or ~~~ fence is code, not a
-    heading, so a fence opened and never closed hides every later heading (as Markdown renders it).
+    heading, so a fence opened and never closed hides every later heading (as Markdown renders it). Fences
+    and headings are decided in one pass in text order: an underlined title outside a fence takes its
+    ``~~~~`` rules (reStructuredText's) from the fences, and inside one its rule is a fence line that may
+    close it.
     """
     if "#" not in text and not _UNDERLINE_HINT.search(text):
         return []
-    underlined = _underlined_headings(text)
-    rules = {rule for _, rule in underlined}  # a title's ~~~~ underline opens no fence (reStructuredText writes it)
-    events: list[tuple[int, str, re.Match[str] | Heading]] = [
-        (m.start(), "fence", m) for m in _FENCE.finditer(text) if m.start() not in rules
-    ]
+    # (position, order at one position: a title before a fence line there, which may be its overline)
+    events: list[tuple[int, int, str, object]] = [(m.start(), 1, "fence", m) for m in _FENCE.finditer(text)]
     if "#" in text:
-        events += [(m.start(), "atx", m) for m in _HEADING.finditer(text)]
-    events += [(h.start, "underlined", h) for h, _ in underlined]
-    events.sort(key=lambda e: e[0])
+        events += [(m.start(), 2, "atx", m) for m in _HEADING.finditer(text)]
+    events += [(u.heading.start, 0, "underlined", u) for u in _underlined_headings(text)]
+    events.sort(key=lambda e: (e[0], e[1]))
     headings: list[Heading] = []
+    taken: set[int] = set()  # rule lines an accepted title owns: no fence
     fence: str | None = None  # the opening fence's marker while inside one
-    for _, kind, found in events:
-        if isinstance(found, Heading):
-            if fence is None:
-                headings.append(found)
-        elif kind == "fence":
+    for at, _, kind, found in events:
+        if isinstance(found, _Underlined):
+            if fence is None and (not headings or found.heading.start >= headings[-1].end):
+                headings.append(found.heading)
+                taken.update(found.rules)
+        elif isinstance(found, re.Match) and kind == "fence":
+            if at in taken:
+                continue
             marker = found.group(1)
             if fence is None:
                 fence = marker
             elif marker[0] == fence[0] and len(marker) >= len(fence):
                 fence = None
-        elif fence is None:
+        elif isinstance(found, re.Match) and fence is None:
             title = _CLOSING_HASHES.sub("", found.group(2)).strip()
             if title:
                 headings.append(Heading(found.start(1), found.end(), len(found.group(1)), title))
     return headings
 
 
-def _underlined_headings(text: str) -> list[tuple[Heading, int]]:
+@dataclass(frozen=True)
+class _Underlined:
+    """A candidate underlined heading, and where its rule lines (underline, and overline if any) start."""
+
+    heading: Heading
+    rules: tuple[int, ...]
+
+
+def _underlined_headings(text: str) -> list[_Underlined]:
     """Titles underlined with a rule of ``=`` or ``-`` (Markdown's setext headings: level 1 and 2), or of ``~ ^ *
     +`` as reStructuredText also writes them (level 3), maybe with an overline too:
 
@@ -222,10 +234,13 @@ def _underlined_headings(text: str) -> list[tuple[Heading, int]]:
     segment at. A rule under a sentence is a separator, not a heading, so a title is a short line (at most
     :data:`_MAX_TITLE` characters, a word in it) that begins its paragraph, is no list item, quote, table row
     or ``#`` heading, and does not end like a sentence part (``.`` ``,`` ``;`` ``:``); a rule of ``~ ^ * +`` is
-    at least as long as its title, as reStructuredText requires (so Markdown's ``Run this:`` over a ``~~~``
-    fence stays a fence). The heading starts at its title, or at its overline when it has one, and ends with
-    its underline; each comes with where its underline's line starts."""
-    found: list[tuple[Heading, int]] = []
+    at least as long as its title, as reStructuredText requires. ``~`` also fences Markdown code, so a ``~``
+    rule is 4 or more long and has a blank line (or the end) after it, which a fence's code does not. An
+    overline begins its paragraph and is no earlier title's underline. The heading starts at its title, or at
+    its overline, and ends with its underline. Whether a candidate lies inside a fence is
+    :func:`find_headings`' to decide."""
+    found: list[_Underlined] = []
+    underlines: set[int] = set()
     for m in _UNDERLINE.finditer(text):
         if m.start() == 0:
             continue
@@ -236,16 +251,39 @@ def _underlined_headings(text: str) -> list[tuple[Heading, int]]:
         char, rule = m.group(1), m.group(0).strip()
         if not _is_title(line, title) or (char not in "=-" and len(rule) < len(title)):
             continue
+        if char == "~" and (len(rule) < 4 or _line_after(text, m.end()).strip()):
+            continue  # a fence: Markdown's are ~~~, and code follows them
         start = title_start + len(line) - len(line.lstrip())
+        rules: tuple[int, ...] = (m.start(),)
         if title_start > 0:  # the line before the title: blank (it begins a paragraph), or its overline
             before_start = text.rfind("\n", 0, title_start - 1) + 1
             before = text[before_start : title_start - 1].strip()
-            if before and before == char * len(before) and len(before) >= 3:
-                start = before_start
-            elif before:
-                continue  # the last line of a paragraph over a separator
-        found.append((Heading(start, m.end(), _UNDERLINE_LEVELS.get(char, 3), title), m.start()))
+            if before:
+                overline = (
+                    before == char * len(before)
+                    and len(before) >= (4 if char == "~" else 3)
+                    and before_start not in underlines
+                    and (before_start == 0 or not _line_before(text, before_start).strip())
+                )
+                if not overline:
+                    continue  # the last line of a paragraph over a separator
+                start, rules = before_start, (before_start, m.start())
+        underlines.add(m.start())
+        found.append(_Underlined(Heading(start, m.end(), _UNDERLINE_LEVELS.get(char, 3), title), rules))
     return found
+
+
+def _line_after(text: str, end: int) -> str:
+    """The line after the one ending at ``end`` (its newline), "" at the end of the text."""
+    if end >= len(text):
+        return ""
+    stop = text.find("\n", end + 1)
+    return text[end + 1 : stop if stop >= 0 else len(text)]
+
+
+def _line_before(text: str, start: int) -> str:
+    """The line before the one starting at ``start`` (> 0)."""
+    return text[text.rfind("\n", 0, start - 1) + 1 : start - 1]
 
 
 def _is_title(line: str, title: str) -> bool:

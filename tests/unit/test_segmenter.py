@@ -305,6 +305,19 @@ def test_find_headings_reads_underlined_titles_as_plain_text_markdown_and_rst_wr
     # "Run this:" over ~~~ is a fence (so "Inside" is code); "Sub part" over a ~~~~~~~~ as long is an underline
     assert [h.title for h in find_headings("Intro\n\nNote\n~~~~\n\n# after\n")] == ["Note", "after"]
     assert [h.title for h in find_headings("Intro\n\nRun:\n~~~~\n\n# in code\n")] == []
+    # ~ also fences Markdown code: a fence's closing line is no underline, a fence before code none either, nor
+    # is a ~~~ fence an overline; each fence still closes, so the headings after it are found
+    fenced = {
+        "# Setup\n\nRun:\n\n~~~~~~~~~~\na = 1\n\nb = 2\n~~~~~~~~~~\n\n# Usage\n": ["Setup", "Usage"],
+        "# Tool\n\nUsage\n~~~~~~~~~~~~~\n$ tool --help\n~~~~~~~~~~~~~\n\n## Options\n\nExamples\n--------\n": [
+            "Tool", "Options", "Examples"],
+        "Intro text.\n\n~~~\nls\n~~~\n\nInstall\n=======\n": ["Install"],
+        "Example\n~~~~~~~~~~\ncode here\n~~~~~~~~~~\n": [],
+        "~~~~~~~~\nTitle\n~~~~~~~~\n\nText.\n\nNext\n====\n": ["Title", "Next"],  # reStructuredText's
+        "B title\n=======\nC title\n=======\n": ["B title"],  # an underline is no overline of the next line
+    }
+    for text, titles in fenced.items():
+        assert [h.title for h in find_headings(text)] == titles, text
 
 
 def test_an_underlined_title_starts_a_segment_and_names_its_section():
