@@ -229,7 +229,7 @@ def _underlined_headings(text: str) -> list[_Underlined]:
         ------------          Overview
                               ==========
 
-    Most plain-text documentation is written this way (654 of 946 text files in this VM's /usr/share/doc
+    Most plain-text documentation is written this way (649 of 946 text files in this VM's /usr/share/doc
     against 198 with ``#`` lines), so without them those documents had no sections to cite or to start a
     segment at. A rule under a sentence is a separator, not a heading, so a title is a short line (at most
     :data:`_MAX_TITLE` characters, a word in it) that begins its paragraph, is no list item, quote, table row
