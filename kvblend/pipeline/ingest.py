@@ -232,6 +232,21 @@ def _existing_archive(res: Resources) -> Archive | None:
         return None
 
 
+def _archive_to_plan_against(res: Resources) -> Archive | None:
+    """The archive a dry run compares files with, None where there is none yet. Unlike ingest's own look
+    (:func:`_existing_archive`), what would refuse the ingest when it opens the archive to write (another
+    model's archive, a newer format, damage, a store that is down) is raised here: a plan of an ingest that
+    cannot run would mislead."""
+    if not Archive.exists(res.location):
+        return None
+    try:
+        return res.archive(create=False)
+    except ArchiveError as e:
+        if type(e) is ArchiveError:  # "no archive at ...": a Redis archive not made yet
+            return None
+        raise
+
+
 def _intact(res: Resources, archive: Archive, previous: DocumentRecord, codec: str) -> bool:
     """Whether a stored document needs no work: complete, and its KV made with this codec and sink."""
     return not previous.incomplete and stored_as(archive, previous, codec, res.prefilled_under_sink)
@@ -364,7 +379,7 @@ def plan_ingest(
     with ``codec`` to measure this machine's prefill rate and the bytes a token takes stored, from which the
     whole is estimated. No archive is created or locked."""
     codec = _checked(chunk_tokens, codec)
-    archive = _existing_archive(res)
+    archive = _archive_to_plan_against(res)
 
     def held(path: str, digest: str) -> bool:
         return _holds_file(archive, path, digest)
@@ -386,13 +401,19 @@ def plan_ingest(
             )
         reading = read_file(source, held)
         plan.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
-        for file in reading.unchanged:  # the same bytes as archived (checked again by a real ingest)
+        docs = reading.docs
+        for file in reading.unchanged:  # the same bytes as archived: no work if stored with this codec and sink
             previous = archive.get_document(file.path) if archive is not None else None
+            if archive is None or previous is None or not _intact(res, archive, previous, codec):
+                again = read_file(SourceFile(Path(file.path), file.path, file.name))  # as ingest reads it then
+                docs = docs + again.docs
+                plan.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+                continue
             plan.documents += 1
             plan.documents_unchanged += 1
-            plan.segments_reused += len(previous.segment_keys) if previous is not None else 0
-            plan.tokens_total += previous.n_tokens if previous is not None else 0
-        for doc in reading.docs:
+            plan.segments_reused += len(previous.segment_keys)
+            plan.tokens_total += previous.n_tokens
+        for doc in docs:
             plan.documents += 1
             previous = archive.get_document(doc.path) if archive is not None else None
             if archive is not None and _unchanged(res, archive, previous, doc, codec):
@@ -424,10 +445,9 @@ def plan_ingest(
         )
     if plan.documents == 0:
         raise _nothing_to_ingest(plan.skipped)
-
-    runner = res.runner
-    plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new
-    if longest:
+    if longest:  # (an unchanged tree loads no model, as its ingest does not)
+        runner = res.runner
+        plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new
         _measure_sample(res, plan, [ids for _, _, ids in sorted(longest, reverse=True)], codec, level)
     plan.disk_free_bytes = _free_bytes(res)
     return plan

@@ -77,9 +77,9 @@ def test_ingest_dry_run_writes_nothing_and_estimates_what_ingest_then_does(archi
         return {p: p.read_bytes() for p in sorted(arc.rglob("*")) if p.is_file() and "lock" not in p.name}
 
     before = files()
-    notes = tmp_path / "notes.md"
-    notes.write_text("# Harbour notes\n\nThe Tern-4 sonar left Halifax on the 3rd of May, two weeks late, after its "
-                     "housing failed a pressure test at 412 kPa.")
+    notes = tmp_path / "notes.html"  # converted: a file whose bytes the archive records is not read again
+    notes.write_text("<html><body><h1>Harbour notes</h1><p>The Tern-4 sonar left Halifax on the 3rd of May, two "
+                     "weeks late, after its housing failed a pressure test at 412 kPa.</p></body></html>")
     asked = (archive / "docs", notes, "--archive", arc, "--chunk-tokens", "128", "--json")
     plan = json.loads(run("ingest", *asked, "--dry-run", check=True).stdout)
     assert files() == before
@@ -89,6 +89,10 @@ def test_ingest_dry_run_writes_nothing_and_estimates_what_ingest_then_does(archi
     done = json.loads(run("ingest", *asked, check=True).stdout)
     assert (done["segments_new"], done["tokens_new"]) == (plan["segments_new"], plan["tokens_new"])
     assert abs(done["bytes_written"] - plan["estimated_bytes"]) <= 0.05 * done["bytes_written"], (done, plan)
+    # under another codec nothing stored is reusable: every document, the unread HTML too, is new work
+    again = json.loads(run("ingest", *asked, "--dry-run", "--codec", "int8", check=True).stdout)
+    assert (again["documents"], again["documents_unchanged"]) == (4, 0), again
+    assert again["tokens_new"] == again["tokens_total"] == done["tokens_total"] > 0, (again, done)
     fresh = tmp_path / "fresh"
     proc = run("ingest", notes, "--archive", fresh, "--dry-run", check=True)
     assert not fresh.exists()
@@ -199,6 +203,9 @@ def test_archive_of_another_model_is_refused_with_both_names(archive, tmp_path):
                          num_key_value_heads=1, vocab_size=49152, architectures=["LlamaForCausalLM"])
     tf.LlamaForCausalLM(cfg).save_pretrained(other)
     msg = one_line_error(run("query", "q?", "--model", other, "--archive", archive / "arc"))
+    assert "SmolLM2-135M-Instruct" in msg and "tiny-llama" in msg
+    # a dry run says so too, rather than plan an ingest the archive would refuse
+    msg = one_line_error(run("ingest", archive / "docs", "--model", other, "--archive", archive / "arc", "--dry-run"))
     assert "SmolLM2-135M-Instruct" in msg and "tiny-llama" in msg
 
 
