@@ -1166,15 +1166,16 @@ def _convert_ipynb(data: bytes, started: float) -> Converted:
         source = _notebook_text(cell.get("source", cell.get("input")))
         if not source.strip():
             continue
-        if kind == "code":
-            blocks.append(_fenced(source, language))
+        if kind == "code":  # nbformat 3 names each cell's language
+            own = cell.get("language")
+            blocks.append(_fenced(source, own.lower() if isinstance(own, str) and own.isidentifier() else language))
             blocks.extend(_fenced(out) for out in _notebook_outputs(cell.get("outputs")))
         elif kind == "heading":  # nbformat 3's heading cells
             level = cell.get("level")
             depth = min(max(level, 1), 6) if isinstance(level, int) else 1
             blocks.append("#" * depth + " " + " ".join(source.split()))
-        else:  # markdown and raw cells
-            blocks.append(source)
+        else:  # markdown and raw cells, each rendered alone: a fence one leaves open closes with it
+            blocks.append(_close_fence(source))
     text = _tidy("\n\n".join(blocks))
     if not text:
         raise ConversionError("empty (the notebook has no cells with text)")
@@ -1215,7 +1216,8 @@ def _notebook_outputs(outputs: object) -> list[str]:
             continue
         kind = out.get("output_type")
         if kind in ("error", "pyerr"):
-            text = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
+            name, message = out.get("ename") or "Error", out.get("evalue") or ""
+            text = f"{name}: {message}" if message else str(name)
         elif kind == "stream":
             text = _notebook_text(out.get("text"))
         else:  # execute_result, display_data (nbformat 3: pyout, display_data)
@@ -1223,7 +1225,8 @@ def _notebook_outputs(outputs: object) -> list[str]:
             if any(key.startswith("image/") or key in ("png", "jpeg", "svg") for key in bundle):
                 continue  # a plot: its text is the figure object's repr ("<Figure size 640x480 with 1 Axes>")
             text = _notebook_text(bundle.get("text/plain", bundle.get("text")))
-        text = "\n".join(line.rsplit("\r", 1)[-1] for line in _ANSI.sub("", text).split("\n")).strip("\n")
+        text = _ANSI.sub("", text).replace("\r\n", "\n")  # Windows' line ends are not a progress bar's updates
+        text = "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")).strip("\n")
         if not text.strip():
             continue
         lines = text.split("\n")
@@ -1232,6 +1235,20 @@ def _notebook_outputs(outputs: object) -> list[str]:
             text = f"{kept}\n... (output cut: {len(lines):,} lines in all)"
         found.append(text)
     return found
+
+
+def _close_fence(text: str) -> str:
+    """``text`` with a closing line for a ``` or ~~~ fence it opens and leaves open: Jupyter renders each cell
+    alone, but joined, an open fence would make every later cell code (and hide its headings)."""
+    fence: str | None = None
+    for line in text.split("\n"):
+        if (m := _FENCE_LINE.match(line)) is not None:
+            marker = m.group(1)
+            if fence is None:
+                fence = marker
+            elif marker[0] == fence[0] and len(marker) >= len(fence) and not line[m.end() :].strip():
+                fence = None
+    return text if fence is None else f"{text.rstrip()}\n{fence}"
 
 
 def _fenced(text: str, info: str = "") -> str:

@@ -38,13 +38,17 @@ def page_range(page_starts: Sequence[int], start: int, end: int) -> list[int] | 
     return [first, last]
 
 
-def row_range(text: str, row_marks: Sequence[tuple[int, int]], start: int, end: int) -> list[int] | None:
+def row_range(
+    text: str, row_marks: Sequence[tuple[int, int]], start: int, end: int, sheet_starts: Sequence[int] = ()
+) -> list[int] | None:
     """``[first, last]`` row numbers of the sheet rows ``text[start:end]`` touches; None when it touches none
     (a document without rows, or a segment of headings and header rows only).
 
     ``row_marks``: (offset where a data row's line begins, its row number), sorted by offset. A row touches the
     span when its line, up to its newline, overlaps it: a segment cut inside a row too long for one segment
-    still cites that row.
+    still cites that row. ``sheet_starts``: sorted offsets where a sheet begins (its ``##`` heading); a
+    segment holding small sheets' rows cites those of its first sheet, the one its section names, since a
+    range over two sheets' numbering ("rows 11-3") means nothing.
     """
     if not row_marks:
         return None
@@ -52,6 +56,10 @@ def row_range(text: str, row_marks: Sequence[tuple[int, int]], start: int, end: 
     first = bisect.bisect_right(starts, start) - 1  # the row whose line begins at or before the span, ...
     if first < 0 or _line_end(text, starts[first]) <= start:
         first += 1  # ... unless its line ends before the span does begin
+    if first < len(starts):
+        following = bisect.bisect_right(sheet_starts, starts[first])
+        if following < len(sheet_starts):
+            end = min(end, sheet_starts[following])  # the next sheet's rows are not this sheet's
     last = bisect.bisect_left(starts, end) - 1  # the last row beginning inside the span
     if first > last:
         return None
@@ -100,7 +108,7 @@ def segment_sources(
     for a, b in spans:
         source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section_of(text, headings, a, b, starts)}
         if row_marks:
-            source["rows"] = row_range(text, row_marks, a, b)
+            source["rows"] = row_range(text, row_marks, a, b, starts)
         sources.append(source)
     return sources
 

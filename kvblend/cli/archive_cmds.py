@@ -135,9 +135,10 @@ def show(
                         shown = _when(doc.ingested) if k == "ingested" else str(v)
                     out.print(f"[bold]{k}[/]: {escape(shown)}")
                 # each segment a line: its key's first 12 characters (what `show` takes) and where it came from
-                out.print("[bold]sources[/]:" if any(wheres) else "[bold]segment keys[/]:")  # (older records: no)
+                known = any(wheres)  # records of older kvblends say nothing of where
+                out.print("[bold]sources[/]:" if known else "[bold]segment keys[/]:")
                 for key, where in zip(doc.segment_keys, wheres):
-                    out.print(f"  {key[:12]}  {escape(where or '-')}" if any(wheres) else f"  {key[:12]}")
+                    out.print(f"  {key[:12]}  {escape(where or '-')}" if known else f"  {key[:12]}")
             return
         try:
             rec = arc.find_segment(target)

@@ -892,7 +892,17 @@ def test_a_notebook_is_its_cells_with_code_fenced_and_text_outputs_without_image
          "outputs": [{"output_type": "pyout", "text": ["3"], "prompt_number": 1}]},
     ]}]}
     (tmp_path / "old.ipynb").write_text(json.dumps(old))
-    assert read_one(tmp_path / "old.ipynb").text == "## Old results\n\n```\nx = 3\nx\n```\n\n```\n3\n```"
+    assert read_one(tmp_path / "old.ipynb").text == "## Old results\n\n```python\nx = 3\nx\n```\n\n```\n3\n```"
+    # a Markdown cell's unclosed fence closes with its cell (Jupyter renders cells alone); Windows line ends in
+    # an output are line ends, not a progress bar's updates; an error without a message is its name
+    cells = [_cell("markdown", "# Intro\n\nExample:\n```\nfoo"), _cell("code", "# Load the data\nimport pandas", [
+        {"output_type": "stream", "name": "stdout", "text": ["Collecting x\r\n", "Successfully installed x\r\n"]},
+        {"output_type": "error", "ename": "KeyboardInterrupt", "evalue": None, "traceback": []}]),
+        _cell("markdown", "## Results\n\nText.")]
+    (tmp_path / "fences.ipynb").write_bytes(_notebook(cells))
+    text = read_one(tmp_path / "fences.ipynb").text
+    assert [h.title for h in find_headings(text)] == ["Intro", "Results"], text
+    in_order(text, "```\nfoo\n```", "```\nCollecting x\nSuccessfully installed x\n```", "```\nKeyboardInterrupt\n```")
 
 
 def test_a_bad_notebook_is_skipped_in_one_line(tmp_path):

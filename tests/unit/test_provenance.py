@@ -73,6 +73,12 @@ def test_row_range_is_the_sheet_rows_a_span_touches():
         {"pages": None, "section": "Parts", "rows": [7, 7]},
     ]
     assert describe(None, "Parts", [2, 4]) == "§ Parts rows 2-4" and describe(None, None, [7, 7]) == "row 7"
+    # two small sheets in one segment: the rows of the first, the sheet its section names, never "rows 11-3"
+    book = "## Pumps\n\n| p | d |\n|---|---|\n| a | 1 |\n| b | 2 |\n\n## Valves\n\n| v |  s |\n|---|---|\n| c | 3 |"
+    marks = [(book.index("| a |"), 11), (book.index("| b |"), 15), (book.index("| c |"), 2)]
+    assert segment_sources(book, [(0, len(book))], (), marks) == [{"pages": None, "section": "Pumps", "rows": [11, 15]}]
+    assert segment_sources(book, [(book.index("| b |"), len(book))], (), marks)[0]["rows"] == [15, 15]
+    assert segment_sources(book, [(book.index("## Valves"), len(book))], (), marks)[0]["rows"] == [2, 2]
 
 
 def test_describe_and_cite():
