@@ -905,16 +905,14 @@ def _docx_table(table) -> str:
     """A Word table as Markdown pipe rows in blocks under its header row (:func:`_table_blocks`: a long
     table's later segments still name its columns); a merged cell's text appears once per grid column it
     spans, as python-docx reports it."""
-    return "\n\n".join(_table_blocks([[cell.text for cell in row.cells] for row in table.rows]))
+    return _table_text([[cell.text for cell in row.cells] for row in table.rows])
 
 
-def _pipe_rows(rows: list[list[str]]) -> str:
-    """A table's cells as Markdown pipe rows, the first row as the header (Word and PowerPoint have no other
-    header notion), each cell's whitespace collapsed and its pipes escaped."""
-    if not rows:
-        return ""
-    lines = [_pipe_line(cells) for cells in rows]
-    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+def _table_text(rows: list[list[str]]) -> str:
+    """A document's table (Word, PowerPoint, a chart's data, ODF) as :func:`_table_blocks` writes a sheet: pipe
+    rows under the first row as header (those formats have no other header notion), repeated over every
+    block that fits a segment, empty rows and columns dropped."""
+    return "\n\n".join(_table_blocks(rows))
 
 
 def _pipe_line(cells: list[str]) -> str:
@@ -999,7 +997,7 @@ def _convert_odt(data: bytes, started: float) -> Converted:
             cells = _odf_table_size(table, "ODT", cells, started)
             marker = f"kvblend-odt-table-{i}"
             rows = [[_cell(v) for v in row] for row in table.get_values()]
-            tables[marker] = "\n\n".join(_table_blocks(rows))
+            tables[marker] = _table_text(rows)
             table.parent.replace_element(table, odfdo.Paragraph(marker))
         markdown = str(document.to_markdown())  # str for a text document (a list only for a spreadsheet's tables)
     lines = [tables.get(line.strip(), line) for line in _unescape_odt(markdown).split("\n")]
@@ -1598,7 +1596,7 @@ def _pptx_slide(slide) -> str:
         if kind in (PP_PLACEHOLDER.FOOTER, PP_PLACEHOLDER.DATE, PP_PLACEHOLDER.SLIDE_NUMBER, PP_PLACEHOLDER.HEADER):
             continue
         if shape.has_table:
-            blocks.append(_pipe_rows([[cell.text for cell in row.cells] for row in shape.table.rows]))
+            blocks.append(_table_text([[cell.text for cell in row.cells] for row in shape.table.rows]))
         elif shape.has_chart:
             with suppress(Exception):  # a chart python-pptx cannot read costs its data, not the deck (as an outline)
                 blocks.append(_pptx_chart(shape.chart))
@@ -1625,7 +1623,7 @@ def _pptx_chart(chart) -> str:
         rows = [["", *[s.name or "" for s in series]]]
         for i, category in enumerate(categories):
             rows.append([category, *[_cell(v[i]) if i < len(v) else "" for v in values]])
-        tables.append(_pipe_rows(rows))
+        tables.append(_table_text(rows))
     return "\n\n".join(t for t in [f"Chart: {title}" if title else "", *tables] if t)
 
 

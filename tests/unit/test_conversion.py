@@ -208,6 +208,24 @@ def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in
     assert slides[5] == ""
 
 
+def test_a_long_slide_table_repeats_its_header_over_every_block_and_drops_empty_columns(tmp_path):
+    from pptx import Presentation
+    from pptx.util import Inches
+
+    deck = Presentation()
+    slide = deck.slides.add_slide(deck.slide_layouts[5])
+    slide.shapes.title.text = "Depths"
+    table = slide.shapes.add_table(41, 4, Inches(0.5), Inches(1.5), Inches(9), Inches(5)).table
+    for i in range(41):  # column 2 is a spacer, empty in every row
+        for j, text in enumerate(["Pump", "Site", "", "Depth (m)"] if i == 0 else [f"P{i}", "Halifax", "", str(i)]):
+            table.cell(i, j).text = text
+    deck.save(tmp_path / "depths.pptx")
+    text = read_one(tmp_path / "depths.pptx").text
+    blocks = [b for b in text.split("\n\n") if b.startswith("|")]
+    assert len(blocks) >= 2 and all(b.startswith("| Pump | Site | Depth (m) |\n|---|---|---|\n| P") for b in blocks)
+    assert sum(b.count("\n") - 1 for b in blocks) == 40 and "|  |" not in text
+
+
 def test_a_chart_that_cannot_be_read_costs_its_data_not_the_deck(monkeypatch):
     def unreadable(chart):
         raise NotImplementedError("a chart type python-pptx does not parse")
