@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -119,6 +120,12 @@ def make_bad_documents(root: Path) -> dict[str, str]:
     notes = gzip.compress((DOCS / "quickstart.md").read_bytes() * 40)
     (root / "truncated.md.gz").write_bytes(notes[: len(notes) // 2])
     (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))  # 65 MiB inflated
+    notebook = json.dumps({"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Survey"]}],
+                           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, indent=1)
+    (root / "truncated.ipynb").write_text(notebook[: len(notebook) // 2])
+    (root / "page.ipynb").write_text("<!DOCTYPE html><html><body><h1>404 Not Found</h1></body></html>")
+    (root / "notes.vtt").write_text("Meeting notes, saved under a subtitle extension.\n")
+    (root / "captions.srt").write_text("WEBVTT\n\n00:00:01.000 --> 00:00:02.000\nA WebVTT file named .srt\n")
     return {
         "encrypted.pdf": r"^encrypted PDF \(password protected\)$",
         "scanned.pdf": r"^no text layer \(",
@@ -156,4 +163,8 @@ def make_bad_documents(root: Path) -> dict[str, str]:
         "letter.rtf": r"^unsupported format \(RTF: save it as .docx or plain text\)$",
         "noise.txt": r"^not UTF-8, and no other text encoding reads it as text$",
         "damaged-utf16.txt": r"^not valid UTF-16 \(damaged text after a UTF-16 byte-order mark\)$",
+        "truncated.ipynb": r"^corrupt notebook \(not JSON: ",
+        "page.ipynb": r"^not a Jupyter notebook \(content looks like HTML\)$",
+        "notes.vtt": r"^not WebVTT subtitles \(content looks like text\)$",
+        "captions.srt": r"^not SubRip subtitles \(content looks like text\)$",
     }
