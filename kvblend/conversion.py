@@ -39,7 +39,8 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   name the sections.
 
 * **E-mail (.eml)** — Python's ``email`` package: subject, people, date and
-  the body (plain part first), attachments named.
+  the body (plain part first), then its attachments, each read as a file of
+  its name would be (or named with why it cannot be).
 * **XLSX** — openpyxl (read-only, cached values): each visible sheet a
   ``##`` section, its cells pipe rows under their header, repeated over
   every block of rows that fits a default segment (:func:`_table_blocks`).
@@ -84,6 +85,7 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from kvblend.defaults import DEFAULT_CHUNK_TOKENS
 
@@ -1102,7 +1104,10 @@ def _convert_eml(data: bytes, started: float) -> Converted:
     the subject as a ``#`` heading, From/To/Cc/Date, then the body, the plain-text part where the message has
     one (as a reader's client shows it), else its HTML part through markdownify (an e-mail's HTML is layout
     tables and inline styles, not a page with navigation for trafilatura to drop), then the names of its
-    attachments. Headers in other charsets (RFC 2047) are decoded; attachments are not opened."""
+    attachments, then each attachment kvblend reads (a PDF, a DOCX, a sheet, text: :func:`_attachment_text`)
+    under a ``## Attachment: name`` heading, since in a mailbox the attachment often holds what the message
+    only points to. An attachment that cannot be read is named with its reason; the message is kept. Headers
+    in other charsets (RFC 2047) are decoded."""
     from email import message_from_bytes, policy
     from email.message import EmailMessage
 
@@ -1118,11 +1123,50 @@ def _convert_eml(data: bytes, started: float) -> Converted:
         if part.get_content_type() == "text/html":
             content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
         blocks.append(content if isinstance(content, str) else "")
-    names = [" ".join(str(p.get_filename()).split()) for p in msg.iter_attachments() if p.get_filename()]
-    if names:
-        blocks.append("Attachments: " + ", ".join(names))
-    text = _tidy("\n\n".join(b for b in blocks if b.strip()))
+    listed, read = [], []
+    for attachment in msg.iter_attachments():
+        if not attachment.get_filename():
+            continue
+        name = " ".join(str(attachment.get_filename()).split())
+        _check_time(started)
+        content, why_not = _attachment_text(attachment, name)
+        if content:
+            read.extend([f"## Attachment: {name}", content])
+        listed.append(f"{name} (not read: {why_not})" if why_not else name)
+    if listed:
+        blocks.append("Attachments: " + ", ".join(listed))
+    text = _tidy("\n\n".join(b for b in [*blocks, *read] if b.strip()))
     return Converted(text, "eml")
+
+
+def _attachment_text(part, name: str) -> tuple[str, str | None]:
+    """An e-mail attachment's text as kvblend reads a file of that name and content, and why not where it
+    cannot (an encrypted PDF, a ZIP bomb: each converter's own checks apply); an image says nothing, as no
+    reason to show. An e-mail inside the e-mail is named, not opened (no recursion)."""
+    payload = part.get_content()
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    if not isinstance(payload, bytes):  # message/rfc822: a forwarded message
+        return "", "a message inside the message"
+    if part.get_content_maintype() in ("image", "audio", "video"):
+        return "", None
+    try:
+        fmt = classify(PurePath(name).suffix, payload)
+        if fmt == "eml":
+            return "", "a message inside the message"
+        if fmt in CONVERTED_FORMATS:
+            return convert(fmt, payload).text, None
+        text, _ = decode_text(payload)
+        if fmt in ("csv", "tsv"):
+            text = delimited_table(text, fmt).text
+        elif fmt == "markdown":
+            text = block_tables(markdown_body(text))
+        text = _tidy(text)
+        return text, None if text else "empty"
+    except ConversionError as e:
+        return "", str(e)
+    except Exception as e:  # third-party converters on untrusted bytes (kvblend.documents says why)
+        return "", describe_error(e)
 
 
 # Jupyter notebooks ───────────────────────────────────────────────────────────

@@ -827,8 +827,34 @@ def test_an_email_is_its_subject_its_people_and_its_body(tmp_path):
         "# Réparation: Orca-7 seal leaks\n\n"
         "From: Ada Lovelace <ada@kestrel.example>\nTo: service@kestrel.example\nDate: Tue, 03 Nov 2026 09:30:00 +0000\n\n"
         "The Orca-7 seal leaks after 400 hours.\nPlease send a seal kit.\n\n"
-        "Attachments: photos.pdf"
-    )  # the plain part, as a reader's client shows it; the attachment named, not read
+        "Attachments: photos.pdf (not read: truncated PDF (no %%EOF end marker: the file was cut short))"
+    )  # the plain part, as a reader's client shows it; an attachment it cannot read named with its reason
+
+
+def test_an_emails_attachments_are_read_under_their_names_and_those_it_cannot_read_say_why(tmp_path):
+    from email import message_from_bytes, policy
+
+    msg = message_from_bytes(email_bytes(), policy=policy.default)
+    msg.add_attachment((DOCS / "manual.pdf").read_bytes(), maintype="application", subtype="pdf",
+                       filename="manual.pdf")
+    msg.add_attachment("Part;Cost (EUR)\nSeal kit;11,75\n".encode("cp1252"), maintype="text", subtype="csv",
+                       filename="parts.csv")
+    msg.add_attachment((DOCS / "encrypted.pdf").read_bytes(), maintype="application", subtype="pdf",
+                       filename="locked.pdf")
+    msg.add_attachment(b"\x89PNG\r\n\x1a\n" + bytes(64), maintype="image", subtype="png", filename="leak.png")
+    msg.add_attachment(email_bytes(), maintype="application", subtype="octet-stream", filename="earlier.eml")
+    (tmp_path / "leak.eml").write_bytes(bytes(msg))
+    doc = read_one(tmp_path / "leak.eml")
+    in_order(
+        doc.text,
+        "Attachments: photos.pdf (not read: truncated PDF",
+        ", manual.pdf, parts.csv, locked.pdf (not read: encrypted PDF (password protected)), leak.png, "
+        "earlier.eml (not read: a message inside the message)",
+        "## Attachment: manual.pdf\n\n",
+        "412 kPa",  # the manual's page 3, as the PDF alone reads
+        "## Attachment: parts.csv\n\n| Part | Cost (EUR) |\n|---|---|\n| Seal kit | 11,75 |",
+    )
+    assert "PNG" not in doc.text and doc.text.count("## Attachment:") == 2
 
 
 def test_an_html_only_email_keeps_its_headings_and_tables_and_a_text_file_named_eml_is_refused(tmp_path):
