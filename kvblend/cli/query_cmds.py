@@ -133,18 +133,7 @@ def ingest(
         return
     with Engine(archive, model, compute, chosen, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
-            with Progress(
-                TextColumn("[bold]ingest"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("files"),
-                TextColumn("{task.fields[rate]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[current]}"),
-                console=err,
-                transient=True,
-            ) as bar:
+            with _files_bar("ingest", prefills=True) as bar:
                 task = bar.add_task("ingest", total=None, rate="", current="")
                 started = time.perf_counter()
 
@@ -187,6 +176,25 @@ def ingest(
     )
 
 
+def _files_bar(label: str, prefills: bool) -> Progress:
+    """The bar an ingest (or its dry run) shows on a terminal: the files read of all of them, the time, and the
+    file being read; an ingest also its prefill rate and the time left."""
+    rate = [TextColumn("{task.fields[rate]}")] if prefills else []
+    left = [TimeRemainingColumn()] if prefills else []
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("files"),
+        *rate,
+        TimeElapsedColumn(),
+        *left,
+        TextColumn("{task.fields[current]}"),
+        console=err,
+        transient=True,
+    )
+
+
 def _dry_run(
     paths: list[Path],
     chunk_tokens: int,
@@ -204,16 +212,7 @@ def _dry_run(
 
     with Engine(archive, model, compute, dtype, sink=sink, weights="fp32") as engine:
         if progress_enabled(as_json):
-            with Progress(
-                TextColumn("[bold]dry run"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("files"),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[current]}"),
-                console=err,
-                transient=True,
-            ) as bar:
+            with _files_bar("dry run", prefills=False) as bar:
                 task = bar.add_task("dry run", total=None, current="")
 
                 def on_progress(p: dict) -> None:
