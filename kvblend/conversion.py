@@ -1,4 +1,4 @@
-"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, EPUB, XLSX, XML, e-mail, notebooks, transcripts and CSV into
+"""Turn PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail, notebooks, transcripts and CSV into
 Markdown-flavoured text, or say why.
 
 Segments are retrieved and prefilled as text, so every format must become
@@ -48,9 +48,9 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
   empty cells as ``NaN``.
 * **CSV / TSV** — Python's ``csv``, the delimiter sniffed: read as text (any
   encoding), then the same blocks of pipe rows (:func:`delimited_table`).
-* **ODT / ODS** — odfdo (its own Markdown export for text): LibreOffice's
+* **ODT / ODS / ODP** — odfdo (its own Markdown export for text): LibreOffice's
   headings, lists and tables, its Markdown escapes inside a line removed;
-  a Calc sheet read as an XLSX sheet is.
+  a Calc sheet read as an XLSX sheet is, an Impress deck as a PPTX one.
 * **XML** — lxml: a DocBook, TEI or JATS document's text without its tags,
   titles as headings, a record's short fields as ``name: value``.
 * **Jupyter notebooks (.ipynb)** — Python's ``json``: Markdown cells as they
@@ -112,7 +112,22 @@ MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all 
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
-CONVERTED_FORMATS = ("pdf", "html", "docx", "pptx", "epub", "xlsx", "eml", "odt", "ods", "xml", "ipynb", "vtt", "srt")
+CONVERTED_FORMATS = (
+    "pdf",
+    "html",
+    "docx",
+    "pptx",
+    "epub",
+    "xlsx",
+    "eml",
+    "odt",
+    "ods",
+    "odp",
+    "xml",
+    "ipynb",
+    "vtt",
+    "srt",
+)
 
 _MIB = 1024 * 1024
 _HTML_EXTENSIONS = {".html", ".htm", ".xhtml", ".shtml"}
@@ -302,10 +317,12 @@ _ZIP_FORMATS = {
     ".epub": ("epub", "an EPUB", "META-INF/container.xml"),
     ".odt": ("odt", "an ODT", "content.xml"),  # and its mimetype member says which (ODP holds content.xml too)
     ".ods": ("ods", "an ODS", "content.xml"),
+    ".odp": ("odp", "an ODP", "content.xml"),
 }
 _ODF_MIMETYPES = {
     "odt": b"application/vnd.oasis.opendocument.text",
     "ods": b"application/vnd.oasis.opendocument.spreadsheet",
+    "odp": b"application/vnd.oasis.opendocument.presentation",
 }
 
 
@@ -954,6 +971,60 @@ def _odf_table_size(table, what: str, before: int, started: float) -> int:
     _check_time(started)
     table.rstrip(aggressive=True)
     return _spend_cells(before, table.height * table.width, what)
+
+
+def _convert_odp(data: bytes, started: float) -> Converted:
+    """LibreOffice Impress's format, read as a PPTX deck is: a page per slide (so "p. 3" is slide 3), its title
+    frame a ``##`` heading, then its other frames in document order: text as odfdo formats it (lists as ``- ``
+    items), tables as pipe rows in blocks under their header, then the speaker notes as ``Notes: ...``.
+    Headers, footers, dates and page numbers are left out, as in a deck. Charts' data is not read (odfdo does
+    not read ODF charts)."""
+    document = _open_odf(data, "ODP")
+    pages: list[str] = []
+    cells = 0
+    with _damage_named("ODP"):
+        for slide in document.body.get_draw_pages():
+            _check_time(started)
+            title, blocks, notes = "", [], []  # type: str, list[str], list[str]
+            for child in slide.children:
+                tag = child.tag
+                if tag == "presentation:notes":
+                    notes.extend(_odp_frame_text(frame) for frame in child.get_frames())
+                    continue
+                frames = [child] if tag == "draw:frame" else child.get_frames() if tag == "draw:g" else []
+                for frame in frames:
+                    kind = frame.presentation_class
+                    if kind in ("header", "footer", "date-time", "page-number"):
+                        continue
+                    for table in frame.get_elements(".//table:table"):
+                        cells = _odf_table_size(table, "ODP", cells, started)
+                    text = _odp_frame_text(frame)
+                    if kind == "title" and not title:
+                        title = " ".join(text.split())
+                    elif text:
+                        blocks.append(text)
+            note = " ".join(" ".join(n.split()) for n in notes if n.strip())
+            page = [f"## {title}" if title else "", *blocks, f"Notes: {note}" if note else ""]
+            pages.append(_tidy("\n\n".join(b for b in page if b)))
+    starts, parts, at = [], [], 0
+    for page_text in pages:  # a slide without text is a page all the same: "p. 3" stays slide 3
+        starts.append(at)
+        parts.append(page_text)
+        at += len(page_text) + 2
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise ConversionError("empty (the ODP holds no text)")
+    return Converted(text, "odp", tuple(starts))
+
+
+def _odp_frame_text(frame) -> str:
+    """A slide frame's text: its tables as pipe rows (:func:`_table_text`), else its text as odfdo formats it,
+    each line stripped (odfdo indents them) and empty lines dropped."""
+    tables = frame.get_elements(".//table:table")
+    if tables:
+        return "\n\n".join(_table_text([[_cell(v) for v in row] for row in t.get_values()]) for t in tables)
+    lines = (line.strip() for line in frame.get_formatted_text().split("\n"))
+    return "\n".join(line for line in lines if line)
 
 
 def _convert_ods(data: bytes, started: float) -> Converted:

@@ -995,3 +995,41 @@ def test_a_bad_transcript_is_skipped_in_one_line(tmp_path):
     assert reasons["notes.vtt"] == "not WebVTT subtitles (content looks like text)"
     assert reasons["cut.vtt"] == "empty (the WebVTT file has no captions with text)", reasons
     assert reasons["empty.srt"] == "empty (the SubRip file has no captions with text)", reasons
+
+
+def test_odp_is_a_page_per_slide_with_its_title_text_tables_and_notes(tmp_path):
+    from odfdo import Document, DrawPage, Frame, List, PresentationNotes, Table
+
+    deck = Document("presentation")
+    deck.body.clear()
+    for n, title in enumerate(["Fleet status", "Blank", "Service costs"], 1):
+        page = DrawPage(f"p{n}", name=f"Slide {n}")
+        page.append(Frame.text_frame(title, size=("20cm", "2cm"), position=("1cm", "1cm"), presentation_class="title"))
+        page.append(Frame.text_frame("Kestrel Pumps, confidential", size=("9cm", "1cm"), position=("1cm", "19cm"),
+                                     presentation_class="footer"))
+        if n == 1:
+            page.append(Frame.text_frame(List(["Skua-7: 12 in service", "Orca-9: 3 in refit"]), size=("20cm", "8cm"),
+                                         position=("1cm", "4cm"), presentation_class="outline"))
+            notes = PresentationNotes()
+            notes.append(Frame.text_frame("Mention the   refit dates.", size=("9cm", "1cm"), position=("1cm", "1cm"),
+                                          presentation_class="notes"))
+            page.append(notes)
+        if n == 3:
+            table = Table("Costs", width=3, height=3)
+            table.set_values([["Part", "", "Cost (EUR)"], ["Seal kit", "", 11.75], ["Impeller", "", 1011.25]])
+            frame = Frame(size=("10cm", "5cm"), position=("1cm", "5cm"))
+            frame.append(table)
+            page.append(frame)
+        deck.body.append(page)
+    deck.save(tmp_path / "deck.odp")
+    doc = read_one(tmp_path / "deck.odp")
+    assert doc.format == "odp" and len(doc.page_starts) == 3  # a slide a page, the text-less one too
+    first, second, third = (doc.text[a:b].strip() for a, b in zip(doc.page_starts, [*doc.page_starts[1:], None]))
+    assert first == ("## Fleet status\n\n- Skua-7: 12 in service\n- Orca-9: 3 in refit\n\n"
+                     "Notes: Mention the refit dates.")
+    assert second == "## Blank"
+    assert third == "## Service costs\n\n| Part | Cost (EUR) |\n|---|---|\n| Seal kit | 11.75 |\n| Impeller | 1011.25 |"
+    assert "confidential" not in doc.text  # footers repeat on every slide, as a deck's do
+    (tmp_path / "deck.odt").write_bytes((tmp_path / "deck.odp").read_bytes())
+    _, skipped = iter_documents([tmp_path / "deck.odt"])
+    assert [s.reason for s in skipped] == ["not an ODT (content looks like an ODP)"]
