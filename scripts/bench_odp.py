@@ -5,9 +5,13 @@ pipe rows, notes) beside odfdo's own per-page formatted text (no title role, a t
     .venv/bin/python scripts/bench_odp.py
 """
 
-import io, time
+import io
+import time
+
 from odfdo import Document, DrawPage, Frame, List, Table
+
 from kvblend import conversion
+
 deck = Document("presentation"); deck.body.clear()
 for n in range(1, 31):
     page = DrawPage(f"p{n}", name=f"Slide {n}")
