@@ -76,6 +76,7 @@ goes on; converters' own logging and warnings are silenced.
 from __future__ import annotations
 
 import functools
+import html
 import io
 import logging
 import re
@@ -240,7 +241,10 @@ def classify(suffix: str, data: bytes) -> str:
         return "eml"
     if suffix in (".vtt", ".srt"):  # a transcript's cue numbers and timings would become the KV
         fmt = suffix[1:]
-        if not _TRANSCRIPT_START[fmt].match(data[:256].lstrip(b"\xef\xbb\xbf \t\r\n")):
+        head = data[:512]
+        if _wide_bom(head) is not None:  # Windows tools write UTF-16 subtitles: matched as the text they hold
+            head = head.decode(_wide_bom(head) or "", "ignore").encode("utf-8")
+        if not _TRANSCRIPT_START[fmt].match(head.lstrip(b"\xef\xbb\xbf \t\r\n")):
             named = "WebVTT" if fmt == "vtt" else "SubRip"
             raise ConversionError(f"not {named} subtitles (content looks like {_describe(data)})")
         return fmt
@@ -975,36 +979,37 @@ def _odf_table_size(table, what: str, before: int, started: float) -> int:
 
 def _convert_odp(data: bytes, started: float) -> Converted:
     """LibreOffice Impress's format, read as a PPTX deck is: a page per slide (so "p. 3" is slide 3), its title
-    frame a ``##`` heading, then its other frames in document order: text as odfdo formats it (lists as ``- ``
-    items), tables as pipe rows in blocks under their header, then the speaker notes as ``Notes: ...``.
-    Headers, footers, dates and page numbers are left out, as in a deck. Charts' data is not read (odfdo does
-    not read ODF charts)."""
+    frame a ``##`` heading, then its other shapes in document order (text boxes, drawn shapes with text,
+    groups opened): text as odfdo formats it (lists as ``- `` items), tables as pipe rows in blocks under their
+    header, then the speaker notes as ``Notes: ...``. Headers, footers, dates, page numbers and images' place
+    holders are left out, as in a deck. Every table, the notes' too, is counted against the cell cap before any
+    is read. Charts' data is not read (odfdo does not read ODF charts)."""
     document = _open_odf(data, "ODP")
     pages: list[str] = []
     cells = 0
     with _damage_named("ODP"):
         for slide in document.body.get_draw_pages():
             _check_time(started)
+            for table in slide.get_elements(".//table:table"):  # a crafted notes table is as big as any
+                cells = _odf_table_size(table, "ODP", cells, started)
             title, blocks, notes = "", [], []  # type: str, list[str], list[str]
             for child in slide.children:
-                tag = child.tag
-                if tag == "presentation:notes":
-                    notes.extend(_odp_frame_text(frame) for frame in child.get_frames())
+                if child.tag == "presentation:notes":
+                    notes.extend(text for shape in _odp_shapes(child) if (text := _odp_shape_text(shape)))
                     continue
-                frames = [child] if tag == "draw:frame" else child.get_frames() if tag == "draw:g" else []
-                for frame in frames:
-                    kind = frame.presentation_class
+                for shape in _odp_shapes(child):
+                    kind = shape.get_attribute("presentation:class")
                     if kind in ("header", "footer", "date-time", "page-number"):
                         continue
-                    for table in frame.get_elements(".//table:table"):
-                        cells = _odf_table_size(table, "ODP", cells, started)
-                    text = _odp_frame_text(frame)
+                    text = _odp_shape_text(shape)
                     if kind == "title" and not title:
                         title = " ".join(text.split())
                     elif text:
                         blocks.append(text)
-            note = " ".join(" ".join(n.split()) for n in notes if n.strip())
+            prose = [n for n in notes if not n.startswith("|")]
+            note = " ".join(" ".join(n.split()) for n in prose)
             page = [f"## {title}" if title else "", *blocks, f"Notes: {note}" if note else ""]
+            page += [n for n in notes if n.startswith("|")]  # a table in the notes stays a table
             pages.append(_tidy("\n\n".join(b for b in page if b)))
     starts, parts, at = [], [], 0
     for page_text in pages:  # a slide without text is a page all the same: "p. 3" stays slide 3
@@ -1017,14 +1022,44 @@ def _convert_odp(data: bytes, started: float) -> Converted:
     return Converted(text, "odp", tuple(starts))
 
 
-def _odp_frame_text(frame) -> str:
-    """A slide frame's text: its tables as pipe rows (:func:`_table_text`), else its text as odfdo formats it,
-    each line stripped (odfdo indents them) and empty lines dropped."""
-    tables = frame.get_elements(".//table:table")
+# Shapes on an Impress page that hold text: frames (text boxes, tables, images) and drawn shapes.
+_ODP_SHAPES = {
+    "draw:frame",
+    "draw:custom-shape",
+    "draw:rect",
+    "draw:ellipse",
+    "draw:circle",
+    "draw:polygon",
+    "draw:polyline",
+    "draw:path",
+    "draw:regular-polygon",
+    "draw:caption",
+    "draw:measure",
+}
+_IMAGE_PLACE = re.compile(r"^\[Image [^\]]*\]$")  # what odfdo writes for a picture or a chart's replacement
+
+
+def _odp_shapes(element) -> Iterator:
+    """The text-holding shapes in ``element`` in document order, groups (``draw:g``) opened."""
+    if element.tag in _ODP_SHAPES:
+        yield element
+    elif element.tag == "draw:g" or element.tag == "presentation:notes":
+        for child in element.children:
+            yield from _odp_shapes(child)
+
+
+def _odp_shape_text(shape) -> str:
+    """A shape's text: its tables as pipe rows (:func:`_table_text`), else its paragraphs as odfdo formats them,
+    each line stripped (odfdo indents them), empty lines and image place holders dropped."""
+    tables = shape.get_elements(".//table:table")
     if tables:
         return "\n\n".join(_table_text([[_cell(v) for v in row] for row in t.get_values()]) for t in tables)
-    lines = (line.strip() for line in frame.get_formatted_text().split("\n"))
-    return "\n".join(line for line in lines if line)
+    if shape.tag == "draw:frame":
+        formatted = shape.get_formatted_text()
+    else:  # a drawn shape: its paragraphs (odfdo formats frames only)
+        formatted = "\n".join(str(p.text_recursive) for p in shape.get_elements(".//text:p | .//text:h"))
+    lines = (line.strip() for line in formatted.split("\n"))
+    return "\n".join(line for line in lines if line and not _IMAGE_PLACE.match(line))
 
 
 def _convert_ods(data: bytes, started: float) -> Converted:
@@ -1199,8 +1234,10 @@ def _convert_eml(data: bytes, started: float) -> Converted:
         if not attachment.get_filename():
             continue
         name = " ".join(str(attachment.get_filename()).split())
-        _check_time(started)
-        content, why_not = _attachment_text(attachment, name)
+        if time.monotonic() - started > MAX_CONVERT_SECONDS:  # the message's budget, its attachments' too
+            listed.append(f"{name} (not read: out of time)")
+            continue
+        content, why_not = _attachment_text(attachment, name, started)
         if content:
             read.extend([f"## Attachment: {name}", content])
         listed.append(f"{name} (not read: {why_not})" if why_not else name)
@@ -1210,23 +1247,23 @@ def _convert_eml(data: bytes, started: float) -> Converted:
     return Converted(text, "eml")
 
 
-def _attachment_text(part, name: str) -> tuple[str, str | None]:
+def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
     """An e-mail attachment's text as kvblend reads a file of that name and content, and why not where it
-    cannot (an encrypted PDF, a ZIP bomb: each converter's own checks apply); an image says nothing, as no
-    reason to show. An e-mail inside the e-mail is named, not opened (no recursion)."""
-    payload = part.get_content()
-    if isinstance(payload, str):
-        payload = payload.encode("utf-8")
-    if not isinstance(payload, bytes):  # message/rfc822: a forwarded message
-        return "", "a message inside the message"
-    if part.get_content_maintype() in ("image", "audio", "video"):
-        return "", None
+    cannot (an encrypted PDF, a ZIP bomb: each converter's own checks apply; a part the ``email`` package
+    cannot decode); an image says nothing, as no reason to show. Its bytes are read as sent and decoded as any
+    file's are (:func:`decode_text`), not by a charset the part may misname. It converts within the message's
+    time budget (``started``). An e-mail inside the e-mail is named, not opened (no recursion)."""
     try:
+        if part.get_content_maintype() in ("image", "audio", "video"):
+            return "", None
+        payload = part.get_payload(decode=True)
+        if not isinstance(payload, bytes):  # message/rfc822 (a forwarded message), multipart
+            return "", "a message inside the message"
         fmt = classify(PurePath(name).suffix, payload)
         if fmt == "eml":
             return "", "a message inside the message"
         if fmt in CONVERTED_FORMATS:
-            return convert(fmt, payload).text, None
+            return globals()[f"_convert_{fmt}"](payload, started).text, None
         text, _ = decode_text(payload)
         if fmt in ("csv", "tsv"):
             text = delimited_table(text, fmt).text
@@ -1236,7 +1273,7 @@ def _attachment_text(part, name: str) -> tuple[str, str | None]:
         return text, None if text else "empty"
     except ConversionError as e:
         return "", str(e)
-    except Exception as e:  # third-party converters on untrusted bytes (kvblend.documents says why)
+    except Exception as e:  # third-party code on untrusted bytes (kvblend.documents says why)
         return "", describe_error(e)
 
 
@@ -1374,6 +1411,8 @@ def _fenced(text: str, info: str = "") -> str:
 # Transcripts and subtitles ─────────────────────────────────────────────────────
 
 TRANSCRIPT_SECTION_SECONDS = 120  # a transcript's text under a "## 00:12:30-00:14:28" heading per ~2 minutes
+_CUE_NUMBER_SPACES = re.compile(r"(?m)^(\d+)[ \t]+$")  # "1 " as a cue number: webvtt-py wants "1"
+_SUBTITLE_OVERRIDES = re.compile(r"\{\\[^}]*\}")  # SubRip's {\an8} positioning, ASS-style
 _TRANSCRIPT_START = {
     "vtt": re.compile(rb"WEBVTT(?:[ \t\r\n]|$)"),
     "srt": re.compile(rb"\d+[ \t]*\r?\n[ \t]*\d{1,2}:\d\d:\d\d[,.]\d{1,3}[ \t]*-->"),
@@ -1400,17 +1439,20 @@ def _transcript(data: bytes, fmt: str, started: float) -> Converted:
     from webvtt.errors import MalformedFileError
 
     text, _ = decode_text(data)
+    text = text.replace("\r\n", "\n").replace("\r", "\n").lstrip("\ufeff \t\n")  # as classify() allowed it
+    text = _CUE_NUMBER_SPACES.sub(r"\1", text)
     label = "WebVTT" if fmt == "vtt" else "SubRip"
     try:
         captions = webvtt.from_buffer(io.StringIO(text), format=fmt).captions
     except MalformedFileError as e:
         raise ConversionError(f"corrupt {label} ({describe_error(e)})") from None
+    captions = sorted(captions, key=lambda c: c.start_in_seconds)  # cues out of order: by when they were said
     blocks: list[str] = []
     section: list[str] = []  # this section's paragraphs
     paragraph: list[str] = []
     speaker: str | None = None
     section_start = section_end = 0.0
-    last_line = ""
+    last_line = ""  # the caption before's last line
 
     def close_section() -> None:
         if paragraph:
@@ -1424,19 +1466,24 @@ def _transcript(data: bytes, fmt: str, started: float) -> Converted:
     for i, caption in enumerate(captions):
         if i % 1000 == 0:
             _check_time(started)
-        lines = [" ".join(line.split()) for line in caption.text.split("\n")]
-        lines = [line for line in lines if line]
-        if lines and lines[0] == last_line:  # rolled up from the caption before
-            lines = lines[1:]
+        raw = _SUBTITLE_OVERRIDES.sub("", html.unescape(caption.text))  # &amp;, SubRip's {\an8}
+        said = [line for line in (" ".join(line.split()) for line in raw.split("\n")) if line]
+        voice = getattr(caption, "voice", None) or None
+        lines = said
+        # Live captions roll up: two lines, the first repeated from the caption before by the same speaker, with
+        # a flash of the old line alone between (YouTube's 10 ms cues). A one-line caption that stays repeating
+        # the last one was said again ("Okay." "Okay.").
+        flash = _milliseconds(caption.end_time) - _milliseconds(caption.start_time) < 200
+        if said and said[0] == last_line and voice == speaker and (len(said) > 1 or flash):
+            lines = said[1:]
+        last_line = said[-1] if said else last_line
         if not lines:
             continue
-        last_line = lines[-1]
         start, end = float(caption.start_in_seconds), float(caption.end_in_seconds)
         if (section or paragraph) and start - section_start >= TRANSCRIPT_SECTION_SECONDS:
             close_section()
         if not section and not paragraph:
             section_start = section_end = start
-        voice = getattr(caption, "voice", None) or None
         if voice != speaker and paragraph:
             section.append(" ".join(paragraph))
             paragraph.clear()
@@ -1449,6 +1496,12 @@ def _transcript(data: bytes, fmt: str, started: float) -> Converted:
     if not blocks:
         raise ConversionError(f"empty (the {label} file has no captions with text)")
     return Converted(_tidy("\n\n".join(blocks)), fmt)
+
+
+def _milliseconds(timestamp) -> int:
+    """A webvtt-py timestamp's milliseconds (a property in 0.6, a method before)."""
+    value = timestamp.in_milliseconds
+    return int(value() if callable(value) else value)
 
 
 def _clock(seconds: float) -> str:
@@ -1735,7 +1788,7 @@ def _pptx_chart(chart) -> str:
         if not series or not categories:
             continue
         values = [list(s.values) for s in series]
-        rows = [["", *[s.name or "" for s in series]]]
+        rows = [["", *[s.name or f"Series {i}" for i, s in enumerate(series, 1)]]]  # as PowerPoint names them
         for i, category in enumerate(categories):
             rows.append([category, *[_cell(v[i]) if i < len(v) else "" for v in values]])
         tables.append(_table_text(rows))

@@ -1033,3 +1033,60 @@ def test_odp_is_a_page_per_slide_with_its_title_text_tables_and_notes(tmp_path):
     (tmp_path / "deck.odt").write_bytes((tmp_path / "deck.odp").read_bytes())
     _, skipped = iter_documents([tmp_path / "deck.odt"])
     assert [s.reason for s in skipped] == ["not an ODT (content looks like an ODP)"]
+
+
+def test_review_cases_of_transcripts_attachments_and_impress_shapes(tmp_path):
+    # two speakers saying the same word, and a SubRip "No." "No.": said twice, kept twice; YouTube's roll-up
+    # (two lines, the first repeated, and a 10 ms flash of it alone) kept once; cues out of order sorted
+    vtt = ("WEBVTT\n\n00:00:05.000 --> 00:00:06.000\n<v Ana>Okay.\n\n00:00:06.000 --> 00:00:07.000\n<v Bob>Okay.\n\n"
+           "00:00:01.000 --> 00:00:02.000\n<v Ana>First &amp; foremost.\n\n"
+           "00:00:10.000 --> 00:00:12.000\n<v Cy>hello world\n\n00:00:12.000 --> 00:00:12.010\n<v Cy>hello world\n\n"
+           "00:00:12.010 --> 00:00:14.000\n<v Cy>hello world\nthis is live\n")
+    (tmp_path / "call.vtt").write_text(vtt)
+    assert read_one(tmp_path / "call.vtt").text == (
+        "## 00:00:01-00:00:14\n\nAna: First & foremost. Okay.\n\nBob: Okay.\n\nCy: hello world this is live")
+    srt = "\n1 \r\n00:00:01,000 --> 00:00:02,000\r\n{\\an8}No.\r\n\r\n2\r\n00:00:02,000 --> 00:00:03,000\r\nNo!\r\n"
+    (tmp_path / "no.srt").write_bytes(srt.replace("No!", "No.").encode("utf-16"))  # UTF-16, a blank line first
+    assert read_one(tmp_path / "no.srt").text == "## 00:00:01-00:00:03\n\nNo. No."
+    # an attachment whose charset Python does not know is read from its bytes; the message is kept either way
+    from email.message import EmailMessage
+
+    msg = EmailMessage()
+    msg["From"], msg["Subject"] = "a@x.example", "Readings"
+    msg.set_content("Body text.")
+    msg.add_attachment(b"Depth 412 m", maintype="text", subtype="plain", filename="depths.txt")
+    msg.get_payload()[1].set_param("charset", "x-unknown-cs")
+    (tmp_path / "readings.eml").write_bytes(bytes(msg))
+    assert read_one(tmp_path / "readings.eml").text.endswith(
+        "Body text.\n\nAttachments: depths.txt\n\n## Attachment: depths.txt\n\nDepth 412 m")
+
+
+def test_impress_shapes_are_read_and_every_table_counts_against_the_cell_cap(tmp_path):
+    from odfdo import Document, DrawGroup, DrawPage, Element, Frame, Paragraph, PresentationNotes, RectangleShape
+
+    deck = Document("presentation")
+    deck.body.clear()
+    page = DrawPage("p1", name="Slide 1")
+    page.append(Frame.text_frame("Flow", size=("20cm", "2cm"), position=("1cm", "1cm"), presentation_class="title"))
+    box = RectangleShape(size=("4cm", "2cm"), position=("1cm", "5cm"))
+    box.append(Paragraph("Pump A feeds the tank"))
+    group = DrawGroup()
+    inner = RectangleShape(size=("4cm", "2cm"), position=("6cm", "5cm"))
+    inner.append(Paragraph("Valve B in a group"))
+    group.append(inner)
+    page.extend([box, group])
+    deck.body.append(page)
+    deck.save(tmp_path / "flow.odp")
+    assert read_one(tmp_path / "flow.odp").text == "## Flow\n\nPump A feeds the tank\n\nValve B in a group"
+    # a crafted table of 3,000,000 cells in the speaker notes is refused as one on the slide is, at once
+    huge = ('<table:table table:name="T"><table:table-column table:number-columns-repeated="1000"/>'
+            '<table:table-row table:number-rows-repeated="3000"><table:table-cell office:value-type="string" '
+            'table:number-columns-repeated="1000"><text:p>x</text:p></table:table-cell></table:table-row></table:table>')
+    frame = Frame(size=("9cm", "1cm"), position=("1cm", "1cm"), presentation_class="notes")
+    frame.append(Element.from_tag(huge))
+    notes = PresentationNotes()
+    notes.append(frame)
+    page.append(notes)
+    deck.save(tmp_path / "crafted.odp")
+    _, skipped = iter_documents([tmp_path / "crafted.odp"])
+    assert [s.reason for s in skipped] == ["too large for ODP (over 1,000,000 cells)"]
