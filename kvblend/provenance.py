@@ -39,7 +39,12 @@ def page_range(page_starts: Sequence[int], start: int, end: int) -> list[int] | 
 
 
 def row_range(
-    text: str, row_marks: Sequence[tuple[int, int]], start: int, end: int, sheet_starts: Sequence[int] = ()
+    text: str,
+    row_marks: Sequence[tuple[int, int]],
+    start: int,
+    end: int,
+    sheet_starts: Sequence[int] = (),
+    mark_starts: Sequence[int] | None = None,
 ) -> list[int] | None:
     """``[first, last]`` row numbers of the sheet rows ``text[start:end]`` touches; None when it touches none
     (a document without rows, or a segment of headings and header rows only).
@@ -48,11 +53,12 @@ def row_range(
     span when its line, up to its newline, overlaps it: a segment cut inside a row too long for one segment
     still cites that row. ``sheet_starts``: sorted offsets where a sheet begins (its ``##`` heading); a
     segment holding small sheets' rows cites those of its first sheet, the one its section names, since a
-    range over two sheets' numbering ("rows 11-3") means nothing.
+    range over two sheets' numbering ("rows 11-3") means nothing. ``mark_starts``: the marks' offsets, if known
+    (:func:`segment_sources` lists them once for all of a document's segments, not once per segment).
     """
     if not row_marks:
         return None
-    starts = [at for at, _ in row_marks]
+    starts = [at for at, _ in row_marks] if mark_starts is None else mark_starts
     first = bisect.bisect_right(starts, start) - 1  # the row whose line begins at or before the span, ...
     if first < 0 or _line_end(text, starts[first]) <= start:
         first += 1  # ... unless its line ends before the span does begin
@@ -104,11 +110,12 @@ def segment_sources(
     headings = find_headings(text)
     starts = [h.start for h in headings]
     pages = sorted(page_starts)
+    rows_at = [at for at, _ in row_marks]
     sources = []
     for a, b in spans:
         source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section_of(text, headings, a, b, starts)}
         if row_marks:
-            source["rows"] = row_range(text, row_marks, a, b, starts)
+            source["rows"] = row_range(text, row_marks, a, b, starts, rows_at)
         sources.append(source)
     return sources
 
@@ -117,14 +124,18 @@ def describe(pages: Sequence[int] | None, section: str | None, rows: Sequence[in
     """``p. 3 § Specifications``, ``pp. 3-4``, ``§ Install``, ``§ Parts rows 26-50``, or "" when nothing is known."""
     parts = []
     if pages:
-        first, last = pages[0], pages[-1]
-        parts.append(f"p. {first}" if first == last else f"pp. {first}-{last}")
+        parts.append(_span("p.", "pp.", pages))
     if section:
         parts.append(f"§ {section}")
     if rows:
-        first, last = rows[0], rows[-1]
-        parts.append(f"row {first}" if first == last else f"rows {first}-{last}")
+        parts.append(_span("row", "rows", rows))
     return " ".join(parts)
+
+
+def _span(one: str, many: str, pair: Sequence[int]) -> str:
+    """``p. 3`` or ``pp. 3-4``, ``row 7`` or ``rows 2-26``."""
+    first, last = pair[0], pair[-1]
+    return f"{one} {first}" if first == last else f"{many} {first}-{last}"
 
 
 def cite(segments: Iterable[Any]) -> str:
