@@ -83,7 +83,7 @@ import re
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -105,6 +105,7 @@ __all__ = [
     "block_tables",
     "delimited_table",
     "markdown_body",
+    "text_document",
     "describe_error",
 ]
 
@@ -242,8 +243,8 @@ def classify(suffix: str, data: bytes) -> str:
     if suffix in (".vtt", ".srt"):  # a transcript's cue numbers and timings would become the KV
         fmt = suffix[1:]
         head = data[:512]
-        if _wide_bom(head) is not None:  # Windows tools write UTF-16 subtitles: matched as the text they hold
-            head = head.decode(_wide_bom(head) or "", "ignore").encode("utf-8")
+        if (wide := _wide_bom(head)) is not None:  # Windows tools write UTF-16 subtitles: matched as their text
+            head = head.decode(wide, "ignore").encode("utf-8")
         if not _TRANSCRIPT_START[fmt].match(head.lstrip(b"\xef\xbb\xbf \t\r\n")):
             named = "WebVTT" if fmt == "vtt" else "SubRip"
             raise ConversionError(f"not {named} subtitles (content looks like {_describe(data)})")
@@ -556,12 +557,18 @@ def convert(fmt: str, data: bytes) -> Converted:
     from a converter are the caller's to catch (kvblend.documents turns them into
     one line too).
     """
-    # Each format's converter is the function `_convert_<format>`, looked up when called (a test replaces one).
+    converter = _converter(fmt)
+    with _quiet():
+        return converter(data, time.monotonic())  # the start, for the time budget checked between pages
+
+
+def _converter(fmt: str) -> Callable[[bytes, float], Converted]:
+    """Each format's converter is the function ``_convert_<format>``, looked up when called (a test replaces
+    one); it takes the bytes and the time its budget started."""
     converter = globals().get(f"_convert_{fmt}") if fmt in CONVERTED_FORMATS else None
     if converter is None:
         raise ValueError(f"no converter for {fmt!r}")
-    with _quiet():
-        return converter(data, time.monotonic())  # the start, for the time budget checked between pages
+    return converter
 
 
 _NOISY_LOGGERS = (
@@ -977,6 +984,11 @@ def _odf_table_size(table, what: str, before: int, started: float) -> int:
     return _spend_cells(before, table.height * table.width, what)
 
 
+def _odf_rows(table) -> list[list[str]]:
+    """An ODF table's values as cells (:func:`_cell`), from A1: row i is the sheet's row i + 1."""
+    return [[_cell(v) for v in row] for row in table.get_values()]
+
+
 def _convert_odp(data: bytes, started: float) -> Converted:
     """LibreOffice Impress's format, read as a PPTX deck is: a page per slide (so "p. 3" is slide 3), its title
     frame a ``##`` heading, then its other shapes in document order (text boxes, drawn shapes with text,
@@ -1010,16 +1022,10 @@ def _convert_odp(data: bytes, started: float) -> Converted:
             note = " ".join(" ".join(n.split()) for n in prose)
             page = [f"## {title}" if title else "", *blocks, f"Notes: {note}" if note else ""]
             page += [n for n in notes if n.startswith("|")]  # a table in the notes stays a table
-            pages.append(_tidy("\n\n".join(b for b in page if b)))
-    starts, parts, at = [], [], 0
-    for page_text in pages:  # a slide without text is a page all the same: "p. 3" stays slide 3
-        starts.append(at)
-        parts.append(page_text)
-        at += len(page_text) + 2
-    text = "\n\n".join(parts)
-    if not text.strip():
+            pages.append(_tidy("\n\n".join(b for b in page if b)))  # a slide without text is a page all the same
+    if not any(pages):
         raise ConversionError("empty (the ODP holds no text)")
-    return Converted(text, "odp", tuple(starts))
+    return _paged(pages, "odp")
 
 
 # Shapes on an Impress page that hold text: frames (text boxes, tables, images) and drawn shapes.
@@ -1053,7 +1059,7 @@ def _odp_shape_text(shape) -> str:
     each line stripped (odfdo indents them), empty lines and image place holders dropped."""
     tables = shape.get_elements(".//table:table")
     if tables:
-        return "\n\n".join(_table_text([[_cell(v) for v in row] for row in t.get_values()]) for t in tables)
+        return "\n\n".join(_table_text(_odf_rows(t)) for t in tables)
     if shape.tag == "draw:frame":
         formatted = shape.get_formatted_text()
     else:  # a drawn shape: its paragraphs (odfdo formats frames only)
@@ -1078,7 +1084,7 @@ def _convert_ods(data: bytes, started: float) -> Converted:
                 continue  # a hidden sheet: helper data, as in XLSX
             cells = _odf_table_size(table, "ODS", cells, started)
             # get_values() starts at A1, so row i of it is the sheet's row i + 1
-            if rows := _table_blocks([[_cell(v) for v in row] for row in table.get_values()], numbers):
+            if rows := _table_blocks(_odf_rows(table), numbers):
                 blocks.append(f"## {' '.join(str(table.name).split())}")
                 blocks.extend(rows)
     if not blocks:
@@ -1104,8 +1110,7 @@ def _convert_odt(data: bytes, started: float) -> Converted:
                 continue
             cells = _odf_table_size(table, "ODT", cells, started)
             marker = f"kvblend-odt-table-{i}"
-            rows = [[_cell(v) for v in row] for row in table.get_values()]
-            tables[marker] = _table_text(rows)
+            tables[marker] = _table_text(_odf_rows(table))
             table.parent.replace_element(table, odfdo.Paragraph(marker))
         markdown = str(document.to_markdown())  # str for a text document (a list only for a spreadsheet's tables)
     lines = [tables.get(line.strip(), line) for line in _unescape_odt(markdown).split("\n")]
@@ -1263,13 +1268,8 @@ def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
         if fmt == "eml":
             return "", "a message inside the message"
         if fmt in CONVERTED_FORMATS:
-            return globals()[f"_convert_{fmt}"](payload, started).text, None
-        text, _ = decode_text(payload)
-        if fmt in ("csv", "tsv"):
-            text = delimited_table(text, fmt).text
-        elif fmt == "markdown":
-            text = block_tables(markdown_body(text))
-        text = _tidy(text)
+            return _converter(fmt)(payload, started).text, None
+        text = _tidy(text_document(decode_text(payload)[0], fmt).text)
         return text, None if text else "empty"
     except ConversionError as e:
         return "", str(e)
@@ -1392,12 +1392,7 @@ def _close_fence(text: str) -> str:
     alone, but joined, an open fence would make every later cell code (and hide its headings)."""
     fence: str | None = None
     for line in text.split("\n"):
-        if (m := _FENCE_LINE.match(line)) is not None:
-            marker = m.group(1)
-            if fence is None:
-                fence = marker
-            elif marker[0] == fence[0] and len(marker) >= len(fence) and not line[m.end() :].strip():
-                fence = None
+        fence = _fence_after(line, fence)
     return text if fence is None else f"{text.rstrip()}\n{fence}"
 
 
@@ -1558,6 +1553,18 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
     return _sheet_text(blocks, "xlsx", numbers)
 
 
+def text_document(text: str, fmt: str) -> Converted:
+    """A text file's text (decoded: :func:`decode_text`) as kvblend reads its format (:func:`classify`): Markdown
+    without its front matter and with long tables in blocks (:func:`markdown_body`, :func:`block_tables`), CSV
+    and TSV as tables with their rows marked (:func:`delimited_table`), any other text as it is. A file and an
+    e-mail's attachment are read alike."""
+    if fmt == "markdown":
+        return Converted(block_tables(markdown_body(text)), fmt)
+    if fmt in ("csv", "tsv"):
+        return delimited_table(text, fmt)
+    return Converted(text, fmt)
+
+
 #: Delimiters a CSV export uses: Excel writes ";" where the decimal mark is a comma (most of Europe).
 _CSV_DELIMITERS = ",;\t|"
 
@@ -1679,6 +1686,18 @@ _TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
 _FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})")  # a fenced code block's opening or closing line
 
 
+def _fence_after(line: str, fence: str | None) -> str | None:
+    """The open fence's marker after ``line`` (None: outside any), given the one open before it. A closing
+    fence is of the opening's character, at least as long, with no info string: "```python" inside a fence is
+    code."""
+    if (m := _FENCE_LINE.match(line)) is None:
+        return fence
+    marker = m.group(1)
+    if fence is None:
+        return marker
+    return None if marker[0] == fence[0] and len(marker) >= len(fence) and not line[m.end() :].strip() else fence
+
+
 def block_tables(markdown: str) -> str:
     """Every pipe table a converter wrote (trafilatura's web tables, markdownify's EPUB ones) or a Markdown file
     holds cut into blocks under its header, as :func:`_table_blocks` cuts a sheet: a long table's later segments
@@ -1691,12 +1710,7 @@ def block_tables(markdown: str) -> str:
     fence: str | None = None  # the open fence's marker while inside one
     i = 0
     while i < len(lines):
-        if (m := _FENCE_LINE.match(lines[i])) is not None:
-            marker = m.group(1)
-            if fence is None:
-                fence = marker
-            elif marker[0] == fence[0] and len(marker) >= len(fence) and not lines[i][m.end() :].strip():
-                fence = None  # a closing fence has no info string: "```python" inside a fence is code
+        fence = _fence_after(lines[i], fence)
         if fence is None and lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
             end = i + 2
             while end < len(lines) and lines[end].startswith("|"):

@@ -406,17 +406,12 @@ def _read_text(name: str, suffix: str, fmt: str, data: bytes, docs: list[Documen
         return
     if suffix == ".json" and _read_json(text, name, docs, skipped):
         return
-    if fmt == "markdown":
-        text = conversion.block_tables(conversion.markdown_body(text))
-    elif fmt in ("csv", "tsv"):
-        try:
-            table = conversion.delimited_table(text, fmt)
-        except conversion.ConversionError as e:
-            skipped.append(Skipped(name, str(e)))
-            return
-        _add_text(name, table.text, docs, skipped, fmt, encoding=encoding, row_marks=table.row_marks)
+    try:
+        read = conversion.text_document(text, fmt)  # Markdown's front matter off, CSV's rows as a table
+    except conversion.ConversionError as e:
+        skipped.append(Skipped(name, str(e)))
         return
-    _add_text(name, text, docs, skipped, fmt, encoding=encoding)
+    _add_text(name, read.text, docs, skipped, fmt, encoding=encoding, row_marks=read.row_marks)
 
 
 def _add_converted(name: str, fmt: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
