@@ -209,15 +209,29 @@ def _read_if_changed(
     their records since): counted as unchanged, or read now, their documents returned to ingest."""
     docs: list[Document] = []
     for file in unread:
-        previous = archive.get_document(file.path)
-        if previous is not None and previous.source_hash == file.source_hash and _intact(res, archive, previous, codec):
+        previous = _still_held(res, archive, file, codec)
+        if previous is not None:
             report.documents += 1
             _count_unchanged(report, archive, previous)
             continue
-        again = read_file(SourceFile(Path(file.path), file.path, file.name))
-        docs.extend(again.docs)
-        report.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+        docs.extend(_read_again(file, report.skipped))
     return docs
+
+
+def _still_held(res: Resources, archive: Archive | None, file: Unchanged, codec: str) -> DocumentRecord | None:
+    """The record of a file left unread as unchanged, if the archive still holds it as its bytes are now and as
+    this codec and sink would store it; None when it must be read after all."""
+    previous = archive.get_document(file.path) if archive is not None else None
+    if archive is None or previous is None or previous.source_hash != file.source_hash:
+        return None
+    return previous if _intact(res, archive, previous, codec) else None
+
+
+def _read_again(file: Unchanged, skipped: list[dict]) -> list[Document]:
+    """A file left unread as unchanged, read now: its documents, its skips added to ``skipped``."""
+    again = read_file(SourceFile(Path(file.path), file.path, file.name))
+    skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+    return again.docs
 
 
 def _existing_archive(res: Resources) -> Archive | None:
@@ -276,10 +290,15 @@ def _nothing_to_ingest(skipped: list[dict]) -> UsageError:
 
 
 def _count_unchanged(report: IngestReport, archive: Archive, previous: DocumentRecord) -> None:
-    report.documents_unchanged += 1
-    report.segments_reused += len(previous.segment_keys)
-    report.tokens_total += previous.n_tokens
+    _tally_unchanged(report, previous)
     report.embeddings_restored += restore_embeddings(archive, previous)
+
+
+def _tally_unchanged(counts: IngestReport | IngestPlan, previous: DocumentRecord) -> None:
+    """An unchanged document counted: its segments reused, its tokens in the total (an ingest and its plan)."""
+    counts.documents_unchanged += 1
+    counts.segments_reused += len(previous.segment_keys)
+    counts.tokens_total += previous.n_tokens
 
 
 def restore_embeddings(archive: Archive, doc: DocumentRecord) -> int:
@@ -389,38 +408,23 @@ def plan_ingest(
     seen: set[str] = set()
     longest: list[tuple[int, int, list[int]]] = []  # a heap of the longest new segments: what is measured
     for done, source in enumerate(files):
-        if on_progress is not None:
-            on_progress(
-                {
-                    "files": done,
-                    "total": len(files),
-                    "documents": plan.documents,
-                    "tokens": plan.tokens_new,
-                    "current": source.shown,
-                }
-            )
+        _progress(on_progress, plan, source.shown, done, len(files))
         reading = read_file(source, held)
         plan.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
-        docs = reading.docs
+        docs = list(reading.docs)
         for file in reading.unchanged:  # the same bytes as archived: no work if stored with this codec and sink
-            previous = archive.get_document(file.path) if archive is not None else None
-            if archive is None or previous is None or not _intact(res, archive, previous, codec):
-                again = read_file(SourceFile(Path(file.path), file.path, file.name))  # as ingest reads it then
-                docs = docs + again.docs
-                plan.skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
+            previous = _still_held(res, archive, file, codec)
+            if previous is None:
+                docs.extend(_read_again(file, plan.skipped))  # as ingest reads it then
                 continue
             plan.documents += 1
-            plan.documents_unchanged += 1
-            plan.segments_reused += len(previous.segment_keys)
-            plan.tokens_total += previous.n_tokens
+            _tally_unchanged(plan, previous)
         for doc in docs:
             plan.documents += 1
             previous = archive.get_document(doc.path) if archive is not None else None
             if archive is not None and _unchanged(res, archive, previous, doc, codec):
                 assert previous is not None
-                plan.documents_unchanged += 1
-                plan.segments_reused += len(previous.segment_keys)
-                plan.tokens_total += previous.n_tokens
+                _tally_unchanged(plan, previous)
                 continue
             for key, _, ids in _segments_of(res, doc, chunk_tokens, codec)[1]:
                 plan.tokens_total += len(ids)
@@ -433,16 +437,7 @@ def plan_ingest(
                 heapq.heappush(longest, (len(ids), plan.segments_new, ids))
                 if len(longest) > SAMPLE_SEGMENTS:
                     heapq.heappop(longest)
-    if on_progress is not None:
-        on_progress(
-            {
-                "files": len(files),
-                "total": len(files),
-                "documents": plan.documents,
-                "tokens": plan.tokens_new,
-                "current": "",
-            }
-        )
+    _progress(on_progress, plan, "", len(files), len(files))
     if plan.documents == 0:
         raise _nothing_to_ingest(plan.skipped)
     if longest:  # (an unchanged tree loads no model, as its ingest does not)
@@ -491,10 +486,14 @@ def _free_bytes(res: Resources) -> int | None:
 
 
 def _progress(
-    on_progress: Callable[[dict], None] | None, report: IngestReport, current: str, files_done: int, files: int
+    on_progress: Callable[[dict], None] | None,
+    report: IngestReport | IngestPlan,
+    current: str,
+    files_done: int,
+    files: int,
 ) -> None:
-    """``files`` of ``total`` read, ``documents`` seen and ``tokens`` prefilled so far; ``current``: the file
-    being read next ("" at the end)."""
+    """``files`` of ``total`` read, ``documents`` seen and ``tokens`` prefilled (or, planned, to prefill) so far;
+    ``current``: the file being read next ("" at the end)."""
     if on_progress is not None:
         on_progress(
             {
