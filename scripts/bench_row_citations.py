@@ -10,8 +10,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import time
+
 from kvblend import conversion
 from kvblend.provenance import segment_sources
+
 text = "a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000))
 c = conversion.delimited_table(text, "csv")
 # spans: every block (as the segmenter would cut roughly)
