@@ -5,20 +5,26 @@ table blocks (one span each, 8,912), and its first and last sources.
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import time
+from kvblend import conversion  # noqa: E402
+from kvblend.provenance import segment_sources  # noqa: E402
 
-from kvblend import conversion
-from kvblend.provenance import segment_sources
 
-text = "a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000))
-c = conversion.delimited_table(text, "csv")
-# spans: every block (as the segmenter would cut roughly)
-blocks = []; at = 0
-for p in c.text.split("\n\n"):
-    blocks.append((at, at + len(p))); at += len(p) + 2
-t = time.perf_counter(); src = segment_sources(c.text, blocks, (), c.row_marks); dt = time.perf_counter() - t
-print(len(c.row_marks), "rows", len(blocks), "spans", f"{dt:.2f}s", src[0], src[-1])
+def main() -> None:
+    table = conversion.delimited_table("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)), "csv")
+    spans, at = [], 0
+    for block in table.text.split("\n\n"):  # a span per table block, as the segmenter cuts a table roughly
+        spans.append((at, at + len(block)))
+        at += len(block) + 2
+    started = time.perf_counter()
+    sources = segment_sources(table.text, spans, (), table.row_marks)
+    seconds = time.perf_counter() - started
+    print(f"{len(table.row_marks)} rows, {len(spans)} spans: {seconds:.2f} s; first {sources[0]}, last {sources[-1]}")
+
+
+if __name__ == "__main__":
+    main()
