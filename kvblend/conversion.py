@@ -1392,7 +1392,7 @@ def _close_fence(text: str) -> str:
     alone, but joined, an open fence would make every later cell code (and hide its headings)."""
     fence: str | None = None
     for line in text.split("\n"):
-        fence = _fence_after(line, fence)
+        fence = fence_after(line, fence)
     return text if fence is None else f"{text.rstrip()}\n{fence}"
 
 
@@ -1683,14 +1683,14 @@ def _row_blocks(head: list[str], rows: list[str]) -> list[str]:
 
 # A Markdown table's delimiter row: |---|:---:|, or | --- | --- | as markdownify writes it.
 _TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
-_FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})")  # a fenced code block's opening or closing line
+FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})", re.MULTILINE)  # a fenced code block's opening or closing line
 
 
-def _fence_after(line: str, fence: str | None) -> str | None:
+def fence_after(line: str, fence: str | None) -> str | None:
     """The open fence's marker after ``line`` (None: outside any), given the one open before it. A closing
     fence is of the opening's character, at least as long, with no info string: "```python" inside a fence is
-    code."""
-    if (m := _FENCE_LINE.match(line)) is None:
+    code. The one fence rule: converters close what a cell leaves open, the segmenter hides headings inside."""
+    if (m := FENCE_LINE.match(line)) is None:
         return fence
     marker = m.group(1)
     if fence is None:
@@ -1710,7 +1710,7 @@ def block_tables(markdown: str) -> str:
     fence: str | None = None  # the open fence's marker while inside one
     i = 0
     while i < len(lines):
-        fence = _fence_after(lines[i], fence)
+        fence = fence_after(lines[i], fence)
         if fence is None and lines[i].startswith("|") and i + 1 < len(lines) and _TABLE_DELIMITER.match(lines[i + 1]):
             end = i + 2
             while end < len(lines) and lines[end].startswith("|"):

@@ -103,6 +103,7 @@ from dataclasses import dataclass
 
 import regex
 
+from kvblend.conversion import FENCE_LINE, fence_after
 from kvblend.errors import UsageError
 
 __all__ = [
@@ -141,7 +142,6 @@ _WORD = re.compile(r"\S+")
 # CommonMark's ATX heading: up to 3 spaces, 1-6 #, a space or tab, a title (its closing #s are not part of it).
 _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+([^\n]*?)[ \t]*$", re.MULTILINE)
 _CLOSING_HASHES = re.compile(r"(?:^|[ \t]+)#+$")
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})", re.MULTILINE)
 # A rule line under a title (an underlined heading, _underlined_headings): 3 or more of one character.
 _UNDERLINE = re.compile(r"^ {0,3}([=\-~^*+])\1{2,}[ \t]*$", re.MULTILINE)
 _UNDERLINE_HINT = re.compile(r"^ {0,3}(?:={3}|-{3}|~{3}|\^{3}|\*{3}|\+{3})", re.MULTILINE)
@@ -185,7 +185,7 @@ def find_headings(text: str) -> list[Heading]:
     if "#" not in text and not _UNDERLINE_HINT.search(text):
         return []
     # (position, order at one position: a title before a fence line there, which may be its overline)
-    events: list[tuple[int, int, str, object]] = [(m.start(), 1, "fence", m) for m in _FENCE.finditer(text)]
+    events: list[tuple[int, int, str, object]] = [(m.start(), 1, "fence", m) for m in FENCE_LINE.finditer(text)]
     if "#" in text:
         events += [(m.start(), 2, "atx", m) for m in _HEADING.finditer(text)]
     events += [(u.heading.start, 0, "underlined", u) for u in _underlined_headings(text)]
@@ -199,13 +199,9 @@ def find_headings(text: str) -> list[Heading]:
                 headings.append(found.heading)
                 taken.update(found.rules)
         elif isinstance(found, re.Match) and kind == "fence":
-            if at in taken:
-                continue
-            marker = found.group(1)
-            if fence is None:
-                fence = marker
-            elif marker[0] == fence[0] and len(marker) >= len(fence):
-                fence = None
+            if at not in taken:
+                end = text.find("\n", at)
+                fence = fence_after(text[at : len(text) if end < 0 else end], fence)
         elif isinstance(found, re.Match) and fence is None:
             title = _CLOSING_HASHES.sub("", found.group(2)).strip()
             if title:

@@ -287,6 +287,10 @@ def test_find_headings_reads_atx_lines_outside_code_fences():
     assert [(h.level, h.title) for h in found] == [(1, "Title"), (2, "Indented up to three"), (6, "Six")]
     assert all(text[h.start] == "#" and text[h.start : h.end].endswith(("#", "Six")) for h in found)
     assert find_headings("no hashes at all") == []
+    # a fence line with an info string opens a fence but never closes one, in the segmenter as in the converters
+    nested = "````md\n```python\n# in the sample\n```python\n# still in it\n````\n\n# After\n"
+    assert [h.title for h in find_headings(nested)] == ["After"]
+    assert [h.title for h in find_headings("```\n# code\n```sh\n# still code\n```\n# Out\n")] == ["Out"]
 
 
 def test_find_headings_reads_underlined_titles_as_plain_text_markdown_and_rst_write_them():
