@@ -41,6 +41,10 @@ format goes to the converter that measured best for it (BENCHMARKS.md,
 * **E-mail (.eml)** — Python's ``email`` package: subject, people, date and
   the body (plain part first), then its attachments, each read as a file of
   its name would be (or named with why it cannot be).
+* **Mailboxes (.mbox, .mbx, or an extensionless mbox as Thunderbird keeps a
+  folder)** — every message as an .eml is read, in the file's order, each
+  under its subject. Read as text they were headers, quoted-printable and
+  base64 attachments.
 * **XLSX** — openpyxl (read-only, cached values): each visible sheet a
   ``##`` section, its cells pipe rows under their header, repeated over
   every block of rows that fits a default segment (:func:`_table_blocks`).
@@ -122,6 +126,7 @@ CONVERTED_FORMATS = (
     "epub",
     "xlsx",
     "eml",
+    "mbox",
     "odt",
     "ods",
     "odp",
@@ -147,7 +152,7 @@ _OTHER_ZIPS = {"content.xml": "OpenDocument"}  # those kvblend reads are named f
 
 # Bumped whenever kvblend's own treatment of a format changes what text comes out (tidying, headings, running
 # lines, encodings), so a file archived before is converted again rather than recognised by its bytes.
-CONVERSION_REVISION = 4
+CONVERSION_REVISION = 5
 # The libraries whose output is the text: a new version of one may read the same bytes differently.
 _CONVERTER_PACKAGES = (
     "pypdfium2",
@@ -240,6 +245,10 @@ def classify(suffix: str, data: bytes) -> str:
         if not _EMAIL_HEADER.match(data[:1024].lstrip()):
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
+    if suffix in _MBOX_EXTENSIONS:
+        if not _MBOX_START.match(data[:2048]):
+            raise ConversionError(f"not a mailbox (content looks like {_describe(data)})")
+        return "mbox"
     if suffix in (".vtt", ".srt"):  # a transcript's cue numbers and timings would become the KV
         fmt = suffix[1:]
         head = data[:512]
@@ -265,6 +274,8 @@ def classify(suffix: str, data: bytes) -> str:
         raise ConversionError(f"unsupported format ({_describe(data)})")
     if data.startswith(_OLE_MAGIC):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
+    if _MBOX_START.match(data[:2048]):  # Thunderbird keeps each folder as an mbox file with no extension
+        return "mbox"
     if _looks_like_html(data):
         return "html"
     if suffix in _XML_EXTENSIONS or _is_xml(data):  # DocBook, JATS, TEI, a feed: its tags would become the KV
@@ -1219,13 +1230,23 @@ def _convert_eml(data: bytes, started: float) -> Converted:
     under a ``## Attachment: name`` heading, since in a mailbox the attachment often holds what the message
     only points to. An attachment that cannot be read is named with its reason; the message is kept. Headers
     in other charsets (RFC 2047) are decoded."""
+    msg = _parse_message(data)
+    if msg is None:
+        raise ConversionError("not an email (no From, Subject or Date header)")
+    return Converted(_message_text(msg, started), "eml")
+
+
+def _parse_message(data: bytes):
+    """``data`` as an ``EmailMessage`` (the ``email`` package's modern policy), or None where it has no From,
+    Subject or Date header, which every message a mail client writes has."""
     from email import message_from_bytes, policy
-    from email.message import EmailMessage
 
     msg = message_from_bytes(data, policy=policy.default)
-    assert isinstance(msg, EmailMessage)
-    if not any(msg[k] for k in ("From", "Subject", "Date")):
-        raise ConversionError("not an email (no From, Subject or Date header)")
+    return msg if any(msg[k] for k in ("From", "Subject", "Date")) else None
+
+
+def _message_text(msg, started: float) -> str:
+    """One message as :func:`_convert_eml` describes it: subject heading, people and date, body, attachments."""
     subject = " ".join(str(msg["Subject"] or "").split()) or "(no subject)"
     blocks = ["# " + subject, "\n".join(f"{k}: {' '.join(str(msg[k]).split())}" for k in _EMAIL_FIELDS if msg[k])]
     part = msg.get_body(preferencelist=("plain", "html"))
@@ -1248,8 +1269,36 @@ def _convert_eml(data: bytes, started: float) -> Converted:
         listed.append(f"{name} (not read: {why_not})" if why_not else name)
     if listed:
         blocks.append("Attachments: " + ", ".join(listed))
-    text = _tidy("\n\n".join(b for b in [*blocks, *read] if b.strip()))
-    return Converted(text, "eml")
+    return _tidy("\n\n".join(b for b in [*blocks, *read] if b.strip()))
+
+
+# An mbox file (RFC 4155): messages one after another, each opened by a "From " line with the sender and the
+# time it arrived, then the message's own headers. What Thunderbird keeps a folder in, Google Takeout and
+# Apple Mail export, and Mailman archives a list as.
+_MBOX_EXTENSIONS = {".mbox", ".mbx"}
+_MBOX_START = re.compile(rb"From [^\r\n]*\d\d:\d\d[^\r\n]*\r?\n[A-Za-z][A-Za-z0-9-]*:[ \t]")
+_MBOX_FROM_LINE = re.compile(rb"^From [^\n]*\n", re.MULTILINE)
+_MBOX_ESCAPED = re.compile(rb"^>(>*From )", re.MULTILINE)  # a body's "From " line as writers escape it
+
+
+def _convert_mbox(data: bytes, started: float) -> Converted:
+    """A mailbox: each message as :func:`_convert_eml` reads one (its subject a ``#`` heading that names its
+    section, people, date, body, attachments), in the file's order. Messages start where Python's ``mailbox``
+    starts them: at every line that begins with ``From `` (writers escape such lines in a body as ``>From``,
+    and one ``>`` is taken off again, as mboxrd readers do).
+    A part that has none of a message's headers is left out; a mailbox with no message in it is refused. The
+    file's time budget covers every message and attachment."""
+    starts = [m.start() for m in _MBOX_FROM_LINE.finditer(data)]
+    texts = []
+    for begin, end in zip(starts, [*starts[1:], len(data)]):
+        _check_time(started)
+        message = data[begin:end]
+        msg = _parse_message(_MBOX_ESCAPED.sub(rb"\1", message[message.index(b"\n") + 1 :]))
+        if msg is not None:
+            texts.append(_message_text(msg, started))
+    if not texts:
+        raise ConversionError("not a mailbox (no message in it)")
+    return Converted("\n\n".join(texts), "mbox")
 
 
 def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
@@ -1265,7 +1314,7 @@ def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
         if not isinstance(payload, bytes):  # message/rfc822 (a forwarded message), multipart
             return "", "a message inside the message"
         fmt = classify(PurePath(name).suffix, payload)
-        if fmt == "eml":
+        if fmt in ("eml", "mbox"):
             return "", "a message inside the message"
         if fmt in CONVERTED_FORMATS:
             return _converter(fmt)(payload, started).text, None

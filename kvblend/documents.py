@@ -9,8 +9,8 @@ found plus the files (or records) it had to skip, each with a short reason.
   beside ``Page.html`` and a kvblend archive (one skip line for each folder).  A hidden file named
   explicitly is read.
 * A gzip'd file (``.gz``) is read as the file it holds, named by its name without ``.gz``.
-* PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml), Jupyter notebook (.ipynb) and transcript (.vtt,
-  .srt) files are converted to Markdown-flavoured text by
+* PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, .mbox), Jupyter notebook (.ipynb) and
+  transcript (.vtt, .srt) files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
   web page without its navigation, banners and footer; a PDF's pages, or a
   deck's slides, apart by a blank line, where each begins in

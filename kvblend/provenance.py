@@ -22,7 +22,7 @@ from typing import Any
 
 from kvblend.segmenter import Heading, find_headings
 
-__all__ = ["cite", "describe", "page_range", "row_range", "section_of", "segment_sources"]
+__all__ = ["cite", "describe", "page_range", "row_range", "section_of", "sections_of", "segment_sources"]
 
 
 def page_range(page_starts: Sequence[int], start: int, end: int) -> list[int] | None:
@@ -98,6 +98,24 @@ def section_of(
     return headings[i].title if i >= 0 else None
 
 
+def sections_of(
+    text: str, headings: Sequence[Heading], start: int, end: int, starts: Sequence[int] | None = None
+) -> list[str]:
+    """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`), then
+    each heading that starts inside it with text after it there. The segmenter fills a segment with whole small
+    sections (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest wrongly."""
+    first = section_of(text, headings, start, end, starts)
+    starts = [h.start for h in headings] if starts is None else starts
+    titles = [first] if first is not None else []
+    pos = _skip_space(text, start, end)
+    for i in range(bisect.bisect_right(starts, pos), bisect.bisect_left(starts, end)):
+        body = _skip_space(text, headings[i].end, end)  # where its text begins, if it has any in the segment
+        has_text = body < end and not (i + 1 < len(headings) and headings[i + 1].start == body)
+        if has_text and (not titles or headings[i].title != titles[-1]):
+            titles.append(headings[i].title)
+    return titles
+
+
 def segment_sources(
     text: str,
     spans: Sequence[tuple[int, int]],
@@ -105,30 +123,42 @@ def segment_sources(
     row_marks: Sequence[tuple[int, int]] = (),
 ) -> list[dict[str, Any]]:
     """One ``{"pages": [first, last] or None, "section": str or None}`` per span of ``text``, in order, with
-    ``"rows": [first, last] or None`` too where the document has rows: what a document record stores in
-    ``sources``."""
+    ``"sections"`` (every section it holds, :func:`sections_of`) where that is more than one, and ``"rows":
+    [first, last] or None`` where the document has rows: what a document record stores in ``sources``."""
     headings = find_headings(text)
     starts = [h.start for h in headings]
     pages = sorted(page_starts)
     rows_at = [at for at, _ in row_marks]
     sources = []
     for a, b in spans:
-        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section_of(text, headings, a, b, starts)}
+        titles = sections_of(text, headings, a, b, starts)
+        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": titles[0] if titles else None}
+        if len(titles) > 1:
+            source["sections"] = titles
         if row_marks:
             source["rows"] = row_range(text, row_marks, a, b, starts, rows_at)
         sources.append(source)
     return sources
 
 
-def describe(pages: Sequence[int] | None, section: str | None, rows: Sequence[int] | None = None) -> str:
-    """``p. 3 § Specifications``, ``pp. 3-4``, ``§ Install``, ``§ Parts rows 26-50``, or "" when nothing is known."""
+def describe(
+    pages: Sequence[int] | None,
+    section: str | None,
+    rows: Sequence[int] | None = None,
+    sections: Sequence[str] | None = None,
+) -> str:
+    """``p. 3 § Specifications``, ``pp. 3-4``, ``§ Install``, ``§ Parts rows 26-50``, or "" when nothing is known;
+    a passage holding several sections names its first and last as a page range does: ``§ Install … Upgrade``
+    (a sheet's rows are its first one's: ``§ Pumps rows 11-15 … Valves``)."""
     parts = []
     if pages:
         parts.append(_span("p.", "pp.", pages))
     if section:
         parts.append(f"§ {section}")
-    if rows:
+    if rows:  # a sheet's rows are its first section's (provenance.row_range)
         parts.append(_span("row", "rows", rows))
+    if section and sections and len(sections) > 1:
+        parts.append(f"… {sections[-1]}")
     return " ".join(parts)
 
 
@@ -142,7 +172,8 @@ def cite(segments: Iterable[Any]) -> str:
     """The sources of an answer's passages, one document after another in prompt order:
     ``manual.pdf p. 3 § Specifications, p. 5 § Safety; guide.md § Install``.
 
-    ``segments``: objects or dicts with ``document``, ``pages``, ``section`` and maybe ``rows`` (SegmentInfo, or
+    ``segments``: objects or dicts with ``document``, ``pages``, ``section`` and maybe ``sections`` and ``rows``
+    (SegmentInfo, or
     its JSON).
     Passages of no ingested document (a ``--context-file``, a client's chunk) are left out; "" when none is left.
     """
@@ -151,7 +182,7 @@ def cite(segments: Iterable[Any]) -> str:
         document = _field(seg, "document")
         if not document:
             continue
-        where = describe(_field(seg, "pages"), _field(seg, "section"), _field(seg, "rows"))
+        where = describe(_field(seg, "pages"), _field(seg, "section"), _field(seg, "rows"), _field(seg, "sections"))
         parts = by_document.setdefault(str(document), [])
         if where and where not in parts:
             parts.append(where)

@@ -172,6 +172,10 @@ def drop_listed(d: dict[str, Any], gone: Collection[str]) -> None:
     d["segment_keys"] = [k for k in keys if k not in gone]
 
 
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _int_pair(value: Any) -> list[int] | None:
     """``[first, last]`` as a record stores a page or row range; None for anything else (absent, damaged)."""
     if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
@@ -217,19 +221,23 @@ class DocumentRecord:
         return self.name or os.path.basename(self.path) or self.path
 
     def source(self, index: int) -> dict[str, Any]:
-        """Where segment ``index`` came from: ``{"pages": [first, last] or None, "section": str or None, "rows":
-        [first, last] or None}``; all None when the record does not say (written before provenance, or its sources
-        are not parallel), rows None for a document without rows."""
+        """Where segment ``index`` came from: ``{"pages": [first, last] or None, "section": str or None, "sections":
+        [str, ...] or None (every section it holds, where more than one), "rows": [first, last] or None}``; all
+        None when the record does not say (written before provenance, or its sources are not parallel), rows None
+        for a document without rows."""
         if len(self.sources) == len(self.segment_keys) and 0 <= index < len(self.sources):
             src = self.sources[index]
             if isinstance(src, dict):
-                section = src.get("section")
+                section, sections = src.get("section"), src.get("sections")
                 return {
                     "pages": _int_pair(src.get("pages")),
                     "section": section if isinstance(section, str) else None,
+                    "sections": sections
+                    if isinstance(sections, list) and len(sections) > 1 and _strings(sections)
+                    else None,
                     "rows": _int_pair(src.get("rows")),
                 }
-        return {"pages": None, "section": None, "rows": None}
+        return {"pages": None, "section": None, "sections": None, "rows": None}
 
     def drop_segments(self, gone: Collection[str]) -> None:
         """Forget the segments in ``gone`` (evicted, damaged), keeping ``sources`` parallel to ``segment_keys``."""

@@ -59,7 +59,7 @@ def _warm_up(engine, record: QARecord, template: PromptTemplate, codecs: Sequenc
 def record_sources(record: QARecord, chunks: int) -> list[dict]:
     """The passages a record's prompts hold (its first `chunks`), as a query reports where its segments came
     from: the QA file names each passage's document by its title; a passage has no pages or section."""
-    unknown = {"pages": None, "section": None, "rows": None}
+    unknown = {"pages": None, "section": None, "sections": None, "rows": None}
     return [{"document": title or None, **unknown} for title, _ in record.passages[:chunks]]
 
 

@@ -99,6 +99,7 @@ class SegmentInfo:
     pages: list[int] | None = None
     section: str | None = None
     rows: list[int] | None = None
+    sections: list[str] | None = None  # every section the passage holds, where more than one (section: the first)
 
 
 @dataclass

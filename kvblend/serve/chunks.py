@@ -78,6 +78,7 @@ def segments_report(infos: list[SegmentInfo]) -> list[dict]:
             "document": info.document,
             "pages": info.pages,
             "section": info.section,
+            "sections": info.sections,
             "rows": info.rows,
         }
         for info in infos

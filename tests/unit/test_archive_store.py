@@ -326,8 +326,8 @@ def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- provenance in document records
 
-SOURCES = [{"pages": [1, 2], "section": "Intro", "rows": None}, {"pages": [3, 3], "section": None, "rows": None},
-           {"pages": None, "section": "B", "rows": [2, 26]}]  # a sheet's segment: the rows it holds
+SOURCES = [{"pages": [1, 2], "section": "Intro", "sections": None, "rows": None}, {"pages": [3, 3], "section": None, "sections": None, "rows": None},
+           {"pages": None, "section": "B", "sections": ["B", "C"], "rows": [2, 26]}]  # a segment of two sheets: the rows of the first
 
 
 def test_document_provenance_records_and_old_records_still_read():
@@ -341,7 +341,7 @@ def test_document_provenance_records_and_old_records_still_read():
     old = {k: v for k, v in doc.to_dict().items() if k not in ("format", "pages", "sources")}
     legacy = DocumentRecord.from_json(json.dumps(old))
     assert (legacy.format, legacy.pages, legacy.sources) == ("text", 0, [])
-    assert legacy.source(0) == {"pages": None, "section": None, "rows": None}
+    assert legacy.source(0) == {"pages": None, "section": None, "sections": None, "rows": None}
     # sources that are not parallel to the keys (or not sources at all) say nothing rather than the wrong thing
     assert DocumentRecord(path="/x", segment_keys=["a", "b"], sources=SOURCES).source(0)["pages"] is None
-    assert DocumentRecord.from_dict({**old, "sources": "junk"}).source(1) == {"pages": None, "section": None, "rows": None}
+    assert DocumentRecord.from_dict({**old, "sources": "junk"}).source(1) == {"pages": None, "section": None, "sections": None, "rows": None}

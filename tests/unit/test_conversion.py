@@ -857,6 +857,73 @@ def test_an_emails_attachments_are_read_under_their_names_and_those_it_cannot_re
     assert "PNG" not in doc.text and doc.text.count("## Attachment:") == 2
 
 
+def mailbox_file(path: Path, messages: list) -> Path:
+    """An mbox as Python's `mailbox` writes one (the From_ lines, a body's "From " escaped as ">From ")."""
+    import mailbox
+
+    box = mailbox.mbox(path)
+    box.lock()
+    try:
+        for msg in messages:
+            box.add(msg)
+        box.flush()
+    finally:
+        box.unlock()
+        box.close()
+    return path
+
+
+def plain_message(subject: str, body: str, attachment: tuple[str, bytes] | None = None):
+    from email.message import EmailMessage
+
+    msg = EmailMessage()
+    msg["From"], msg["To"], msg["Subject"] = "Ada <ada@kestrel.example>", "list@kestrel.example", subject
+    msg["Date"] = "Tue, 03 Nov 2026 09:30:00 +0000"
+    msg.set_content(body)
+    if attachment:
+        msg.add_attachment(attachment[1], maintype="text", subtype="csv", filename=attachment[0])
+    return msg
+
+
+def test_a_mailbox_is_each_message_under_its_subject_with_attachments_read(tmp_path):
+    """An mbox (Thunderbird's folders, Google Takeout, Mailman's archives) was ingested as text: its headers, the
+    encoded parts and base64 attachments became KV. Now each message is read as an .eml is, under its subject."""
+    readings = b"pump,hours\nOrca-7,412\nSkua-3,90\n"
+    path = mailbox_file(tmp_path / "service.mbox", [
+        plain_message("Orca-7 seal leaks", "The Orca-7 seal leaks after 400 hours.\nFrom now on, check it weekly.\n"),
+        plain_message("Re: Orca-7 seal leaks", "Readings attached.\n", ("readings.csv", readings)),
+        bytes(email_bytes(html_only=True)),  # a message as bytes, its subject RFC 2047-encoded
+    ])
+    assert b"\n>From now on" in path.read_bytes()  # the writer escaped the body's From line
+    doc = read_one(path)
+    assert doc.format == "mbox"
+    titles = [h.title for h in find_headings(doc.text)]
+    assert titles == ["Orca-7 seal leaks", "Re: Orca-7 seal leaks", "Attachment: readings.csv",
+                      "Réparation: Orca-7 seal leaks", "Leak report"]
+    assert "The Orca-7 seal leaks after 400 hours.\nFrom now on, check it weekly." in doc.text  # unescaped
+    assert "| Orca-7 | 412 |" in doc.text
+    assert "Content-Transfer-Encoding" not in doc.text and "=?utf-8?" not in doc.text and "base64" not in doc.text
+    # Thunderbird keeps a folder as an mbox named like "Inbox", with no extension: read by its content
+    (tmp_path / "Inbox").write_bytes(path.read_bytes())
+    assert read_one(tmp_path / "Inbox").text == doc.text
+    # a mailbox attached to a message is named, not opened (no recursion)
+    outer = plain_message("Archive", "The old folder.\n")
+    outer.add_attachment(path.read_bytes(), maintype="application", subtype="mbox", filename="old.mbox")
+    (tmp_path / "outer.eml").write_bytes(bytes(outer))
+    assert "old.mbox (not read: a message inside the message)" in read_one(tmp_path / "outer.eml").text
+
+
+def test_a_file_named_mbox_that_holds_no_mail_is_skipped_in_one_line(tmp_path):
+    (tmp_path / "notes.mbox").write_text("Just some notes.\n")
+    (tmp_path / "empty.mbox").write_bytes(b"From someone Tue Nov  3 09:30:00 2026\nX-Junk: 1\n\nno headers of a message\n")
+    docs, skipped = iter_documents([tmp_path / "notes.mbox", tmp_path / "empty.mbox"])
+    assert docs == []
+    assert sorted((Path(s.path).name, s.reason) for s in skipped) == [
+        ("empty.mbox", "not a mailbox (no message in it)"),
+        ("notes.mbox", "not a mailbox (content looks like text)"),
+    ]
+
+
 def test_an_html_only_email_keeps_its_headings_and_tables_and_a_text_file_named_eml_is_refused(tmp_path):
     (tmp_path / "report.eml").write_bytes(email_bytes(html_only=True))
     text = read_one(tmp_path / "report.eml").text

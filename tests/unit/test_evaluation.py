@@ -176,8 +176,8 @@ def test_answers_carry_each_records_sources_as_a_query_reports_them():
 
     record = QARecord("Who?", [("Harbour", "A."), ("", "B."), ("Plants", "C.")], ["x"])
     sources = record_sources(record, chunks=2)
-    assert sources == [{"document": "Harbour", "pages": None, "section": None, "rows": None},
-                       {"document": None, "pages": None, "section": None, "rows": None}]
+    assert sources == [{"document": "Harbour", "pages": None, "section": None, "sections": None, "rows": None},
+                       {"document": None, "pages": None, "section": None, "sections": None, "rows": None}]
     report = BenchReport("m", "cpu", "", "", 1, [], runs=[_run(0, FULL, "x", ["x"], 1.0, 1.0, 0.0, 0.0)],
                          questions=["Who?"], sources=[sources])
     (rec,) = report.to_dict(answers=True)["per_record"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvblend.pipeline.results import SegmentInfo
-from kvblend.provenance import cite, describe, page_range, row_range, section_of, segment_sources
+from kvblend.provenance import cite, describe, page_range, row_range, section_of, sections_of, segment_sources
 from kvblend.segmenter import find_headings, split_into_spans
 
 PAGES = (0, 100, 250, 400)  # pages 1..4
@@ -48,8 +48,18 @@ def test_segment_sources_for_a_paged_markdown_text():
         {"pages": [2, 2], "section": "Installation"},
         {"pages": [3, 3], "section": "Specifications"},
     ]
-    assert segment_sources(text, [(0, len(text))], starts) == [{"pages": [1, 3], "section": "Orca-7 manual"}]
-    assert segment_sources(text, [(0, len(text))]) == [{"pages": None, "section": "Orca-7 manual"}]
+    # one segment of the three: it names every section it holds, and cites the first and the last
+    every = ["Orca-7 manual", "Installation", "Specifications"]
+    whole = segment_sources(text, [(0, len(text))], starts)
+    assert whole == [{"pages": [1, 3], "section": "Orca-7 manual", "sections": every}]
+    assert segment_sources(text, [(0, len(text))]) == [{"pages": None, "section": "Orca-7 manual", "sections": every}]
+    assert describe([1, 3], "Orca-7 manual", None, every) == "pp. 1-3 § Orca-7 manual … Specifications"
+    # a segment opening inside Installation's text and ending inside Specifications'
+    assert sections_of(text, find_headings(text), text.index("Bolt"), text.index("maximum")) == every[1:]
+    # headings with no text of their own in the segment are not sections it holds
+    glued = "# A\n## B\ntext of B\n\n# C\n# D\n\nfinal text"
+    assert sections_of(glued, find_headings(glued), 0, len(glued)) == ["B", "D"]
+    assert sections_of(glued, find_headings(glued), 0, glued.index("# C")) == ["B"]
     # with the segmenter: page 3 is its own segment once the text is too long for one
     spans = split_into_spans(text, lambda s: len(s.split()), 16, breaks=starts)
     assert segment_sources(text, spans, starts)[-1] == {"pages": [3, 3], "section": "Specifications"}
@@ -76,7 +86,10 @@ def test_row_range_is_the_sheet_rows_a_span_touches():
     # two small sheets in one segment: the rows of the first, the sheet its section names, never "rows 11-3"
     book = "## Pumps\n\n| p | d |\n|---|---|\n| a | 1 |\n| b | 2 |\n\n## Valves\n\n| v |  s |\n|---|---|\n| c | 3 |"
     marks = [(book.index("| a |"), 11), (book.index("| b |"), 15), (book.index("| c |"), 2)]
-    assert segment_sources(book, [(0, len(book))], (), marks) == [{"pages": None, "section": "Pumps", "rows": [11, 15]}]
+    assert segment_sources(book, [(0, len(book))], (), marks) == [
+        {"pages": None, "section": "Pumps", "sections": ["Pumps", "Valves"], "rows": [11, 15]}
+    ]
+    assert describe(None, "Pumps", [11, 15], ["Pumps", "Valves"]) == "§ Pumps rows 11-15 … Valves"
     assert segment_sources(book, [(book.index("| b |"), len(book))], (), marks)[0]["rows"] == [15, 15]
     assert segment_sources(book, [(book.index("## Valves"), len(book))], (), marks)[0]["rows"] == [2, 2]
 
@@ -95,5 +108,6 @@ def test_describe_and_cite():
     ]
     assert cite(infos) == "manual.pdf p. 3 § Specifications, p. 5 § Safety; guide.md § Install; notes.txt"
     assert cite([{"document": "a.md", "pages": None, "section": "X"}]) == "a.md § X"  # the JSON form too
+    assert cite([{"document": "box.mbox", "section": "X", "sections": ["X", "Re: Y", "Z"]}]) == "box.mbox § X … Z"
     assert cite([{"document": "p.csv", "pages": None, "section": None, "rows": [2, 26]}]) == "p.csv rows 2-26"
     assert cite([SegmentInfo("k", None, 1, False)]) == ""

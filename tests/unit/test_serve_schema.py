@@ -161,10 +161,12 @@ def test_segments_report_says_where_each_passage_came_from():
     from kvblend.pipeline.results import SegmentInfo
 
     infos = [SegmentInfo("k1", "manual.pdf", 5, True, pages=[3, 3], section="Operating limits"),
-             SegmentInfo("k2", None, 4, True, stored=True), SegmentInfo("k3", "parts.csv", 9, True, rows=[2, 26])]
-    first, second, third = segments_report(infos)
+             SegmentInfo("k2", None, 4, True, stored=True), SegmentInfo("k3", "parts.csv", 9, True, rows=[2, 26]),
+             SegmentInfo("k4", "box.mbox", 7, True, section="Leak", sections=["Leak", "Re: Leak"])]
+    first, second, third, fourth = segments_report(infos)
     assert first == {"key": "k1", "tokens": 5, "source": "hit", "document": "manual.pdf", "pages": [3, 3],
-                     "section": "Operating limits", "rows": None}
+                     "section": "Operating limits", "sections": None, "rows": None}
+    assert (fourth["section"], fourth["sections"]) == ("Leak", ["Leak", "Re: Leak"])  # every section it holds
     assert (second["document"], second["pages"], second["section"], second["rows"]) == (None, None, None, None)
     assert (third["document"], third["rows"]) == ("parts.csv", [2, 26])
 

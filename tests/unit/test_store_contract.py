@@ -176,8 +176,8 @@ def test_replace_document_drops_only_unshared_stale_segments(ar):
     assert ar.verify().ok and ar.gc().orphans == []
 
 
-SOURCES = [{"pages": [1, 2], "section": "Intro", "rows": None}, {"pages": [3, 3], "section": None, "rows": None},
-           {"pages": None, "section": "B", "rows": [2, 26]}]  # a sheet's segment: the rows it holds
+SOURCES = [{"pages": [1, 2], "section": "Intro", "sections": None, "rows": None}, {"pages": [3, 3], "section": None, "sections": None, "rows": None},
+           {"pages": None, "section": "B", "sections": ["B", "C"], "rows": [2, 26]}]  # a segment of two sheets: the rows of the first
 
 
 def test_document_provenance_round_trips_and_old_records_still_read(ar):
@@ -194,7 +194,7 @@ def test_document_provenance_round_trips_and_old_records_still_read(ar):
     old["path"] = "/old.md"
     ar.store.write(lambda txn: txn.put("documents", "/old.md", json.dumps(old).encode()))  # an older kvblend's
     legacy = ar.get_document("/old.md")
-    assert (legacy.format, legacy.pages, legacy.source(0)) == ("text", 0, {"pages": None, "section": None, "rows": None})
+    assert (legacy.format, legacy.pages, legacy.source(0)) == ("text", 0, {"pages": None, "section": None, "sections": None, "rows": None})
 
 
 def test_dropping_a_segment_marks_its_documents_and_drops_its_source(ar):
@@ -203,7 +203,7 @@ def test_dropping_a_segment_marks_its_documents_and_drops_its_source(ar):
     for key in ("pw1", "pw3", "pw4"):
         put(ar, key)
     keys = ["pw1", "pw2", "pw3", "pw4"]
-    sources = [*SOURCES, {"pages": [4, 4], "section": "D", "rows": None}]
+    sources = [*SOURCES, {"pages": [4, 4], "section": "D", "sections": None, "rows": None}]
     ar.replace_document(DocumentRecord(path="/docs/m.pdf", segment_keys=keys, format="pdf", pages=4,
                                        sources=sources, extra={"future": 1}))
     damage_layer(ar, "pw3", 0)
