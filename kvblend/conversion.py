@@ -246,7 +246,7 @@ def classify(suffix: str, data: bytes) -> str:
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
     if suffix in _MBOX_EXTENSIONS:
-        if not _MBOX_START.match(data[:2048]):
+        if not _MBOX_START.match(data[:2048].lstrip(b"\xef\xbb\xbf \t\r\n")):
             raise ConversionError(f"not a mailbox (content looks like {_describe(data)})")
         return "mbox"
     if suffix in (".vtt", ".srt"):  # a transcript's cue numbers and timings would become the KV
@@ -274,7 +274,7 @@ def classify(suffix: str, data: bytes) -> str:
         raise ConversionError(f"unsupported format ({_describe(data)})")
     if data.startswith(_OLE_MAGIC):
         raise ConversionError("unsupported format (legacy Office file: .doc/.xls/.ppt; save it as .docx)")
-    if _MBOX_START.match(data[:2048]):  # Thunderbird keeps each folder as an mbox file with no extension
+    if _MBOX_START.match(data[:2048]):  # Thunderbird's folders (no extension), git format-patch's .patch
         return "mbox"
     if _looks_like_html(data):
         return "html"
@@ -1247,14 +1247,17 @@ def _parse_message(data: bytes):
 
 def _message_text(msg, started: float) -> str:
     """One message as :func:`_convert_eml` describes it: subject heading, people and date, body, attachments."""
-    subject = " ".join(str(msg["Subject"] or "").split()) or "(no subject)"
-    blocks = ["# " + subject, "\n".join(f"{k}: {' '.join(str(msg[k]).split())}" for k in _EMAIL_FIELDS if msg[k])]
+    subject = _header(msg, "Subject") or "(no subject)"
+    blocks = ["# " + subject, "\n".join(f"{k}: {v}" for k in _EMAIL_FIELDS if (v := _header(msg, k)))]
     part = msg.get_body(preferencelist=("plain", "html"))
     if part is not None:
-        content = part.get_content()
+        try:
+            content = part.get_content()
+        except LookupError:  # a charset Python does not know: its bytes as any file's are read
+            content = decode_text(part.get_payload(decode=True) or b"")[0]
         if part.get_content_type() == "text/html":
             content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
-        blocks.append(content if isinstance(content, str) else "")
+        blocks.append(_close_fence(content) if isinstance(content, str) else "")  # hides no later heading
     listed, read = [], []
     for attachment in msg.iter_attachments():
         if not attachment.get_filename():
@@ -1265,40 +1268,75 @@ def _message_text(msg, started: float) -> str:
             continue
         content, why_not = _attachment_text(attachment, name, started)
         if content:
-            read.extend([f"## Attachment: {name}", content])
+            read.extend([f"## Attachment: {name}", _close_fence(content)])
         listed.append(f"{name} (not read: {why_not})" if why_not else name)
     if listed:
         blocks.append("Attachments: " + ", ".join(listed))
     return _tidy("\n\n".join(b for b in [*blocks, *read] if b.strip()))
 
 
+def _header(msg, name: str) -> str:
+    """A header's value on one line, RFC 2047 words decoded; as written where the ``email`` package cannot parse
+    it (``Cc: <`` raises inside it), so one malformed field costs neither the message nor the mailbox."""
+    try:
+        value = str(msg[name] or "")
+    except Exception:  # the structured header's parser, on untrusted bytes
+        value = next((str(v) for k, v in msg.raw_items() if k.lower() == name.lower()), "")
+    return " ".join(value.split())
+
+
 # An mbox file (RFC 4155): messages one after another, each opened by a "From " line with the sender and the
 # time it arrived, then the message's own headers. What Thunderbird keeps a folder in, Google Takeout and
 # Apple Mail export, and Mailman archives a list as.
 _MBOX_EXTENSIONS = {".mbox", ".mbx"}
-_MBOX_START = re.compile(rb"From [^\r\n]*\d\d:\d\d[^\r\n]*\r?\n[A-Za-z][A-Za-z0-9-]*:[ \t]")
-_MBOX_FROM_LINE = re.compile(rb"^From [^\n]*\n", re.MULTILINE)
+# The "From " line as mail stores write it: a sender without spaces, then the time as ctime() writes it ("Tue Nov
+# 3 09:30:00 2026"; git format-patch's "Mon Sep 17 00:00:00 2001" too), then the message's first header line. A
+# sentence that begins "From 10:00 to 12:00" is text, and git leaves a body's "From the docs" unescaped.
+_MBOX_ENVELOPE = (
+    rb"From \S+ +(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) +(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +\d{1,2} "
+    rb"+\d{1,2}:\d\d(?::\d\d)?[^\r\n]*\r?\n(?=[A-Za-z][A-Za-z0-9-]*:[ \t])"
+)
+_MBOX_START = re.compile(_MBOX_ENVELOPE)
+_MBOX_FROM_LINE = re.compile(rb"^" + _MBOX_ENVELOPE, re.MULTILINE)
 _MBOX_ESCAPED = re.compile(rb"^>(>*From )", re.MULTILINE)  # a body's "From " line as writers escape it
 
 
 def _convert_mbox(data: bytes, started: float) -> Converted:
     """A mailbox: each message as :func:`_convert_eml` reads one (its subject a ``#`` heading that names its
-    section, people, date, body, attachments), in the file's order. Messages start where Python's ``mailbox``
-    starts them: at every line that begins with ``From `` (writers escape such lines in a body as ``>From``,
-    and one ``>`` is taken off again, as mboxrd readers do).
-    A part that has none of a message's headers is left out; a mailbox with no message in it is refused. The
-    file's time budget covers every message and attachment."""
+    section, people, date, body, attachments), in the file's order.
+
+    A message starts at a ``From `` line of the form mail stores write (:data:`_MBOX_ENVELOPE`: sender, time,
+    then a header), so a body's own "From my point of view" line, which mboxo writers and git leave unescaped,
+    stays in its message; a body's ``>From`` has one ``>`` taken off, as mboxrd readers do. A message
+    Thunderbird marks deleted (it keeps them until the folder is compacted) is left out; one the ``email``
+    package cannot read is left out alone, not the mailbox; a fence one leaves open is closed at its end, so it
+    hides no later subject. A mailbox with no message in it is refused. The file's time budget covers every
+    message and attachment."""
+    data = data.lstrip(b"\xef\xbb\xbf \t\r\n")
     starts = [m.start() for m in _MBOX_FROM_LINE.finditer(data)]
     texts = []
     for begin, end in zip(starts, [*starts[1:], len(data)]):
         _check_time(started)
         message = data[begin:end]
-        msg = _parse_message(_MBOX_ESCAPED.sub(rb"\1", message[message.index(b"\n") + 1 :]))
-        if msg is not None:
-            texts.append(_message_text(msg, started))
+        try:
+            msg = _parse_message(_MBOX_ESCAPED.sub(rb"\1", message[message.index(b"\n") + 1 :]))
+            if msg is not None and not _deleted(msg):
+                texts.append(_message_text(msg, started))
+        except ConversionError:
+            raise  # out of time
+        except Exception:  # a malformed header or charset in one message (third-party code on untrusted bytes)
+            continue
     if not texts:
         raise ConversionError("not a mailbox (no message in it)")
     return Converted("\n\n".join(texts), "mbox")
+
+
+def _deleted(msg) -> bool:
+    """Whether Thunderbird marked the message deleted (bit 0x0008 of its X-Mozilla-Status, a hex field)."""
+    try:
+        return bool(int(str(msg["X-Mozilla-Status"] or "0").strip(), 16) & 0x0008)
+    except ValueError:
+        return False
 
 
 def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
@@ -1314,8 +1352,10 @@ def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
         if not isinstance(payload, bytes):  # message/rfc822 (a forwarded message), multipart
             return "", "a message inside the message"
         fmt = classify(PurePath(name).suffix, payload)
-        if fmt in ("eml", "mbox"):
+        if fmt == "eml" or (fmt == "mbox" and PurePath(name).suffix.lower() in _MBOX_EXTENSIONS):
             return "", "a message inside the message"
+        if fmt == "mbox":  # a patch from git format-patch, attached to a list's mail: read as the text it is
+            fmt = "text"
         if fmt in CONVERTED_FORMATS:
             return _converter(fmt)(payload, started).text, None
         text = _tidy(text_document(decode_text(payload)[0], fmt).text)

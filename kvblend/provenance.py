@@ -101,8 +101,8 @@ def section_of(
 def sections_of(
     text: str, headings: Sequence[Heading], start: int, end: int, starts: Sequence[int] | None = None
 ) -> list[str]:
-    """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`), then
-    each heading that starts inside it with text after it there. The segmenter fills a segment with whole small
+    """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`; none
+    before the first heading), then each heading that starts inside it with text after it there. The segmenter fills a segment with whole small
     sections (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest wrongly."""
     first = section_of(text, headings, start, end, starts)
     starts = [h.start for h in headings] if starts is None else starts
@@ -131,9 +131,9 @@ def segment_sources(
     rows_at = [at for at, _ in row_marks]
     sources = []
     for a, b in spans:
-        titles = sections_of(text, headings, a, b, starts)
-        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": titles[0] if titles else None}
-        if len(titles) > 1:
+        section = section_of(text, headings, a, b, starts)
+        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section}
+        if section is not None and len(titles := sections_of(text, headings, a, b, starts)) > 1:
             source["sections"] = titles
         if row_marks:
             source["rows"] = row_range(text, row_marks, a, b, starts, rows_at)

@@ -913,6 +913,40 @@ def test_a_mailbox_is_each_message_under_its_subject_with_attachments_read(tmp_p
     assert "old.mbox (not read: a message inside the message)" in read_one(tmp_path / "outer.eml").text
 
 
+def test_a_mailbox_keeps_what_mboxo_writers_and_git_leave_and_skips_only_what_is_broken_or_deleted(tmp_path):
+    """Messages start only at a From line of the envelope's form (sender, time, then a header): a body's own
+    "From my point of view", which mboxo writers and git leave unescaped, stays in its message. A malformed
+    header or an unknown charset costs neither the message nor the mailbox; Thunderbird's deleted messages
+    (kept until the folder is compacted) are left out; a fence one message leaves open hides no later subject."""
+    box = (b"From a@x Tue Nov  3 09:30:00 2026\nFrom: a@x\nSubject: First\n\nTry this:\n```\npip install foo\n\n"
+           b"From b@x Tue Nov  3 09:31:00 2026\nFrom: b@x\nSubject: Second\nCc: <\n"
+           b"Content-Type: text/plain; charset=x-bogus\n\nbody two\nFrom my point of view, fine.\nLast paragraph.\n\n"
+           b"From c@x Tue Nov  3 09:32:00 2026\nFrom: c@x\nSubject: Third\nX-Mozilla-Status: 0009\n\ndeleted one\n\n"
+           b"From d@x Tue Nov  3 09:33:00 2026\nFrom: d@x\nSubject: Fourth\n\nbody four\n")
+    (tmp_path / "Inbox").write_bytes(box)
+    text = read_one(tmp_path / "Inbox").text
+    assert [h.title for h in find_headings(text)] == ["First", "Second", "Fourth"]
+    assert "From my point of view, fine.\nLast paragraph." in text and "Cc: <" in text
+    assert "deleted one" not in text
+    # a sentence that begins "From 10:00" is text, not a mailbox, with or without an extension
+    notice = b"From 10:00 to 12:00 the office is closed.\nNote: bring your badge.\n"
+    (tmp_path / "notice.txt").write_bytes(notice)
+    assert read_one(tmp_path / "notice.txt").text.strip() == notice.decode().strip()
+    # git format-patch writes an mbox: read as a message under its subject, its diff kept, "From the docs" too
+    patch = (b"From 1a2b3c Mon Sep 17 00:00:00 2001\nFrom: Ada <ada@x>\nDate: Tue, 3 Nov 2026 09:30:00 +0000\n"
+             b"Subject: [PATCH] Fix the parser\n\nFrom the docs: empty input is valid.\n---\n"
+             b" parse.py | 2 +-\n\ndiff --git a/parse.py b/parse.py\n-    fail()\n+    return []\n")
+    (tmp_path / "0001-fix.patch").write_bytes(patch)
+    doc = read_one(tmp_path / "0001-fix.patch")
+    assert doc.format == "mbox" and doc.text.startswith("# [PATCH] Fix the parser")
+    assert "From the docs: empty input is valid." in doc.text and "+    return []" in doc.text
+    # attached to a list's mail, a patch is read as the text it is; only a mailbox file is not opened
+    mail = plain_message("Patch for review", "See attached.\n")
+    mail.add_attachment(patch, maintype="text", subtype="x-patch", filename="0001-fix.patch")
+    (tmp_path / "review.eml").write_bytes(bytes(mail))
+    assert "## Attachment: 0001-fix.patch\n\nFrom 1a2b3c" in read_one(tmp_path / "review.eml").text
+
+
 def test_a_file_named_mbox_that_holds_no_mail_is_skipped_in_one_line(tmp_path):
     (tmp_path / "notes.mbox").write_text("Just some notes.\n")
     (tmp_path / "empty.mbox").write_bytes(b"From someone Tue Nov  3 09:30:00 2026\nX-Junk: 1\n\nno headers of a message\n")
