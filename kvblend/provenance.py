@@ -102,8 +102,9 @@ def sections_of(
     text: str, headings: Sequence[Heading], start: int, end: int, starts: Sequence[int] | None = None
 ) -> list[str]:
     """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`; none
-    before the first heading), then each heading that starts inside it with text after it there. The segmenter fills a segment with whole small
-    sections (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest wrongly."""
+    before the first heading), then each heading that starts inside it with text after it there. The segmenter
+    fills a segment with whole small sections (three short e-mails of a mailbox, a FAQ's questions), so the
+    first alone would cite the rest wrongly."""
     first = section_of(text, headings, start, end, starts)
     starts = [h.start for h in headings] if starts is None else starts
     titles = [first] if first is not None else []
