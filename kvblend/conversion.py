@@ -888,6 +888,47 @@ def _check_zip(data: bytes, what: str) -> None:
             )
 
 
+def is_document_zip(suffix: str, data: bytes) -> bool:
+    """Whether a file is a ZIP of documents (a folder someone zipped, a download of a manual's files), to read
+    member by member: a ``.zip`` that is no DOCX, XLSX, EPUB or other format kvblend reads as one document."""
+    return suffix.lower() == ".zip" and _is_zip(data) and _zip_format(data) is None
+
+
+# Members of a zipped folder that hold no document: macOS's resource forks, and the ones a file manager hides
+_ZIP_NOISE = ("__MACOSX/", ".DS_Store", "Thumbs.db")
+
+
+def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
+    """A ZIP's files in their stored order, as (member path, bytes) or, for one that cannot be read, (member
+    path, why). The whole ZIP is refused first (:class:`ConversionError`) where its central directory says it
+    would inflate past :data:`MAX_ZIP_UNCOMPRESSED_BYTES` or a member past its ratio (a ZIP bomb), or where it
+    is damaged; a member over ``max_member_bytes`` is named as too large. Folders, hidden files and macOS's
+    ``__MACOSX`` forks are left out; an encrypted member, a member that fails its CRC, and a ZIP inside the ZIP
+    (not opened: no recursion) are named with why."""
+    _check_zip(data, "ZIP")
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            path = info.filename
+            base = path.rstrip("/").rsplit("/", 1)[-1]
+            if info.is_dir() or path.startswith(_ZIP_NOISE) or base in _ZIP_NOISE or base.startswith("."):
+                continue
+            if info.flag_bits & 0x1:
+                yield path, "encrypted (password protected)"
+                continue
+            if info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
+                yield path, f"too large ({info.file_size // _MIB} MiB)"
+                continue
+            try:
+                member = z.read(info)
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, NotImplementedError) as e:
+                yield path, f"cannot be read from the ZIP ({describe_error(e)})"
+                continue
+            if path.lower().endswith(".zip") or (_is_zip(member) and _zip_format(member) is None):
+                yield path, "a ZIP inside the ZIP (unzip it first)"
+                continue
+            yield path, member
+
+
 def _convert_docx(data: bytes, started: float) -> Converted:
     _check_zip(data, "DOCX")
     import docx  # lazy: python-docx and lxml, 0.09 s

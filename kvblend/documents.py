@@ -8,7 +8,8 @@ found plus the files (or records) it had to skip, each with a short reason.
   directories (no loops), the ``Page_files/`` folder a browser saves
   beside ``Page.html`` and a kvblend archive (one skip line for each folder).  A hidden file named
   explicitly is read.
-* A gzip'd file (``.gz``) is read as the file it holds, named by its name without ``.gz``.
+* A gzip'd file (``.gz``) is read as the file it holds (``notes.md.gz`` as Markdown), under its own name.
+* A ZIP of documents (a zipped folder) is read member by member, each named ``bundle.zip/its/path``.
 * PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, .mbox), Jupyter notebook (.ipynb) and
   transcript (.vtt, .srt) files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
@@ -59,7 +60,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from kvblend import conversion
 from kvblend.errors import UsageError
@@ -345,14 +346,43 @@ def _read_file(
     except OSError as e:
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
         return None
-    suffix = file.suffix.lower()
+    if conversion.is_document_zip(file.suffix, data):
+        _read_zip(name, data, docs, skipped)
+        return None
+    return _read_bytes(name, file.name, data, docs, skipped, is_unchanged)
+
+
+def _read_zip(name: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
+    """A zipped folder's documents, each named ``bundle.zip/its/path.pdf`` and read as that file would be;
+    members are converted on every ingest (their text, and so their segments, are still known unchanged)."""
+    try:
+        for member, content in conversion.zip_members(data, MAX_FILE_BYTES):
+            shown = f"{name}/{member}"
+            if isinstance(content, str):
+                skipped.append(Skipped(shown, content))
+            else:
+                _read_bytes(shown, member.rsplit("/", 1)[-1], content, docs, skipped)
+    except conversion.ConversionError as e:
+        skipped.append(Skipped(name, str(e)))
+
+
+def _read_bytes(
+    name: str,
+    filename: str,
+    data: bytes,
+    docs: list[Document],
+    skipped: list[Skipped],
+    is_unchanged: Callable[[str, str], bool] | None = None,
+) -> str | None:
+    """:func:`_read_file` once the bytes are read: a file's, or a zipped folder's member's."""
+    suffix = PurePath(filename).suffix.lower()
     if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
         try:
             data = _gunzip(data)
         except conversion.ConversionError as e:
             skipped.append(Skipped(name, str(e)))
             return None
-        suffix = Path(file.stem).suffix.lower()  # what the file inside is: ".md" of notes.md.gz ("" for README.gz)
+        suffix = PurePath(PurePath(filename).stem).suffix.lower()  # ".md" of notes.md.gz ("" for README.gz)
     try:
         fmt = conversion.classify(suffix, data)
     except conversion.ConversionError as e:

@@ -947,6 +947,44 @@ def test_a_mailbox_keeps_what_mboxo_writers_and_git_leave_and_skips_only_what_is
     assert "## Attachment: 0001-fix.patch\n\nFrom 1a2b3c" in read_one(tmp_path / "review.eml").text
 
 
+def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path):
+    """A folder someone zipped (a manual's files, a download): each member read as that file would be, named
+    `bundle.zip/docs/manual.pdf`; an encrypted or nested member, and macOS's forks and hidden files, are not."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "bundle.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.write(DOCS / "manual.pdf", "docs/manual.pdf")
+        z.write(DOCS / "report.docx", "docs/report.docx")
+        z.writestr("docs/notes.md.gz", __import__("gzip").compress(b"# Notes\n\nThe Orca-7 is painted blue.\n"))
+        z.writestr("__MACOSX/docs/._manual.pdf", b"\x00\x05\x16\x07 resource fork")
+        z.writestr("docs/.DS_Store", b"\x00\x00\x00\x01Bud1")
+        z.write(DOCS / "encrypted.pdf", "docs/encrypted.pdf")
+        z.writestr("old/archive.zip", zipfile_bytes({"a.md": b"# A\n"}))
+    docs, skipped = iter_documents([tmp_path / "bundle.zip"])
+    assert [(Path(d.path).relative_to(tmp_path).as_posix(), d.format) for d in docs] == [
+        ("bundle.zip/docs/manual.pdf", "pdf"), ("bundle.zip/docs/report.docx", "docx"), ("bundle.zip/docs/notes.md.gz", "markdown")]
+    manual = docs[0]
+    assert manual.page_starts and "412 kPa" in manual.text  # a member keeps its pages
+    assert docs[2].text.startswith("# Notes")  # a gzip'd member is read as the file it holds
+    assert [(Path(s.path).relative_to(tmp_path).as_posix(), s.reason) for s in skipped] == [
+        ("bundle.zip/docs/encrypted.pdf", "encrypted PDF (password protected)"),
+        ("bundle.zip/old/archive.zip", "a ZIP inside the ZIP (unzip it first)"),
+    ]
+    # a DOCX is a ZIP too, but one document: never opened as a folder
+    assert [d.format for d in iter_documents([DOCS / "report.docx"])[0]] == ["docx"]
+
+
+def zipfile_bytes(members: dict[str, bytes]) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
 def test_a_file_named_mbox_that_holds_no_mail_is_skipped_in_one_line(tmp_path):
     (tmp_path / "notes.mbox").write_text("Just some notes.\n")
     (tmp_path / "empty.mbox").write_bytes(b"From someone Tue Nov  3 09:30:00 2026\nX-Junk: 1\n\nno headers of a message\n")
