@@ -895,38 +895,81 @@ def is_document_zip(suffix: str, data: bytes) -> bool:
 
 
 # Members of a zipped folder that hold no document: macOS's resource forks, and the ones a file manager hides
-_ZIP_NOISE = ("__MACOSX/", ".DS_Store", "Thumbs.db")
+_ZIP_NOISE = ("__MACOSX", ".DS_Store", "Thumbs.db", "desktop.ini")
 
 
 def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
     """A ZIP's files in their stored order, as (member path, bytes) or, for one that cannot be read, (member
-    path, why). The whole ZIP is refused first (:class:`ConversionError`) where its central directory says it
-    would inflate past :data:`MAX_ZIP_UNCOMPRESSED_BYTES` or a member past its ratio (a ZIP bomb), or where it
-    is damaged; a member over ``max_member_bytes`` is named as too large. Folders, hidden files and macOS's
-    ``__MACOSX`` forks are left out; an encrypted member, a member that fails its CRC, and a ZIP inside the ZIP
-    (not opened: no recursion) are named with why."""
-    _check_zip(data, "ZIP")
+    path, why), each read as a file in a folder would be, nothing extracted to disk.
+
+    The whole ZIP is refused (:class:`ConversionError`) where it is damaged, or where the members it would read
+    declare over :data:`MAX_ZIP_UNCOMPRESSED_BYTES` in all; each member is checked from the central directory
+    before it is inflated (Python's zipfile stops a member at its declared size, and its CRC then fails). Left
+    out, as the folder walk leaves them: folders, hidden files and folders (``.git/``), macOS's ``__MACOSX``
+    forks and a file manager's litter. Named with why: a name that is empty or leaves the ZIP (``../a.md``,
+    ``/etc/x``, which would map onto another document's name), a name seen before, a symbolic link, an encrypted
+    member, one over ``max_member_bytes`` or compressed over :data:`MAX_ZIP_RATIO`:1 (a bomb), one that cannot
+    be inflated, and a ZIP inside the ZIP (not opened: no recursion). Names a Windows tool stored in UTF-8
+    without saying so are read as UTF-8, where Python's zipfile would read them as cp437."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise ConversionError("corrupt ZIP (not a complete ZIP archive)") from None
+    total, seen, wanted = 0, set(), []
+    for info in infos:
+        path = _zip_name(info)
+        parts = path.split("/")
+        if path.endswith("/") or any(p.startswith(".") or p in _ZIP_NOISE for p in parts if p not in ("", "..")):
+            continue
+        why = None
+        if not path or path.startswith("/") or ".." in parts or "" in parts:
+            why = "its name is empty or leaves the ZIP (not read)"
+        elif path in seen:
+            why = "a second member of the same name (the first is read)"
+        elif (info.external_attr >> 16) & 0o170000 == 0o120000:
+            why = "a symbolic link (not followed)"
+        elif info.flag_bits & 0x1:
+            why = "encrypted (password protected)"
+        elif info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
+            why = f"too large ({info.file_size // _MIB} MiB)"
+        elif info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
+            ratio = info.file_size // max(info.compress_size, 1)
+            why = f"compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
+        else:
+            total += info.file_size
+        seen.add(path)
+        wanted.append((info, path or "(no name)", why))
+    if total > MAX_ZIP_UNCOMPRESSED_BYTES:
+        raise ConversionError(f"ZIP would inflate to over {MAX_ZIP_UNCOMPRESSED_BYTES // _MIB} MiB; not opened")
+    if not wanted:
+        raise ConversionError("empty ZIP (no documents in it)")
     with zipfile.ZipFile(io.BytesIO(data)) as z:
-        for info in z.infolist():
-            path = info.filename
-            base = path.rstrip("/").rsplit("/", 1)[-1]
-            if info.is_dir() or path.startswith(_ZIP_NOISE) or base in _ZIP_NOISE or base.startswith("."):
-                continue
-            if info.flag_bits & 0x1:
-                yield path, "encrypted (password protected)"
-                continue
-            if info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
-                yield path, f"too large ({info.file_size // _MIB} MiB)"
+        for info, path, why in wanted:
+            if why is not None:
+                yield path, why
                 continue
             try:
                 member = z.read(info)
-            except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, NotImplementedError) as e:
+            except Exception as e:  # zlib's, lzma's, a bad CRC, an unknown method: this member's damage alone
                 yield path, f"cannot be read from the ZIP ({describe_error(e)})"
                 continue
             if path.lower().endswith(".zip") or (_is_zip(member) and _zip_format(member) is None):
                 yield path, "a ZIP inside the ZIP (unzip it first)"
                 continue
             yield path, member
+
+
+def _zip_name(info: zipfile.ZipInfo) -> str:
+    """A member's path with ``/`` separators, ``./`` steps taken out, in UTF-8 where its bytes are."""
+    name = info.orig_filename
+    if not info.flag_bits & 0x800:  # no UTF-8 flag: zipfile read the bytes as cp437
+        with suppress(UnicodeError):
+            name = name.encode("cp437").decode("utf-8")
+    name = name.replace("\\", "/").split("\x00", 1)[0]
+    while name.startswith("./"):
+        name = name[2:]
+    return name.replace("/./", "/")
 
 
 def _convert_docx(data: bytes, started: float) -> Converted:

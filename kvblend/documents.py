@@ -346,9 +346,6 @@ def _read_file(
     except OSError as e:
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
         return None
-    if conversion.is_document_zip(file.suffix, data):
-        _read_zip(name, data, docs, skipped)
-        return None
     return _read_bytes(name, file.name, data, docs, skipped, is_unchanged)
 
 
@@ -361,7 +358,7 @@ def _read_zip(name: str, data: bytes, docs: list[Document], skipped: list[Skippe
             if isinstance(content, str):
                 skipped.append(Skipped(shown, content))
             else:
-                _read_bytes(shown, member.rsplit("/", 1)[-1], content, docs, skipped)
+                _read_bytes(shown, member.rsplit("/", 1)[-1], content, docs, skipped, in_zip=True)
     except conversion.ConversionError as e:
         skipped.append(Skipped(name, str(e)))
 
@@ -373,8 +370,10 @@ def _read_bytes(
     docs: list[Document],
     skipped: list[Skipped],
     is_unchanged: Callable[[str, str], bool] | None = None,
+    in_zip: bool = False,
 ) -> str | None:
-    """:func:`_read_file` once the bytes are read: a file's, or a zipped folder's member's."""
+    """:func:`_read_file` once the bytes are read: a file's, or a zipped folder's member's (``in_zip``: a ZIP
+    there, gzip'd or not, is not opened)."""
     suffix = os.path.splitext(filename)[1].lower()  # (a PurePath per file cost 2% of reading plain text)
     if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
         try:
@@ -383,6 +382,12 @@ def _read_bytes(
             skipped.append(Skipped(name, str(e)))
             return None
         suffix = os.path.splitext(filename[: -len(".gz")])[1].lower()  # ".md" of notes.md.gz ("" for README.gz)
+    if conversion.is_document_zip(suffix, data):  # a zipped folder (docs.zip, or docs.zip.gz)
+        if in_zip:
+            skipped.append(Skipped(name, "a ZIP inside the ZIP (unzip it first)"))
+        else:
+            _read_zip(name, data, docs, skipped)
+        return None
     try:
         fmt = conversion.classify(suffix, data)
     except conversion.ConversionError as e:

@@ -949,29 +949,64 @@ def test_a_mailbox_keeps_what_mboxo_writers_and_git_leave_and_skips_only_what_is
 
 def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path):
     """A folder someone zipped (a manual's files, a download): each member read as that file would be, named
-    `bundle.zip/docs/manual.pdf`; an encrypted or nested member, and macOS's forks and hidden files, are not."""
+    `bundle.zip/docs/manual.pdf`. Left out as the folder walk leaves them: hidden files and folders, macOS's
+    forks. Each member that cannot be read is one line naming it, and costs nothing else: a damaged deflate
+    stream, a name that leaves the ZIP (it would map onto another document), a second member of one name, a
+    symbolic link, an encrypted or bomb-like member, a ZIP inside the ZIP (gzip'd or not)."""
+    import gzip
     import zipfile
 
     with zipfile.ZipFile(tmp_path / "bundle.zip", "w", zipfile.ZIP_DEFLATED) as z:
         z.write(DOCS / "manual.pdf", "docs/manual.pdf")
         z.write(DOCS / "report.docx", "docs/report.docx")
-        z.writestr("docs/notes.md.gz", __import__("gzip").compress(b"# Notes\n\nThe Orca-7 is painted blue.\n"))
+        z.writestr("docs/notes.md.gz", gzip.compress(b"# Notes\n\nThe Orca-7 is painted blue.\n"))
         z.writestr("__MACOSX/docs/._manual.pdf", b"\x00\x05\x16\x07 resource fork")
         z.writestr("docs/.DS_Store", b"\x00\x00\x00\x01Bud1")
+        z.writestr(".git/config", "[core]\n")
         z.write(DOCS / "encrypted.pdf", "docs/encrypted.pdf")
         z.writestr("old/archive.zip", zipfile_bytes({"a.md": b"# A\n"}))
+        z.writestr("old/archive.zip.gz", gzip.compress(zipfile_bytes({"a.md": b"# A\n"})))
+        z.writestr("../escape.md", "# Elsewhere\n")
+        with pytest.warns(UserWarning, match="Duplicate name"):
+            z.writestr("docs/notes.md.gz", gzip.compress(b"# Another\n"))  # the same name again
+        link = zipfile.ZipInfo("docs/link.md")
+        link.external_attr = (0o120777 << 16)
+        z.writestr(link, "../../etc/passwd")
+        z.writestr("logs/zeros.txt", bytes(20 << 20))  # 20 MiB that deflate to ~20 KB
+        z.writestr("docs/damaged.md", "# Damaged\n\n" + "Some text to deflate. " * 200)
+    raw = bytearray((tmp_path / "bundle.zip").read_bytes())
+    with zipfile.ZipFile(tmp_path / "bundle.zip") as z:
+        info = z.getinfo("docs/damaged.md")
+    at = info.header_offset + 30 + len(info.filename) + len(info.extra) + 2
+    raw[at : at + 4] = b"\xff\xff\xff\xff"  # the deflate stream damaged: zlib.error, not a traceback
+    (tmp_path / "bundle.zip").write_bytes(bytes(raw))
+
     docs, skipped = iter_documents([tmp_path / "bundle.zip"])
     assert [(Path(d.path).relative_to(tmp_path).as_posix(), d.format) for d in docs] == [
         ("bundle.zip/docs/manual.pdf", "pdf"), ("bundle.zip/docs/report.docx", "docx"), ("bundle.zip/docs/notes.md.gz", "markdown")]
-    manual = docs[0]
-    assert manual.page_starts and "412 kPa" in manual.text  # a member keeps its pages
-    assert docs[2].text.startswith("# Notes")  # a gzip'd member is read as the file it holds
-    assert [(Path(s.path).relative_to(tmp_path).as_posix(), s.reason) for s in skipped] == [
-        ("bundle.zip/docs/encrypted.pdf", "encrypted PDF (password protected)"),
-        ("bundle.zip/old/archive.zip", "a ZIP inside the ZIP (unzip it first)"),
-    ]
-    # a DOCX is a ZIP too, but one document: never opened as a folder
+    assert docs[0].page_starts and "412 kPa" in docs[0].text  # a member keeps its pages
+    assert docs[2].text.startswith("# Notes")  # a gzip'd member is read as the file it holds; the first of its name
+    reasons = {Path(s.path).relative_to(tmp_path).as_posix(): s.reason for s in skipped}
+    assert set(reasons) == {f"bundle.zip/{m}" for m in ("docs/encrypted.pdf", "old/archive.zip", "old/archive.zip.gz",
+                            "../escape.md", "docs/notes.md.gz", "docs/link.md", "logs/zeros.txt", "docs/damaged.md")}
+    assert reasons["bundle.zip/docs/encrypted.pdf"] == "encrypted PDF (password protected)"
+    assert reasons["bundle.zip/old/archive.zip"] == reasons["bundle.zip/old/archive.zip.gz"] == "a ZIP inside the ZIP (unzip it first)"
+    assert reasons["bundle.zip/../escape.md"] == "its name is empty or leaves the ZIP (not read)"
+    assert reasons["bundle.zip/docs/notes.md.gz"] == "a second member of the same name (the first is read)"
+    assert reasons["bundle.zip/docs/link.md"] == "a symbolic link (not followed)"
+    assert re.fullmatch(r"compressed \d+:1 \(over 100:1, a ZIP bomb\?\); not opened", reasons["bundle.zip/logs/zeros.txt"])
+    assert reasons["bundle.zip/docs/damaged.md"].startswith("cannot be read from the ZIP (")
+    # a DOCX is a ZIP too, but one document: never opened as a folder; an empty ZIP says so
     assert [d.format for d in iter_documents([DOCS / "report.docx"])[0]] == ["docx"]
+    (tmp_path / "empty.zip").write_bytes(zipfile_bytes({"__MACOSX/._x": b"fork"}))
+    assert iter_documents([tmp_path / "empty.zip"])[1][0].reason == "empty ZIP (no documents in it)"
+    # a name a Windows tool wrote in UTF-8 without the flag that says so is read as UTF-8, not cp437
+    buf = bytearray(zipfile_bytes({"Прив.md": b"# Hi\n"}))
+    for at in (i for i in range(len(buf) - 1) if buf[i : i + 4] in (b"PK\x03\x04", b"PK\x01\x02")):
+        flag_at = at + (7 if buf[at + 2] == 3 else 9)  # the flags' high byte
+        buf[flag_at] &= ~0x08 & 0xFF  # clear bit 11 (0x800: "the name is UTF-8")
+    (tmp_path / "win.zip").write_bytes(bytes(buf))
+    assert [Path(d.path).name for d in iter_documents([tmp_path / "win.zip"])[0]] == ["Прив.md"]
 
 
 def zipfile_bytes(members: dict[str, bytes]) -> bytes:
