@@ -916,27 +916,13 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
             infos = z.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError):
         raise ConversionError("corrupt ZIP (not a complete ZIP archive)") from None
-    total, seen, wanted = 0, set(), []
+    total, seen, wanted = 0, set[str](), []
     for info in infos:
         path = _zip_name(info)
-        parts = path.split("/")
-        if path.endswith("/") or any(p.startswith(".") or p in _ZIP_NOISE for p in parts if p not in ("", "..")):
+        if _left_out(path):
             continue
-        why = None
-        if not path or path.startswith("/") or ".." in parts or "" in parts:
-            why = "its name is empty or leaves the ZIP (not read)"
-        elif path in seen:
-            why = "a second member of the same name (the first is read)"
-        elif (info.external_attr >> 16) & 0o170000 == 0o120000:
-            why = "a symbolic link (not followed)"
-        elif info.flag_bits & 0x1:
-            why = "encrypted (password protected)"
-        elif info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
-            why = f"too large ({info.file_size // _MIB} MiB)"
-        elif info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
-            ratio = info.file_size // max(info.compress_size, 1)
-            why = f"compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
-        else:
+        why = _member_name_problem(path, seen, "ZIP") or _zip_member_problem(info, max_member_bytes)
+        if why is None:
             total += info.file_size
         seen.add(path)
         wanted.append((info, path or "(no name)", why))
@@ -958,6 +944,97 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
                 yield path, "a ZIP inside the ZIP (unzip it first)"
                 continue
             yield path, member
+
+
+def _zip_member_problem(info: zipfile.ZipInfo, max_member_bytes: int) -> str | None:
+    """Why a ZIP member is not read, from its central directory entry alone (None: it is read)."""
+    if (info.external_attr >> 16) & 0o170000 == 0o120000:
+        return "a symbolic link (not followed)"
+    if info.flag_bits & 0x1:
+        return "encrypted (password protected)"
+    if info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
+        return f"too large ({info.file_size // _MIB} MiB)"
+    if info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
+        ratio = info.file_size // max(info.compress_size, 1)
+        return f"compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
+    return None
+
+
+def _left_out(path: str) -> bool:
+    """Whether a member is one the folder walk would leave out too: a folder, a hidden file or one in a hidden
+    folder (``.git/``, macOS's ``._x`` forks), ``__MACOSX`` and a file manager's litter."""
+    parts = path.split("/")
+    return path.endswith("/") or any(p.startswith(".") or p in _ZIP_NOISE for p in parts if p not in ("", ".."))
+
+
+def _member_name_problem(path: str, seen: set[str], kind: str) -> str | None:
+    """Why a member cannot be a document of its own name (None: it can): a name that is empty or leaves the
+    archive (``../a.md``, ``/etc/x``: it would map onto another document), or one seen before."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or ".." in parts or "" in parts:
+        return f"its name is empty or leaves the {kind} (not read)"
+    if path in seen:
+        return "a second member of the same name (the first is read)"
+    return None
+
+
+_TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+
+
+def is_document_tar(filename: str, data: bytes) -> bool:
+    """Whether a file is a tar archive of documents (``docs.tar.gz``, ``.tgz``, ``.tar.xz``, ``.tar.bz2``, ``.tar``),
+    by its name and its first bytes (gzip, bzip2 or xz magic, or the ``ustar`` header of a plain tar)."""
+    name = filename.lower()
+    if not name.endswith(_TAR_SUFFIXES):
+        return False
+    return data.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")) or data[257:262] == b"ustar"
+
+
+def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
+    """A tar archive's files in their order, as :func:`zip_members` gives a ZIP's, with its rules: the same
+    members left out, the same names refused, each member over ``max_member_bytes`` named as too large, a link
+    or device named as no regular file, an archive inside it not opened. The tar is decompressed as a stream
+    (gzip, bzip2, xz), member after member, and refused (:class:`ConversionError`) once the sizes its headers
+    declare pass :data:`MAX_ZIP_UNCOMPRESSED_BYTES` (a skipped member's bytes are decompressed too, to reach the
+    next header, so they count), or where it is damaged: what it yielded before stands."""
+    import tarfile
+
+    seen: set[str] = set()
+    total = found = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:
+            for info in tar:
+                total += max(info.size, 0)
+                if total > MAX_ZIP_UNCOMPRESSED_BYTES:
+                    raise ConversionError(
+                        f"tar archive would inflate to over {MAX_ZIP_UNCOMPRESSED_BYTES // _MIB} MiB; not read further"
+                    )
+                path = info.name.replace("\\", "/").split("\x00", 1)[0]
+                while path.startswith("./"):
+                    path = path[2:]
+                path = path.replace("/./", "/")
+                if info.isdir() or path in ("", ".") or _left_out(path):
+                    continue
+                found += 1
+                why = _member_name_problem(path, seen, "tar archive")
+                seen.add(path)
+                if why is None and not info.isreg():
+                    why = "a symbolic link (not followed)" if info.issym() or info.islnk() else "not a regular file"
+                if why is None and info.size > max_member_bytes:
+                    why = f"too large ({info.size // _MIB} MiB)"
+                if why is None and path.lower().endswith((".zip", *_TAR_SUFFIXES)):
+                    why = "an archive inside the archive (unpack it first)"
+                if why is not None:
+                    yield path, why
+                    continue
+                member = tar.extractfile(info)
+                yield path, member.read() if member is not None else b""
+    except ConversionError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, ValueError) as e:  # zlib, bz2 and lzma raise OSError/EOFError
+        raise ConversionError(f"corrupt tar archive ({describe_error(e)})") from None
+    if not found:
+        raise ConversionError("empty tar archive (no documents in it)")
 
 
 def _zip_name(info: zipfile.ZipInfo) -> str:

@@ -9,7 +9,8 @@ found plus the files (or records) it had to skip, each with a short reason.
   beside ``Page.html`` and a kvblend archive (one skip line for each folder).  A hidden file named
   explicitly is read.
 * A gzip'd file (``.gz``) is read as the file it holds (``notes.md.gz`` as Markdown), under its own name.
-* A ZIP of documents (a zipped folder) is read member by member, each named ``bundle.zip/its/path``.
+* A ZIP or tar archive of documents (a zipped or tarred folder) is read member by member, each named
+  ``bundle.zip/its/path``.
 * PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, .mbox), Jupyter notebook (.ipynb) and
   transcript (.vtt, .srt) files are converted to Markdown-flavoured text by
   :mod:`kvblend.conversion` (headings as ``#`` lines, tables as pipe rows; a
@@ -58,7 +59,7 @@ import io
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,11 +350,18 @@ def _read_file(
     return _read_bytes(name, file.name, data, docs, skipped, is_unchanged)
 
 
-def _read_zip(name: str, data: bytes, docs: list[Document], skipped: list[Skipped]) -> None:
-    """A zipped folder's documents, each named ``bundle.zip/its/path.pdf`` and read as that file would be;
-    members are converted on every ingest (their text, and so their segments, are still known unchanged)."""
+def _read_archive(
+    name: str,
+    members: Callable[[bytes, int], Iterator[tuple[str, bytes | str]]],
+    data: bytes,
+    docs: list[Document],
+    skipped: list[Skipped],
+) -> None:
+    """A zipped or tarred folder's documents (``members``: :func:`conversion.zip_members` or ``tar_members``),
+    each named ``bundle.zip/its/path.pdf`` and read as that file would be; members are converted on every
+    ingest (their text, and so their segments, are still known unchanged)."""
     try:
-        for member, content in conversion.zip_members(data, MAX_FILE_BYTES):
+        for member, content in members(data, MAX_FILE_BYTES):
             shown = f"{name}/{member}"
             if isinstance(content, str):
                 skipped.append(Skipped(shown, content))
@@ -372,8 +380,14 @@ def _read_bytes(
     is_unchanged: Callable[[str, str], bool] | None = None,
     in_zip: bool = False,
 ) -> str | None:
-    """:func:`_read_file` once the bytes are read: a file's, or a zipped folder's member's (``in_zip``: a ZIP
-    there, gzip'd or not, is not opened)."""
+    """:func:`_read_file` once the bytes are read: a file's, or a zipped or tarred folder's member's
+    (``in_zip``: an archive there, compressed or not, is not opened)."""
+    if conversion.is_document_tar(filename, data):  # docs.tar.gz, .tgz, .tar.xz: tarfile decompresses as it reads
+        if in_zip:
+            skipped.append(Skipped(name, "an archive inside the archive (unpack it first)"))
+        else:
+            _read_archive(name, conversion.tar_members, data, docs, skipped)
+        return None
     suffix = os.path.splitext(filename)[1].lower()  # (a PurePath per file cost 2% of reading plain text)
     if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
         try:
@@ -386,7 +400,7 @@ def _read_bytes(
         if in_zip:
             skipped.append(Skipped(name, "a ZIP inside the ZIP (unzip it first)"))
         else:
-            _read_zip(name, data, docs, skipped)
+            _read_archive(name, conversion.zip_members, data, docs, skipped)
         return None
     try:
         fmt = conversion.classify(suffix, data)

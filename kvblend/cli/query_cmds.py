@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
 def ingest(
     paths: list[Path] = typer.Argument(
         ...,
-        help="Files or directories (recursive) to archive: text (any encoding), Markdown, JSON/JSONL, CSV/TSV, PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, mailboxes), Jupyter notebooks (.ipynb), transcripts (.vtt, .srt); any of them gzip'd (.gz) or in a ZIP.",
+        help="Files or directories (recursive) to archive: text (any encoding), Markdown, JSON/JSONL, CSV/TSV, PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, mailboxes), Jupyter notebooks (.ipynb), transcripts (.vtt, .srt); any of them gzip'd (.gz), or in a ZIP or tar archive.",
     ),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Target segment size in tokens."),
     level: int = typer.Option(

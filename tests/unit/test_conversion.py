@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1007,6 +1008,64 @@ def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path
         buf[flag_at] &= ~0x08 & 0xFF  # clear bit 11 (0x800: "the name is UTF-8")
     (tmp_path / "win.zip").write_bytes(bytes(buf))
     assert [Path(d.path).name for d in iter_documents([tmp_path / "win.zip"])[0]] == ["Прив.md"]
+
+
+@pytest.mark.parametrize("mode,suffix", [("w:gz", ".tar.gz"), ("w:xz", ".tar.xz"), ("w:bz2", ".tbz2"), ("w", ".tar")])
+def test_a_tarred_folder_is_read_as_a_zipped_one(tmp_path, mode, suffix):
+    """`docs.tar.gz` as `tar czf` writes it: each regular file read as that file would be, named by its path inside;
+    ZIP's rules for what is left out and what is named (links, names that leave the archive, nested archives)."""
+    import io
+    import tarfile
+
+    path = tmp_path / f"docs{suffix}"
+    with tarfile.open(path, mode) as tar:
+        tar.add(DOCS / "manual.pdf", "./docs/manual.pdf")
+        tar.add(DOCS / "quickstart.md", "docs/quickstart.md")
+        for name, data in (("docs/._quickstart.md", b"\x00\x05\x16\x07"), ("../escape.md", b"# Out\n"),
+                           ("docs/inner.tar.gz", b"\x1f\x8b\x08\x00")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("docs/link.md")
+        link.type, link.linkname = tarfile.SYMTYPE, "../../etc/passwd"
+        tar.addfile(link)
+    docs, skipped = iter_documents([path])
+    assert [Path(d.path).relative_to(tmp_path).as_posix() for d in docs] == [
+        f"docs{suffix}/docs/manual.pdf", f"docs{suffix}/docs/quickstart.md"]
+    assert docs[0].page_starts and "412 kPa" in docs[0].text
+    assert {Path(s.path).relative_to(tmp_path).as_posix(): s.reason for s in skipped} == {
+        f"docs{suffix}/../escape.md": "its name is empty or leaves the tar archive (not read)",
+        f"docs{suffix}/docs/inner.tar.gz": "an archive inside the archive (unpack it first)",
+        f"docs{suffix}/docs/link.md": "a symbolic link (not followed)",
+    }
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="no tar command on this machine")
+def test_a_folder_tarred_by_the_tar_command_is_read(tmp_path):
+    folder = tmp_path / "manuals"
+    shutil.copytree(DOCS, folder, ignore=shutil.ignore_patterns("*.pptx", "*.xlsx", "*.epub", "encrypted.pdf"))
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x.md").write_text("# hidden\n")
+    subprocess.run(["tar", "czf", str(tmp_path / "manuals.tgz"), "-C", str(tmp_path), "manuals"], check=True)
+    docs, skipped = iter_documents([tmp_path / "manuals.tgz"])
+    assert sorted(Path(d.path).name for d in docs) == ["article.html", "manual.pdf", "quickstart.md", "report.docx"]
+    assert all(d.path.endswith(f"manuals.tgz/manuals/{Path(d.path).name}") for d in docs)
+    assert [Path(s.path).name for s in skipped] == ["scanned.pdf"]  # no text layer; .cache/ left out
+
+
+def test_a_damaged_or_oversized_tar_is_one_line(tmp_path, monkeypatch):
+    import tarfile
+
+    whole = tmp_path / "whole.tar.gz"
+    with tarfile.open(whole, "w:gz") as tar:
+        tar.add(DOCS / "manual.pdf", "manual.pdf")
+    (tmp_path / "cut.tar.gz").write_bytes(whole.read_bytes()[:-200])
+    (tmp_path / "notes.tar.gz").write_bytes(b"\x1f\x8b not really gzip")
+    docs, skipped = iter_documents([tmp_path / "cut.tar.gz", tmp_path / "notes.tar.gz"])
+    assert docs == [] and [s.reason.split(" (")[0] for s in skipped] == ["corrupt tar archive"] * 2
+    monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 1000)  # the manual is 4 KB
+    (_, skipped) = iter_documents([whole])
+    assert skipped[0].reason == "tar archive would inflate to over 0 MiB; not read further"
 
 
 def zipfile_bytes(members: dict[str, bytes]) -> bytes:
