@@ -157,6 +157,7 @@ class Unchanged:
     path: str  # as shown, like Document.path
     name: str
     source_hash: str  # what the predicate was asked about: checked again under the archive's writer lock
+    member: bytes | None = None  # a ZIP's or tar's member: its bytes, to read it again without the archive file
 
 
 @dataclass
@@ -230,11 +231,27 @@ def read_file(source: SourceFile, is_unchanged: Callable[[str, str], bool] | Non
     :class:`Unchanged` and not converted: re-ingesting 1,000 unchanged PDFs would otherwise convert them all
     again to find nothing new."""
     reading = Reading()
-    unread = _read_file(source.path, source.shown, reading.docs, reading.skipped, is_unchanged)
+    unread = _read_file(source.path, source.shown, reading, is_unchanged)
     if unread is not None:
         reading.unchanged.append(Unchanged(source.shown, source.name, unread))
-    # a JSON(L) file's records are named after it ("notes.jsonl#3"): keep that suffix
-    reading.docs[:] = [dataclasses.replace(d, name=source.name + d.path[len(source.shown) :]) for d in reading.docs]
+    return _named_below(reading, source.shown, source.name)
+
+
+def read_unchanged(file: Unchanged) -> Reading:
+    """A file (or an archive's member) left unread as unchanged, read after all: the archive no longer holds it
+    as it is."""
+    if file.member is None:
+        return read_file(SourceFile(Path(file.path), file.path, file.name))
+    reading = Reading()
+    _read_bytes(file.path, file.path.rsplit("/", 1)[-1], file.member, reading, in_zip=True)
+    return _named_below(reading, file.path, file.name)
+
+
+def _named_below(reading: Reading, shown: str, name: str) -> Reading:
+    """Names under a file's own: a JSON(L) file's records ("notes.jsonl#3") and an archive's members
+    ("bundle.zip/docs/a.pdf") keep what follows the file's path."""
+    reading.docs[:] = [dataclasses.replace(d, name=name + d.path[len(shown) :]) for d in reading.docs]
+    reading.unchanged[:] = [dataclasses.replace(u, name=name + u.path[len(shown) :]) for u in reading.unchanged]
     return reading
 
 
@@ -320,11 +337,11 @@ def _saved_page_of(dirname: str, filenames: list[str]) -> str | None:
 def _read_file(
     file: Path,
     name: str,
-    docs: list[Document],
-    skipped: list[Skipped],
+    reading: Reading,
     is_unchanged: Callable[[str, str], bool] | None = None,
 ) -> str | None:
-    """Read one file into ``docs`` (or ``skipped``); when ``is_unchanged`` holds, its source hash (left unread)."""
+    """Read one file into ``reading``; when ``is_unchanged`` holds, its source hash (left unread)."""
+    skipped = reading.skipped
     if not _is_text(name):  # bytes that are no UTF-8 in its name: no record, manifest or line can hold it
         shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         skipped.append(Skipped(shown, "file name is not valid UTF-8 (rename it)"))
@@ -347,46 +364,49 @@ def _read_file(
     except OSError as e:
         skipped.append(Skipped(name, (e.strerror or type(e).__name__).lower()))
         return None
-    return _read_bytes(name, file.name, data, docs, skipped, is_unchanged)
+    return _read_bytes(name, file.name, data, reading, is_unchanged)
 
 
 def _read_archive(
     name: str,
     members: Callable[[bytes, int], Iterator[tuple[str, bytes | str]]],
     data: bytes,
-    docs: list[Document],
-    skipped: list[Skipped],
+    reading: Reading,
+    is_unchanged: Callable[[str, str], bool] | None,
 ) -> None:
     """A zipped or tarred folder's documents (``members``: :func:`conversion.zip_members` or ``tar_members``),
-    each named ``bundle.zip/its/path.pdf`` and read as that file would be; members are converted on every
-    ingest (their text, and so their segments, are still known unchanged)."""
+    each named ``bundle.zip/its/path.pdf`` and read as that file would be. A member to convert that the archive
+    already holds as it is (``is_unchanged``, as for a file) is :class:`Unchanged`, with its bytes, and not
+    converted again. What a damaged archive yielded before its damage was found is kept."""
     try:
         for member, content in members(data, MAX_FILE_BYTES):
             shown = f"{name}/{member}"
             if isinstance(content, str):
-                skipped.append(Skipped(shown, content))
-            else:
-                _read_bytes(shown, member.rsplit("/", 1)[-1], content, docs, skipped, in_zip=True)
+                reading.skipped.append(Skipped(shown, content))
+                continue
+            digest = _read_bytes(shown, member.rsplit("/", 1)[-1], content, reading, is_unchanged, in_zip=True)
+            if digest is not None:
+                reading.unchanged.append(Unchanged(shown, shown, digest, content))
     except conversion.ConversionError as e:
-        skipped.append(Skipped(name, str(e)))
+        reading.skipped.append(Skipped(name, str(e)))
 
 
 def _read_bytes(
     name: str,
     filename: str,
     data: bytes,
-    docs: list[Document],
-    skipped: list[Skipped],
+    reading: Reading,
     is_unchanged: Callable[[str, str], bool] | None = None,
     in_zip: bool = False,
 ) -> str | None:
     """:func:`_read_file` once the bytes are read: a file's, or a zipped or tarred folder's member's
     (``in_zip``: an archive there, compressed or not, is not opened)."""
+    docs, skipped = reading.docs, reading.skipped
     if conversion.is_document_tar(filename, data):  # docs.tar.gz, .tgz, .tar.xz: tarfile decompresses as it reads
         if in_zip:
             skipped.append(Skipped(name, "an archive inside the archive (unpack it first)"))
         else:
-            _read_archive(name, conversion.tar_members, data, docs, skipped)
+            _read_archive(name, conversion.tar_members, data, reading, is_unchanged)
         return None
     suffix = os.path.splitext(filename)[1].lower()  # (a PurePath per file cost 2% of reading plain text)
     if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
@@ -400,7 +420,7 @@ def _read_bytes(
         if in_zip:
             skipped.append(Skipped(name, "a ZIP inside the ZIP (unzip it first)"))
         else:
-            _read_archive(name, conversion.zip_members, data, docs, skipped)
+            _read_archive(name, conversion.zip_members, data, reading, is_unchanged)
         return None
     try:
         fmt = conversion.classify(suffix, data)

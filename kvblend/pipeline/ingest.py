@@ -29,7 +29,7 @@ from kvblend.archive import (
     encode_layer,
 )
 from kvblend.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_CODEC, DEFAULT_LEVEL
-from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_file
+from kvblend.documents import Document, Reading, SourceFile, Unchanged, find_files, read_file, read_unchanged
 from kvblend.errors import ArchiveError, UsageError
 from kvblend.model.prefill import precompute_kv_steps
 from kvblend.model.runner import ModelRunner
@@ -229,7 +229,7 @@ def _still_held(res: Resources, archive: Archive | None, file: Unchanged, codec:
 
 def _read_again(file: Unchanged, skipped: list[dict]) -> list[Document]:
     """A file left unread as unchanged, read now: its documents, its skips added to ``skipped``."""
-    again = read_file(SourceFile(Path(file.path), file.path, file.name))
+    again = read_unchanged(file)
     skipped.extend({"path": s.path, "reason": s.reason} for s in again.skipped)
     return again.docs
 

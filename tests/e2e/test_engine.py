@@ -118,6 +118,46 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
         assert converted == ["pdf"] * 4  # a new converter reads every file again
 
 
+def test_an_unchanged_member_of_a_zipped_folder_is_not_converted_again(default_runner, tmp_path, monkeypatch):
+    """A ZIP's members are known by their bytes as files are: re-ingesting a zipped folder of PDFs converts none
+    of them again, and one whose record another writer replaced meanwhile is read from the bytes held."""
+    import zipfile
+
+    from kvblend import conversion
+    from kvblend.archive import check_codec
+    from kvblend.defaults import DEFAULT_CODEC
+    from kvblend.pipeline import Engine
+    from kvblend.pipeline.ingest import _read_if_changed
+    from kvblend.pipeline.results import IngestReport
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    with zipfile.ZipFile(docs / "bundle.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.write(FIXTURES / "documents" / "manual.pdf", "manual/manual.pdf")
+        z.write(FIXTURES / "documents" / "quickstart.md", "manual/quickstart.md")
+    real_convert = conversion.convert
+    converted: list[str] = []
+    monkeypatch.setattr(conversion, "convert", lambda fmt, data: converted.append(fmt) or real_convert(fmt, data))
+    with Engine(tmp_path / "arc", runner=default_runner) as engine:
+        first = engine.ingest([docs])
+        assert converted == ["pdf"] and (first.documents, first.documents_unchanged) == (2, 0)
+        names = sorted(d.name for d in engine.archive().iter_documents())
+        assert names == ["bundle.zip/manual/manual.pdf", "bundle.zip/manual/quickstart.md"]
+        again = engine.ingest([docs])
+        assert converted == ["pdf"] and (again.documents, again.documents_unchanged, again.tokens_new) == (2, 2, 0)
+        # the dry run agrees, and converts nothing either
+        plan = engine.plan_ingest([docs])
+        assert converted == ["pdf"] and plan.documents_unchanged == 2
+        # left unread, then found replaced under the writer lock: read from the member's bytes, not the ZIP
+        from kvblend.documents import Unchanged
+
+        member = f"{docs.as_posix()}/bundle.zip/manual/manual.pdf"
+        data = zipfile.ZipFile(docs / "bundle.zip").read("manual/manual.pdf")
+        found = _read_if_changed(engine, engine.archive(), [Unchanged(member, "bundle.zip/manual/manual.pdf",
+                                 "replaced", data)], check_codec(DEFAULT_CODEC), IngestReport())
+        assert [(d.format, d.name) for d in found] == [("pdf", "bundle.zip/manual/manual.pdf")]
+
+
 def test_ingest_reads_as_it_goes_so_an_interrupt_keeps_what_was_committed(default_runner, tmp_path, monkeypatch):
     """Files are read one at a time as the ingest prefills, not all before it: memory holds a batch, and a
     batch commits before the next file is read. A Ctrl-C while a later PDF converts keeps the earlier
