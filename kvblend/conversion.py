@@ -941,7 +941,7 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
                 yield path, f"cannot be read from the ZIP ({describe_error(e)})"
                 continue
             if path.lower().endswith(".zip") or (_is_zip(member) and _zip_format(member) is None):
-                yield path, "a ZIP inside the ZIP (unzip it first)"
+                yield path, "an archive inside the archive (unpack it first)"
                 continue
             yield path, member
 
@@ -993,48 +993,100 @@ def is_document_tar(filename: str, data: bytes) -> bool:
 def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
     """A tar archive's files in their order, as :func:`zip_members` gives a ZIP's, with its rules: the same
     members left out, the same names refused, each member over ``max_member_bytes`` named as too large, a link
-    or device named as no regular file, an archive inside it not opened. The tar is decompressed as a stream
-    (gzip, bzip2, xz), member after member, and refused (:class:`ConversionError`) once the sizes its headers
-    declare pass :data:`MAX_ZIP_UNCOMPRESSED_BYTES` (a skipped member's bytes are decompressed too, to reach the
-    next header, so they count), or where it is damaged: what it yielded before stands."""
+    or device named as no regular file, an archive inside it not opened.
+
+    The tar is decompressed first (gzip with its CRC checked, bzip2, xz), and refused past
+    :data:`MAX_ZIP_UNCOMPRESSED_BYTES` (a bomb stops there: a GNU long-name or pax header that claims gigabytes
+    has only what is there to claim). Python's tarfile ends an archive quietly at a damaged header; here the
+    bytes after where it stopped must be the end-of-archive zeros, or the tar is corrupt: what was yielded
+    before stands, and the skip line says the rest was not read."""
     import tarfile
 
+    raw = _decompressed_tar(data)
+    if not (raw[257:262] == b"ustar" or _plain_tar_header(raw)):
+        raise ConversionError(f"not a tar archive (content looks like {_describe(raw)})")
     seen: set[str] = set()
-    total = found = 0
+    found = 0
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
             for info in tar:
-                total += max(info.size, 0)
-                if total > MAX_ZIP_UNCOMPRESSED_BYTES:
-                    raise ConversionError(
-                        f"tar archive would inflate to over {MAX_ZIP_UNCOMPRESSED_BYTES // _MIB} MiB; not read further"
-                    )
-                path = info.name.replace("\\", "/").split("\x00", 1)[0]
+                path = info.name.split("\x00", 1)[0]
                 while path.startswith("./"):
                     path = path[2:]
-                path = path.replace("/./", "/")
+                while "/./" in path:
+                    path = path.replace("/./", "/")
                 if info.isdir() or path in ("", ".") or _left_out(path):
                     continue
                 found += 1
                 why = _member_name_problem(path, seen, "tar archive")
                 seen.add(path)
-                if why is None and not info.isreg():
-                    why = "a symbolic link (not followed)" if info.issym() or info.islnk() else "not a regular file"
-                if why is None and info.size > max_member_bytes:
+                if why is None and info.islnk():
+                    why = f"a hard link to {info.linkname} (read there)"
+                elif why is None and not info.isreg():
+                    why = "a symbolic link (not followed)" if info.issym() else "not a regular file"
+                elif why is None and info.size > max_member_bytes:
                     why = f"too large ({info.size // _MIB} MiB)"
-                if why is None and path.lower().endswith((".zip", *_TAR_SUFFIXES)):
+                elif why is None and path.lower().endswith((".zip", *_TAR_SUFFIXES)):
                     why = "an archive inside the archive (unpack it first)"
                 if why is not None:
                     yield path, why
                     continue
                 member = tar.extractfile(info)
                 yield path, member.read() if member is not None else b""
+            stopped = tar.offset
     except ConversionError:
         raise
-    except (tarfile.TarError, EOFError, OSError, ValueError) as e:  # zlib, bz2 and lzma raise OSError/EOFError
+    except Exception as e:  # tarfile's own errors, and what its header parsing raises on crafted bytes
         raise ConversionError(f"corrupt tar archive ({describe_error(e)})") from None
+    if raw[stopped:].strip(b"\x00"):  # tarfile stopped at a header it could not read, not at the end
+        raise ConversionError(f"corrupt tar archive (a damaged header at byte {stopped}; the rest not read)")
     if not found:
         raise ConversionError("empty tar archive (no documents in it)")
+
+
+def _plain_tar_header(raw: bytes) -> bool:
+    """Whether the first 512 bytes are a pre-POSIX (V7) tar header: its checksum field sums the block."""
+    if len(raw) < 512:
+        return False
+    try:
+        declared = int(raw[148:156].replace(b"\x00", b" ").strip() or b"-1", 8)
+    except ValueError:
+        return False
+    return declared == sum(raw[:148]) + 8 * 32 + sum(raw[156:512])
+
+
+def _decompressed_tar(data: bytes) -> bytes:
+    """A tar archive's bytes, decompressed (gzip, bzip2, xz) at most up to the cap, else refused."""
+    import bz2
+    import lzma
+    import zlib
+
+    cap = MAX_ZIP_UNCOMPRESSED_BYTES
+    too_big = ConversionError(f"tar archive would inflate to over {cap // _MIB} MiB; not read")
+    try:
+        if data.startswith(b"\x1f\x8b"):
+            import gzip
+
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:  # every member, the CRC checked at each end
+                out = f.read(cap + 1)
+        elif data.startswith((b"BZh", b"\xfd7zXZ\x00")):
+            new = bz2.BZ2Decompressor if data.startswith(b"BZh") else lzma.LZMADecompressor
+            out, rest = b"", data
+            while rest and len(out) <= cap:  # every stream (pbzip2 and pixz write several)
+                decompressor = new()
+                out += decompressor.decompress(rest, max_length=cap + 1 - len(out))
+                if not decompressor.eof:
+                    if len(out) <= cap:
+                        raise EOFError("compressed data ends before its stream does")
+                    break
+                rest = decompressor.unused_data.lstrip(b"\x00")
+        else:
+            out = data
+    except (OSError, EOFError, zlib.error, lzma.LZMAError, ValueError) as e:
+        raise ConversionError(f"corrupt tar archive ({describe_error(e)})") from None
+    if len(out) > cap:
+        raise too_big
+    return out
 
 
 def _zip_name(info: zipfile.ZipInfo) -> str:

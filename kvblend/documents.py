@@ -381,6 +381,14 @@ def _read_archive(
     try:
         for member, content in members(data, MAX_FILE_BYTES):
             shown = f"{name}/{member}"
+            if not _is_text(shown):  # a tar's name in another encoding: no record, manifest or line can hold it
+                reading.skipped.append(
+                    Skipped(
+                        shown.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+                        "file name is not valid UTF-8 (rename it)",
+                    )
+                )
+                continue
             if isinstance(content, str):
                 reading.skipped.append(Skipped(shown, content))
                 continue
@@ -418,7 +426,7 @@ def _read_bytes(
         suffix = os.path.splitext(filename[: -len(".gz")])[1].lower()  # ".md" of notes.md.gz ("" for README.gz)
     if conversion.is_document_zip(suffix, data):  # a zipped folder (docs.zip, or docs.zip.gz)
         if in_zip:
-            skipped.append(Skipped(name, "a ZIP inside the ZIP (unzip it first)"))
+            skipped.append(Skipped(name, "an archive inside the archive (unpack it first)"))
         else:
             _read_archive(name, conversion.zip_members, data, reading, is_unchanged)
         return None

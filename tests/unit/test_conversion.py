@@ -991,7 +991,7 @@ def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path
     assert set(reasons) == {f"bundle.zip/{m}" for m in ("docs/encrypted.pdf", "old/archive.zip", "old/archive.zip.gz",
                             "../escape.md", "docs/notes.md.gz", "docs/link.md", "logs/zeros.txt", "docs/damaged.md")}
     assert reasons["bundle.zip/docs/encrypted.pdf"] == "encrypted PDF (password protected)"
-    assert reasons["bundle.zip/old/archive.zip"] == reasons["bundle.zip/old/archive.zip.gz"] == "a ZIP inside the ZIP (unzip it first)"
+    assert reasons["bundle.zip/old/archive.zip"] == reasons["bundle.zip/old/archive.zip.gz"] == "an archive inside the archive (unpack it first)"
     assert reasons["bundle.zip/../escape.md"] == "its name is empty or leaves the ZIP (not read)"
     assert reasons["bundle.zip/docs/notes.md.gz"] == "a second member of the same name (the first is read)"
     assert reasons["bundle.zip/docs/link.md"] == "a symbolic link (not followed)"
@@ -1054,7 +1054,63 @@ def test_a_folder_tarred_by_the_tar_command_is_read(tmp_path):
 
 
 def test_a_damaged_or_oversized_tar_is_one_line(tmp_path, monkeypatch):
+    """Each of these cost the whole ingest a traceback, hid documents, or took gigabytes, before review."""
+    import bz2
+    import gzip
+    import io
     import tarfile
+
+    def tar_of(members: list[tuple[str, bytes]], **kw) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", **kw) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    md = [("a.md", b"# A\n\nalpha\n"), ("b.md", b"# B\n\nbeta\n"), ("c.md", b"# C\n\ngamma\n")]
+    # a damaged header after the first member: tarfile would end the archive there without a word
+    raw = bytearray(tar_of(md))
+    raw[1024 : 1024 + 100] = b"\xff" * 100  # b.md's header
+    (tmp_path / "damaged.tar").write_bytes(bytes(raw))
+    docs, skipped = iter_documents([tmp_path / "damaged.tar"])
+    assert [Path(d.path).name for d in docs] == ["a.md"]  # what came before the damage stands
+    assert skipped[0].reason == "corrupt tar archive (a damaged header at byte 1024; the rest not read)"
+    # a name in Latin-1 is one line for that member, not a traceback for the run
+    latin = tar_of([("café.md", b"# Caf\n\ntext\n"), *md[:1]], format=tarfile.GNU_FORMAT, encoding="latin-1")
+    (tmp_path / "latin.tar").write_bytes(latin)
+    docs, skipped = iter_documents([tmp_path / "latin.tar"])
+    assert [Path(d.path).name for d in docs] == ["a.md"]
+    assert [s.reason for s in skipped] == ["file name is not valid UTF-8 (rename it)"]
+    # a GNU long-name header that claims 8 MiB (512 MiB took 1.5 GB of memory in tarfile), in bzip2's few
+    # hundred bytes: refused at the cap (1 MiB here) before tarfile reads a byte of it
+    head = tarfile.TarInfo("././@LongLink")
+    head.type, head.size = tarfile.GNUTYPE_LONGNAME, 8 << 20
+    bomb = head.tobuf(format=tarfile.GNU_FORMAT)[:512] + bytes(8 << 20)
+    (tmp_path / "long.tar.bz2").write_bytes(bz2.compress(bomb, 1))
+    assert (tmp_path / "long.tar.bz2").stat().st_size < 1000
+    with monkeypatch.context() as patched:
+        patched.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 1 << 20)
+        assert iter_documents([tmp_path / "long.tar.bz2"])[1][0].reason == "tar archive would inflate to over 1 MiB; not read"
+    # a gzip header cut short; gzip'd text named .tar.gz; a hard link; a name with ./ steps
+    (tmp_path / "cut.tar.gz").write_bytes(b"\x1f\x8b\x08")
+    (tmp_path / "notes.tar.gz").write_bytes(gzip.compress(b"Just notes, no tar.\n" * 40))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("docs/./././a.md")
+        info.size = len(md[0][1])
+        tar.addfile(info, io.BytesIO(md[0][1]))
+        link = tarfile.TarInfo("docs/copy.md")
+        link.type, link.linkname = tarfile.LNKTYPE, "docs/a.md"
+        tar.addfile(link)
+    (tmp_path / "linked.tar").write_bytes(buf.getvalue())
+    docs, skipped = iter_documents([tmp_path / "cut.tar.gz", tmp_path / "notes.tar.gz", tmp_path / "linked.tar"])
+    assert [d.path.split("linked.tar/")[-1] for d in docs] == ["docs/a.md"]
+    reasons = [s.reason for s in skipped]
+    assert reasons[0].startswith("corrupt tar archive (")
+    assert reasons[1:] == ["not a tar archive (content looks like text)", "a hard link to docs/a.md (read there)"]
+
 
     whole = tmp_path / "whole.tar.gz"
     with tarfile.open(whole, "w:gz") as tar:
@@ -1065,7 +1121,7 @@ def test_a_damaged_or_oversized_tar_is_one_line(tmp_path, monkeypatch):
     assert docs == [] and [s.reason.split(" (")[0] for s in skipped] == ["corrupt tar archive"] * 2
     monkeypatch.setattr(conversion, "MAX_ZIP_UNCOMPRESSED_BYTES", 1000)  # the manual is 4 KB
     (_, skipped) = iter_documents([whole])
-    assert skipped[0].reason == "tar archive would inflate to over 0 MiB; not read further"
+    assert skipped[0].reason == "tar archive would inflate to over 0 MiB; not read"
 
 
 def zipfile_bytes(members: dict[str, bytes]) -> bytes:
