@@ -56,6 +56,20 @@ def test_the_conversion_reader_reads_what_ggufs_own_reader_reads(tmp_path):
     for got, tensor in zip(read.tensors, expected.tensors):
         assert got.tensor_type == tensor.tensor_type and np.array_equal(got.data, tensor.data)
         assert got.data.dtype == tensor.data.dtype and got.data.shape == tensor.data.shape
+    # and transformers' value parser, which kvblend's replaces while converting, reads every field alike
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from kvblend.model.loading import _fast_parse_value
+
+    for name, field in expected.fields.items():
+        theirs = [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+        ours = [_fast_parse_value(field.parts[i], field.types) for i in field.data]
+        assert ours == theirs and [type(v) for v in ours] == [type(v) for v in theirs], name
+    with _gguf_parsed_once():
+        from transformers import modeling_gguf_pytorch_utils
+
+        assert modeling_gguf_pytorch_utils._gguf_parse_value is _fast_parse_value
+    assert modeling_gguf_pytorch_utils._gguf_parse_value is _gguf_parse_value  # put back afterwards
 
 
 def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
