@@ -17,7 +17,6 @@ import json
 import mailbox
 import sys
 import tempfile
-import time
 from email.message import EmailMessage
 from pathlib import Path
 
@@ -25,6 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvblend import conversion  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import best_of  # noqa: E402
 
 ATTACHMENTS = [
     ("manual.pdf", "application", "pdf"),
@@ -78,22 +80,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = folder(Path(tmp) / "dev.mbox").read_bytes()
-    best, text = 1e9, ""
-    for _ in range(5):
-        t0 = time.perf_counter()
-        text = conversion.convert("mbox", data).text
-        best = min(best, time.perf_counter() - t0)
+    best, text = best_of(5, lambda: conversion.convert("mbox", data).text)
     runner = load_model(compute="cpu")
-    print(json.dumps({
-        "messages": 200,
-        "bytes": len(data),
-        "kvblend ms": round(1000 * best, 1),
-        "ms per MB": round(1000 * best / (len(data) / 1e6)),
-        "tokens as text": runner.count_tokens(data.decode("utf-8", "replace")),
-        "tokens converted": runner.count_tokens(text),
-        "message headings": sum(1 for line in text.splitlines() if line.startswith("# ")),
-        "attachments read": text.count("## Attachment: "),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "messages": 200,
+                "bytes": len(data),
+                "kvblend ms": round(1000 * best, 1),
+                "ms per MB": round(1000 * best / (len(data) / 1e6)),
+                "tokens as text": runner.count_tokens(data.decode("utf-8", "replace")),
+                "tokens converted": runner.count_tokens(text),
+                "message headings": sum(1 for line in text.splitlines() if line.startswith("# ")),
+                "attachments read": text.count("## Attachment: "),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvblend import conversion  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import best_of  # noqa: E402
+
 NBCONVERT = """
 import json, sys, time
 from pathlib import Path
@@ -51,11 +54,7 @@ def main() -> None:
     if not files:
         sys.exit(f"no .ipynb files in {args.folder}")
     raw = {f.name: f.read_bytes() for f in files}
-    best, texts = 1e9, {}
-    for _ in range(3):
-        t0 = time.perf_counter()
-        texts = {name: conversion.convert("ipynb", data).text for name, data in raw.items()}
-        best = min(best, time.perf_counter() - t0)
+    best, texts = best_of(3, lambda: {name: conversion.convert("ipynb", data).text for name, data in raw.items()})
     runner = load_model(compute="cpu")
 
     def tokens(docs: dict[str, str]) -> int:

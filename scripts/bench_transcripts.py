@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvblend import conversion  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import best_of  # noqa: E402
 
 SPEECH = Path("/usr/share/doc/dpkg/spec/triggers.txt")
 
@@ -43,20 +45,21 @@ def main() -> None:
     from kvblend.model import load_model
 
     vtt = meeting()
-    best, text = 1e9, ""
-    for _ in range(5):
-        t0 = time.perf_counter()
-        text = conversion.convert("vtt", vtt).text
-        best = min(best, time.perf_counter() - t0)
+    best, text = best_of(5, lambda: conversion.convert("vtt", vtt).text)
     runner = load_model(compute="cpu")
-    print(json.dumps({
-        "bytes": len(vtt),
-        "webvtt-py ms": round(1000 * best, 1),
-        "ms per MB": round(1000 * best / (len(vtt) / 1e6)),
-        "tokens as text": runner.count_tokens(vtt.decode()),
-        "tokens converted": runner.count_tokens(text),
-        "sections": text.count("## "),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "bytes": len(vtt),
+                "webvtt-py ms": round(1000 * best, 1),
+                "ms per MB": round(1000 * best / (len(vtt) / 1e6)),
+                "tokens as text": runner.count_tokens(vtt.decode()),
+                "tokens converted": runner.count_tokens(text),
+                "sections": text.count("## "),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

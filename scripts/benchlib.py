@@ -39,6 +39,15 @@ def timed(fn):
     return result, time.perf_counter() - t0
 
 
+def best_of(runs: int, fn):
+    """The fastest of `runs` calls of `fn` in seconds, and what the last call returned."""
+    best, result = float("inf"), None
+    for _ in range(runs):
+        result, seconds = timed(fn)
+        best = min(best, seconds)
+    return best, result
+
+
 def evict_page_cache(path: Path) -> None:
     """Drop a file's pages from the page cache (cold reads) without root: fsync + POSIX_FADV_DONTNEED."""
     for p in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]:
