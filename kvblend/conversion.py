@@ -116,6 +116,7 @@ __all__ = [
 MAX_HTML_BYTES = 20 * 1024 * 1024  # a real article page is < 2 MB; trafilatura's time and memory grow with the tree
 MAX_ZIP_UNCOMPRESSED_BYTES = 200 * 1024 * 1024  # a DOCX's parts, inflated, all together
 MAX_ZIP_RATIO = 100  # per part (over 1 MiB): Word's XML deflates 5-20x, a bomb's zeros 1000x
+MAX_ARCHIVE_MEMBERS = 10_000  # files read from one ZIP or tar: past it, a line each would bury the ingest's report
 MAX_CONVERT_SECONDS = 120.0  # per file, checked between pages: a pathological file is skipped, not waited on
 
 CONVERTED_FORMATS = (
@@ -916,11 +917,15 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
             infos = z.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError):
         raise ConversionError("corrupt ZIP (not a complete ZIP archive)") from None
-    total, seen, wanted = 0, set[str](), []
+    total, seen, wanted = 0, set[str](), list[tuple[zipfile.ZipInfo, str, str | None]]()
     for info in infos:
         path = _zip_name(info)
         if _left_out(path):
             continue
+        if len(wanted) == MAX_ARCHIVE_MEMBERS:
+            raise ConversionError(
+                f"ZIP holds over {MAX_ARCHIVE_MEMBERS:,} files; not opened (unzip it and ingest the folder)"
+            )
         why = _member_name_problem(path, seen, "ZIP") or _zip_member_problem(info, max_member_bytes)
         if why is None:
             total += info.file_size
@@ -978,16 +983,17 @@ def _member_name_problem(path: str, seen: set[str], kind: str) -> str | None:
     return None
 
 
-_TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+_TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
+_TAR_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")  # gzip, bzip2, xz, zstandard
 
 
 def is_document_tar(filename: str, data: bytes) -> bool:
-    """Whether a file is a tar archive of documents (``docs.tar.gz``, ``.tgz``, ``.tar.xz``, ``.tar.bz2``, ``.tar``),
-    by its name and its first bytes (gzip, bzip2 or xz magic, or the ``ustar`` header of a plain tar)."""
+    """Whether a file is a tar archive of documents (``docs.tar.gz``, ``.tgz``, ``.tar.xz``, ``.tar.bz2``,
+    ``.tar.zst``, ``.tar``), by its name and its first bytes (a compressor's magic, or a plain tar's header)."""
     name = filename.lower()
     if not name.endswith(_TAR_SUFFIXES):
         return False
-    return data.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")) or data[257:262] == b"ustar"
+    return data.startswith(_TAR_COMPRESSED) or data[257:262] == b"ustar" or _plain_tar_header(data)
 
 
 def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
@@ -1017,6 +1023,11 @@ def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
                     path = path.replace("/./", "/")
                 if info.isdir() or path in ("", ".") or _left_out(path):
                     continue
+                if found == MAX_ARCHIVE_MEMBERS:
+                    raise ConversionError(
+                        f"tar archive holds over {MAX_ARCHIVE_MEMBERS:,} files; the rest not read "
+                        "(unpack it and ingest the folder)"
+                    )
                 found += 1
                 why = _member_name_problem(path, seen, "tar archive")
                 seen.add(path)
@@ -1056,10 +1067,9 @@ def _plain_tar_header(raw: bytes) -> bool:
 
 
 def _decompressed_tar(data: bytes) -> bytes:
-    """A tar archive's bytes, decompressed (gzip, bzip2, xz) at most up to the cap, else refused."""
+    """A tar archive's bytes, decompressed (gzip, bzip2, xz, zstandard) at most up to the cap, else refused."""
     import bz2
     import lzma
-    import zlib
 
     cap = MAX_ZIP_UNCOMPRESSED_BYTES
     too_big = ConversionError(f"tar archive would inflate to over {cap // _MIB} MiB; not read")
@@ -1080,9 +1090,18 @@ def _decompressed_tar(data: bytes) -> bytes:
                         raise EOFError("compressed data ends before its stream does")
                     break
                 rest = decompressor.unused_data.lstrip(b"\x00")
+        elif data.startswith(b"\x28\xb5\x2f\xfd"):  # zstandard (the archive's own codec library): every frame
+            import zstandard
+
+            chunks, size = [], 0
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True) as reader:
+                while size <= cap and (chunk := reader.read(min(cap + 1 - size, 1 << 24))):
+                    chunks.append(chunk)
+                    size += len(chunk)
+            out = b"".join(chunks)
         else:
             out = data
-    except (OSError, EOFError, zlib.error, lzma.LZMAError, ValueError) as e:
+    except Exception as e:  # zlib's, lzma's, zstandard's own error types, OSError, EOFError: damage all
         raise ConversionError(f"corrupt tar archive ({describe_error(e)})") from None
     if len(out) > cap:
         raise too_big

@@ -1010,7 +1010,8 @@ def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path
     assert [Path(d.path).name for d in iter_documents([tmp_path / "win.zip"])[0]] == ["Прив.md"]
 
 
-@pytest.mark.parametrize("mode,suffix", [("w:gz", ".tar.gz"), ("w:xz", ".tar.xz"), ("w:bz2", ".tbz2"), ("w", ".tar")])
+@pytest.mark.parametrize("mode,suffix", [("w:gz", ".tar.gz"), ("w:xz", ".tar.xz"), ("w:bz2", ".tbz2"), ("w", ".tar"),
+                                         ("w", ".tar.zst")])
 def test_a_tarred_folder_is_read_as_a_zipped_one(tmp_path, mode, suffix):
     """`docs.tar.gz` as `tar czf` writes it: each regular file read as that file would be, named by its path inside;
     ZIP's rules for what is left out and what is named (links, names that leave the archive, nested archives)."""
@@ -1029,6 +1030,12 @@ def test_a_tarred_folder_is_read_as_a_zipped_one(tmp_path, mode, suffix):
         link = tarfile.TarInfo("docs/link.md")
         link.type, link.linkname = tarfile.SYMTYPE, "../../etc/passwd"
         tar.addfile(link)
+    if suffix == ".tar.zst":  # as `tar --zstd` writes it: zstandard over the plain tar, in two frames here
+        import zstandard
+
+        raw = path.read_bytes()
+        compressor = zstandard.ZstdCompressor()
+        path.write_bytes(compressor.compress(raw[:4096]) + compressor.compress(raw[4096:]))
     docs, skipped = iter_documents([path])
     assert [Path(d.path).relative_to(tmp_path).as_posix() for d in docs] == [
         f"docs{suffix}/docs/manual.pdf", f"docs{suffix}/docs/quickstart.md"]
@@ -1051,6 +1058,30 @@ def test_a_folder_tarred_by_the_tar_command_is_read(tmp_path):
     assert sorted(Path(d.path).name for d in docs) == ["article.html", "manual.pdf", "quickstart.md", "report.docx"]
     assert all(d.path.endswith(f"manuals.tgz/manuals/{Path(d.path).name}") for d in docs)
     assert [Path(s.path).name for s in skipped] == ["scanned.pdf"]  # no text layer; .cache/ left out
+
+
+def test_an_archive_of_more_files_than_the_cap_is_one_line(tmp_path, monkeypatch):
+    """A ZIP of 100,000 empty files printed 100,000 lines; past the cap an archive is refused (ZIP: its central
+    directory is read first) or read no further (tar: a stream), in one line that says what to do."""
+    import io
+    import tarfile
+
+    monkeypatch.setattr(conversion, "MAX_ARCHIVE_MEMBERS", 3)
+    members = {f"notes/{i}.md": f"# Note {i}\n\ntext {i}\n".encode() for i in range(4)}
+    (tmp_path / "many.zip").write_bytes(zipfile_bytes(members))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "many.tar.gz").write_bytes(buf.getvalue())
+    docs, skipped = iter_documents([tmp_path / "many.tar.gz", tmp_path / "many.zip"])
+    assert [Path(d.path).name for d in docs] == ["0.md", "1.md", "2.md"]  # the tar's first three stand
+    assert [s.reason for s in skipped] == [
+        "tar archive holds over 3 files; the rest not read (unpack it and ingest the folder)",
+        "ZIP holds over 3 files; not opened (unzip it and ingest the folder)",
+    ]
 
 
 def test_a_damaged_or_oversized_tar_is_one_line(tmp_path, monkeypatch):
