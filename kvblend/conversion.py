@@ -1554,9 +1554,7 @@ def _convert_mbox(data: bytes, started: float) -> Converted:
             msg = _parse_message(_MBOX_ESCAPED.sub(rb"\1", message[message.index(b"\n") + 1 :]))
             if msg is not None and not _deleted(msg):
                 texts.append(_message_text(msg, started))
-        except ConversionError:
-            raise  # out of time
-        except Exception:  # a malformed header or charset in one message (third-party code on untrusted bytes)
+        except Exception:  # one message's damage (a body no charset reads, third-party code on untrusted bytes)
             continue
     if not texts:
         raise ConversionError("not a mailbox (no message in it)")

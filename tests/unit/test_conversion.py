@@ -929,6 +929,12 @@ def test_a_mailbox_keeps_what_mboxo_writers_and_git_leave_and_skips_only_what_is
     assert [h.title for h in find_headings(text)] == ["First", "Second", "Fourth"]
     assert "From my point of view, fine.\nLast paragraph." in text and "Cc: <" in text
     assert "deleted one" not in text
+    # a body that is binary under an unknown charset costs its message, not the mailbox (it cost the mailbox)
+    noise = __import__("base64").encodebytes(bytes((i * 7919 + 13) % 256 for i in range(4096)))
+    bad = (b"From e@x Tue Nov  3 09:34:00 2026\nFrom: e@x\nSubject: Noise\nContent-Type: text/plain; charset=x-bogus\n"
+           b"Content-Transfer-Encoding: base64\n\n" + noise + b"\n")
+    (tmp_path / "Noisy").write_bytes(box + bad)
+    assert [h.title for h in find_headings(read_one(tmp_path / "Noisy").text)] == ["First", "Second", "Fourth"]
     # a sentence that begins "From 10:00" is text, not a mailbox, with or without an extension
     notice = b"From 10:00 to 12:00 the office is closed.\nNote: bring your badge.\n"
     (tmp_path / "notice.txt").write_bytes(notice)
