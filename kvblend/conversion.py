@@ -870,23 +870,34 @@ def _convert_html(data: bytes, started: float) -> Converted:
 def _check_zip(data: bytes, what: str) -> None:
     """Refuse a ZIP whose parts would inflate past the caps, from the sizes its central directory declares,
     before anything is inflated (Python's zipfile stops a part at its declared size, so they bound it)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
-        raise ConversionError(f"corrupt {what} (not a complete ZIP archive)") from None
     total = 0
-    for info in infos:
+    for info in _zip_infos(data, what):
         total += info.file_size
         if total > MAX_ZIP_UNCOMPRESSED_BYTES:
             raise ConversionError(
                 f"{what} would inflate to over {MAX_ZIP_UNCOMPRESSED_BYTES // _MIB} MiB (a ZIP bomb?); not opened"
             )
-        if info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
-            ratio = info.file_size // max(info.compress_size, 1)
+        if (ratio := _bomb_ratio(info)) is not None:
             raise ConversionError(
                 f"{what} part {info.filename} is compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
             )
+
+
+def _zip_infos(data: bytes, what: str) -> list[zipfile.ZipInfo]:
+    """A ZIP's central directory (nothing inflated); a damaged one is ``corrupt {what}``."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise ConversionError(f"corrupt {what} (not a complete ZIP archive)") from None
+
+
+def _bomb_ratio(info: zipfile.ZipInfo) -> int | None:
+    """A part's declared compression ratio where it is over :data:`MAX_ZIP_RATIO`:1 and the part over 1 MiB (a
+    bomb's zeros); None otherwise."""
+    if info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
+        return info.file_size // max(info.compress_size, 1)
+    return None
 
 
 def is_document_zip(suffix: str, data: bytes) -> bool:
@@ -909,16 +920,12 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
     out, as the folder walk leaves them: folders, hidden files and folders (``.git/``), macOS's ``__MACOSX``
     forks and a file manager's litter. Named with why: a name that is empty or leaves the ZIP (``../a.md``,
     ``/etc/x``, which would map onto another document's name), a name seen before, a symbolic link, an encrypted
-    member, one over ``max_member_bytes`` or compressed over :data:`MAX_ZIP_RATIO`:1 (a bomb), one that cannot
-    be inflated, and a ZIP inside the ZIP (not opened: no recursion). Names a Windows tool stored in UTF-8
-    without saying so are read as UTF-8, where Python's zipfile would read them as cp437."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
-        raise ConversionError("corrupt ZIP (not a complete ZIP archive)") from None
+    member, one over ``max_member_bytes`` or compressed over :data:`MAX_ZIP_RATIO`:1 (a bomb), and one that
+    cannot be inflated. (An archive among the members is the reader's to refuse: kvblend.documents opens no
+    archive inside an archive.) Names a Windows tool stored in UTF-8 without saying so are read as UTF-8, where
+    Python's zipfile would read them as cp437."""
     total, seen, wanted = 0, set[str](), list[tuple[zipfile.ZipInfo, str, str | None]]()
-    for info in infos:
+    for info in _zip_infos(data, "ZIP"):
         path = _zip_name(info)
         if _left_out(path):
             continue
@@ -945,9 +952,6 @@ def zip_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
             except Exception as e:  # zlib's, lzma's, a bad CRC, an unknown method: this member's damage alone
                 yield path, f"cannot be read from the ZIP ({describe_error(e)})"
                 continue
-            if path.lower().endswith(".zip") or (_is_zip(member) and _zip_format(member) is None):
-                yield path, "an archive inside the archive (unpack it first)"
-                continue
             yield path, member
 
 
@@ -959,8 +963,7 @@ def _zip_member_problem(info: zipfile.ZipInfo, max_member_bytes: int) -> str | N
         return "encrypted (password protected)"
     if info.file_size > max_member_bytes:  # as a file that large is skipped, before it is inflated
         return f"too large ({info.file_size // _MIB} MiB)"
-    if info.file_size > _MIB and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
-        ratio = info.file_size // max(info.compress_size, 1)
+    if (ratio := _bomb_ratio(info)) is not None:
         return f"compressed {ratio}:1 (over {MAX_ZIP_RATIO}:1, a ZIP bomb?); not opened"
     return None
 
@@ -999,7 +1002,7 @@ def is_document_tar(filename: str, data: bytes) -> bool:
 def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes | str]]:
     """A tar archive's files in their order, as :func:`zip_members` gives a ZIP's, with its rules: the same
     members left out, the same names refused, each member over ``max_member_bytes`` named as too large, a link
-    or device named as no regular file, an archive inside it not opened.
+    or device named as no regular file.
 
     The tar is decompressed first (gzip with its CRC checked, bzip2, xz), and refused past
     :data:`MAX_ZIP_UNCOMPRESSED_BYTES` (a bomb stops there: a GNU long-name or pax header that claims gigabytes
@@ -1016,11 +1019,7 @@ def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
     try:
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
             for info in tar:
-                path = info.name.split("\x00", 1)[0]
-                while path.startswith("./"):
-                    path = path[2:]
-                while "/./" in path:
-                    path = path.replace("/./", "/")
+                path = _member_path(info.name)
                 if info.isdir() or path in ("", ".") or _left_out(path):
                     continue
                 if found == MAX_ARCHIVE_MEMBERS:
@@ -1037,8 +1036,6 @@ def tar_members(data: bytes, max_member_bytes: int) -> Iterator[tuple[str, bytes
                     why = "a symbolic link (not followed)" if info.issym() else "not a regular file"
                 elif why is None and info.size > max_member_bytes:
                     why = f"too large ({info.size // _MIB} MiB)"
-                elif why is None and path.lower().endswith((".zip", *_TAR_SUFFIXES)):
-                    why = "an archive inside the archive (unpack it first)"
                 if why is not None:
                     yield path, why
                     continue
@@ -1109,15 +1106,22 @@ def _decompressed_tar(data: bytes) -> bytes:
 
 
 def _zip_name(info: zipfile.ZipInfo) -> str:
-    """A member's path with ``/`` separators, ``./`` steps taken out, in UTF-8 where its bytes are."""
+    """A ZIP member's path (:func:`_member_path`) with ``/`` separators, in UTF-8 where its bytes are."""
     name = info.orig_filename
     if not info.flag_bits & 0x800:  # no UTF-8 flag: zipfile read the bytes as cp437
         with suppress(UnicodeError):
             name = name.encode("cp437").decode("utf-8")
-    name = name.replace("\\", "/").split("\x00", 1)[0]
-    while name.startswith("./"):
-        name = name[2:]
-    return name.replace("/./", "/")
+    return _member_path(name.replace("\\", "/"))
+
+
+def _member_path(name: str) -> str:
+    """An archive member's stored name as a path: cut at a NUL, its ``./`` steps taken out (``a/././b.md``)."""
+    path = name.split("\x00", 1)[0]
+    while path.startswith("./"):
+        path = path[2:]
+    while "/./" in path:
+        path = path.replace("/./", "/")
+    return path
 
 
 def _convert_docx(data: bytes, started: float) -> Converted:

@@ -1014,6 +1014,9 @@ def test_a_zipped_folder_is_its_documents_each_named_by_its_path_inside(tmp_path
         buf[flag_at] &= ~0x08 & 0xFF  # clear bit 11 (0x800: "the name is UTF-8")
     (tmp_path / "win.zip").write_bytes(bytes(buf))
     assert [Path(d.path).name for d in iter_documents([tmp_path / "win.zip"])[0]] == ["Прив.md"]
+    # `./` steps taken out as in a tar (a single pass of the ZIP's own left `a/./b.md`, a hidden folder, unread)
+    (tmp_path / "dots.zip").write_bytes(zipfile_bytes({"docs/././a.md": b"# A\n\nalpha\n"}))
+    assert [d.path.split("dots.zip/")[-1] for d in iter_documents([tmp_path / "dots.zip"])[0]] == ["docs/a.md"]
 
 
 @pytest.mark.parametrize("mode,suffix", [("w:gz", ".tar.gz"), ("w:xz", ".tar.xz"), ("w:bz2", ".tbz2"), ("w", ".tar"),
