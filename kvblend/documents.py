@@ -243,7 +243,7 @@ def read_unchanged(file: Unchanged) -> Reading:
     if file.member is None:
         return read_file(SourceFile(Path(file.path), file.path, file.name))
     reading = Reading()
-    _read_bytes(file.path, file.path.rsplit("/", 1)[-1], file.member, reading, in_zip=True)
+    _read_bytes(file.path, file.path.rsplit("/", 1)[-1], file.member, reading, in_archive=True)
     return _named_below(reading, file.path, file.name)
 
 
@@ -342,9 +342,8 @@ def _read_file(
 ) -> str | None:
     """Read one file into ``reading``; when ``is_unchanged`` holds, its source hash (left unread)."""
     skipped = reading.skipped
-    if not _is_text(name):  # bytes that are no UTF-8 in its name: no record, manifest or line can hold it
-        shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        skipped.append(Skipped(shown, "file name is not valid UTF-8 (rename it)"))
+    if (unnamable := _unnamable(name)) is not None:
+        skipped.append(unnamable)
         return None
     try:
         if not file.is_file():  # FIFOs, devices, sockets: never block on them
@@ -367,6 +366,16 @@ def _read_file(
     return _read_bytes(name, file.name, data, reading, is_unchanged)
 
 
+def _unnamable(name: str) -> Skipped | None:
+    """Why a file (or an archive's member) cannot be a document by its name: bytes that are no UTF-8 in it, which
+    no record, manifest or line can hold; None where it can."""
+    if _is_text(name):
+        return None
+    return Skipped(
+        name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), "file name is not valid UTF-8 (rename it)"
+    )
+
+
 def _read_archive(
     name: str,
     members: Callable[[bytes, int], Iterator[tuple[str, bytes | str]]],
@@ -381,18 +390,13 @@ def _read_archive(
     try:
         for member, content in members(data, MAX_FILE_BYTES):
             shown = f"{name}/{member}"
-            if not _is_text(shown):  # a tar's name in another encoding: no record, manifest or line can hold it
-                reading.skipped.append(
-                    Skipped(
-                        shown.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
-                        "file name is not valid UTF-8 (rename it)",
-                    )
-                )
+            if (unnamable := _unnamable(shown)) is not None:  # a tar's name in another encoding
+                reading.skipped.append(unnamable)
                 continue
             if isinstance(content, str):
                 reading.skipped.append(Skipped(shown, content))
                 continue
-            digest = _read_bytes(shown, member.rsplit("/", 1)[-1], content, reading, is_unchanged, in_zip=True)
+            digest = _read_bytes(shown, member.rsplit("/", 1)[-1], content, reading, is_unchanged, in_archive=True)
             if digest is not None:
                 reading.unchanged.append(Unchanged(shown, shown, digest, content))
     except conversion.ConversionError as e:
@@ -405,30 +409,29 @@ def _read_bytes(
     data: bytes,
     reading: Reading,
     is_unchanged: Callable[[str, str], bool] | None = None,
-    in_zip: bool = False,
+    in_archive: bool = False,
 ) -> str | None:
     """:func:`_read_file` once the bytes are read: a file's, or a zipped or tarred folder's member's
-    (``in_zip``: an archive there, compressed or not, is not opened)."""
+    (``in_archive``: an archive there, compressed or not, is not opened)."""
     docs, skipped = reading.docs, reading.skipped
-    if conversion.is_document_tar(filename, data):  # docs.tar.gz, .tgz, .tar.xz: tarfile decompresses as it reads
-        if in_zip:
-            skipped.append(Skipped(name, "an archive inside the archive (unpack it first)"))
-        else:
-            _read_archive(name, conversion.tar_members, data, reading, is_unchanged)
-        return None
     suffix = os.path.splitext(filename)[1].lower()  # (a PurePath per file cost 2% of reading plain text)
-    if suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
+    members = None
+    if conversion.is_document_tar(filename, data):  # docs.tar.gz, .tgz, .tar.xz: decompressed as a tar
+        members = conversion.tar_members
+    elif suffix == ".gz" and data.startswith(_GZIP_MAGIC):  # notes.md.gz, corpus.jsonl.gz: read what it holds
         try:
             data = _gunzip(data)
         except conversion.ConversionError as e:
             skipped.append(Skipped(name, str(e)))
             return None
         suffix = os.path.splitext(filename[: -len(".gz")])[1].lower()  # ".md" of notes.md.gz ("" for README.gz)
-    if conversion.is_document_zip(suffix, data):  # a zipped folder (docs.zip, or docs.zip.gz)
-        if in_zip:
+    if members is None and conversion.is_document_zip(suffix, data):  # a zipped folder (docs.zip, docs.zip.gz)
+        members = conversion.zip_members
+    if members is not None:
+        if in_archive:
             skipped.append(Skipped(name, "an archive inside the archive (unpack it first)"))
         else:
-            _read_archive(name, conversion.zip_members, data, reading, is_unchanged)
+            _read_archive(name, members, data, reading, is_unchanged)
         return None
     try:
         fmt = conversion.classify(suffix, data)
