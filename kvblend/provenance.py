@@ -101,18 +101,20 @@ def section_of(
 def sections_of(
     text: str, headings: Sequence[Heading], start: int, end: int, starts: Sequence[int] | None = None
 ) -> list[str]:
-    """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`; none
-    before the first heading), then each heading that starts inside it with text after it there. The segmenter
-    fills a segment with whole small sections (three short e-mails of a mailbox, a FAQ's questions), so the
-    first alone would cite the rest wrongly."""
+    """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`), then
+    each heading that starts inside it with text after it there; none when it opens before the first heading
+    (its text is in no section, and it cites none). The segmenter fills a segment with whole small sections
+    (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest wrongly."""
     first = section_of(text, headings, start, end, starts)
+    if first is None:
+        return []
     starts = [h.start for h in headings] if starts is None else starts
-    titles = [first] if first is not None else []
+    titles = [first]
     pos = _skip_space(text, start, end)
     for i in range(bisect.bisect_right(starts, pos), bisect.bisect_left(starts, end)):
         body = _skip_space(text, headings[i].end, end)  # where its text begins, if it has any in the segment
         has_text = body < end and not (i + 1 < len(headings) and headings[i + 1].start == body)
-        if has_text and (not titles or headings[i].title != titles[-1]):
+        if has_text and headings[i].title != titles[-1]:
             titles.append(headings[i].title)
     return titles
 
@@ -132,9 +134,9 @@ def segment_sources(
     rows_at = [at for at, _ in row_marks]
     sources = []
     for a, b in spans:
-        section = section_of(text, headings, a, b, starts)
-        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": section}
-        if section is not None and len(titles := sections_of(text, headings, a, b, starts)) > 1:
+        titles = sections_of(text, headings, a, b, starts)  # the first is section_of's
+        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": titles[0] if titles else None}
+        if len(titles) > 1:
             source["sections"] = titles
         if row_marks:
             source["rows"] = row_range(text, row_marks, a, b, starts, rows_at)

@@ -25,7 +25,7 @@ import time
 import zlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 from kvblend.archive.codec import (
     check_codec,
@@ -172,7 +172,7 @@ def drop_listed(d: dict[str, Any], gone: Collection[str]) -> None:
     d["segment_keys"] = [k for k in keys if k not in gone]
 
 
-def _strings(value: Any) -> bool:
+def _strings(value: Any) -> TypeGuard[list[str]]:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
@@ -232,9 +232,7 @@ class DocumentRecord:
                 return {
                     "pages": _int_pair(src.get("pages")),
                     "section": section if isinstance(section, str) else None,
-                    "sections": sections
-                    if isinstance(sections, list) and len(sections) > 1 and _strings(sections)
-                    else None,
+                    "sections": sections if _strings(sections) and len(sections) > 1 else None,
                     "rows": _int_pair(src.get("rows")),
                 }
         return {"pages": None, "section": None, "sections": None, "rows": None}
