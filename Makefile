@@ -25,7 +25,7 @@ install: $(STAMP)
 # uv installs from the same pins what pip would, in 50 s where pip takes 90. It reads no pip.conf, so it is handed
 # the wheel folders and CA bundle pip is configured with (where torch's CPU build lies on these machines); should uv
 # fail, pip does the same install. Bytecode is compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is
-# set (CI's image) every process would otherwise compile torch's modules from source again (the suite ran 30% longer).
+# set (CI's image) every process would otherwise compile torch's modules from source again (the suite ran 35% longer).
 PIP_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
 UV_ENV := UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 $(if $(PIP_LINKS),UV_FIND_LINKS="$(PIP_LINKS)") $(if $(PIP_CERT),SSL_CERT_FILE="$(PIP_CERT)")
 KVBLEND_EDITABLE := -e ".[dev,plot]"
