@@ -55,11 +55,10 @@ class DecodeState:
     A DynamicCache concatenates on every step (O(prompt) copies per token); writing
     into a buffer sized prompt + max_new_tokens keeps a decode step O(1) in copies.
 
-    The buffers hold the compute dtype unless `kv_dtype` says otherwise. 16-bit KV under fp32 compute
-    halves what a step reads of a ~3,700-token prompt (about what bf16 weights read), but on the 2-core
-    AMD EPYC VM it did not pay: a batch-1 step took 50.2 ms with fp16 KV against 49.3 ms with fp32 KV,
-    a batch-8 step 305 against 282 ms (bf16 weights, interleaved; BENCHMARKS.md, "Decode beside
-    llama.cpp"), so the default keeps fp32 and `full` decodes exactly as the model's forward pass does.
+    The buffers hold what the runner decodes with (ModelRunner.decode_kv_dtype: fp16 under int8 or
+    int4 weights on the CPU, where kvblend's attention kernel reads it at half fp32's bytes; else the
+    compute dtype, so `full` under fp32 weights decodes exactly as the model's forward pass does) unless
+    `kv_dtype` says otherwise.
     """
 
     def __init__(
@@ -77,7 +76,7 @@ class DecodeState:
         self._static: StaticStep | None = None
         self.length = len(fused.token_ids)
         capacity = self.length + max_new_tokens
-        dtype = kv_dtype or runner.dtype
+        dtype = kv_dtype or runner.decode_kv_dtype
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         # A static step attends over the whole buffer with a mask: the keys and values it masks must still be

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvblend.model import quant_kernels
+
 # Query blocks of 64 measured fastest on CPU (26 ms vs 40 ms unblocked for 555 of 3,700 tokens).
 QUERY_BLOCK = 64
 
@@ -34,11 +36,18 @@ def last_query(
     `visible` ([1, Tk] bool, visible_keys) leaves keys out instead, for a step that attends over a whole
     fixed-size buffer (kvblend.generation.decode.StaticStep: positions past the query, or outside a window).
 
-    K/V held in 16 bits under fp32 compute (a decode step's buffers: kvblend.generation.decode) are widened
-    one layer at a time, so the widened copy is read back from cache rather than memory, and attended as a
-    grouped matmul: on a 2-core AMD EPYC (AVX2), 30 layers of 3,656 keys took 16.6 ms this way against
-    18.3 ms for SDPA over fp32 K/V, while SDPA over the widened tensors took 83 ms and SDPA in bf16 or fp16
-    79-124 ms (no native 16-bit arithmetic there)."""
+    On the CPU kvblend's own kernel (kvblend.model.quant_kernels) attends fp32 or fp16 K/V as they lie in a
+    decode buffer, 16-bit values widened in registers: on a 2-core AMD EPYC (Zen 4), 30 layers of 3,656
+    keys took 14.8 ms over fp32 K/V and 11 ms over fp16, against 19.3 ms for SDPA over fp32 and 13.5-18 ms
+    for the widening path below. Without the kernel (no C compiler), K/V held in 16 bits under fp32 compute
+    are widened one layer at a time, so the widened copy is read back from cache rather than memory, and
+    attended as a grouped matmul: on an AVX2-only EPYC that took 16.6 ms against 18.3 ms for SDPA over fp32
+    K/V, while SDPA over the widened tensors took 83 ms and SDPA in bf16 or fp16 79-124 ms (no native
+    16-bit arithmetic there)."""
+    if q.device.type == "cpu" and visible is None and (kernels := quant_kernels.kernels()) is not None:
+        out = kernels.decode_attention(q, k, v, scale)
+        if out is not None:
+            return out
     if k.dtype == q.dtype:
         mask = None if visible is None else visible.view(1, 1, 1, -1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

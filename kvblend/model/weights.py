@@ -20,20 +20,28 @@ The formats:
   measured better: see ``auto`` below).
 * ``bf16``: weights in bf16, activations in the compute dtype, cast around each
   matmul. Pays where the CPU multiplies bf16 natively (AMX, AVX512-BF16) or on CUDA.
-* ``int8``: per-output-channel symmetric codes and one scale per row
-  (torch's ``_weight_int8pack_mm`` on the CPU, gpt-fast's int8 path).
+* ``int8``: on the CPU, GGUF's Q8_0: a symmetric scale per 32 input weights,
+  multiplied by kvblend's own kernel (kvblend.model.quant_kernels); on CUDA, or
+  where no C compiler built that kernel, one symmetric scale per output row for
+  torch's ``_weight_int8pack_mm`` (gpt-fast's int8 path).
 * ``int4``: groups of 32 input weights with a scale and a minimum each,
   ``w = d·q + m`` with ``q`` in 0..15: exactly GGUF's Q4_1. A GGUF in Q4_1 has
   been de-quantised to fp32 on load, and re-quantising those weights gives
   back the file's codes and scales bit for bit (:attr:`WeightReport.max_error`
-  is then 0.0: ``full`` stays the model in the file). torch's CPU kernel
-  ``_weight_int4pack_mm_for_cpu`` takes the scale and ``m + 8·d`` as its
-  "zero" (it centres codes at 8).
+  is then 0.0: ``full`` stays the model in the file). On the CPU kvblend's
+  kernel multiplies those blocks as GGUF lays them out, in fp32; without it,
+  torch's ``_weight_int4pack_mm_for_cpu``, which takes the scale and ``m + 8·d``
+  as its "zero" (it centres codes at 8).
 
 The embedding stays as loaded (a lookup reads one row per token); a tied LM head
 gets its own quantized copy, in int8 under ``int4`` (as llama.cpp's 4-bit files keep
-their output matrix at 6 or 8 bits: SmolLM2's GGUF holds it in Q8_0, which int4
-groups cannot reproduce). Norms, biases and RoPE tables are untouched.
+their output matrix at 6 or 8 bits: SmolLM2's GGUF holds it in Q8_0, which the CPU's
+int8 reproduces exactly). Norms, biases and RoPE tables are untouched.
+
+Why kernels of our own on the CPU: torch 2.13's weight-only int8 and int4 CPU
+kernels run 7-11x slower than fp32's matmul on a 2-core AMD EPYC, so they
+decoded slower than fp32; kvblend's read the 4- and 8-bit blocks at the speed
+of their bytes (BENCHMARKS.md, "Decode beside llama.cpp").
 
 On CUDA, int4 runs torch's fused tinygemm kernel (`_weight_int4pack_mm`, bf16 activations, scales rounded
 to bf16) and int8 `_weight_int8pack_mm` where the torch build has it for CUDA; each layer checks its kernel
@@ -43,11 +51,9 @@ kernel is missing or disagrees.
 ``auto`` is resolved by the caller from what ``kvblend profile`` measured on
 this machine (kvblend.tuning): the fastest decode step among the formats whose
 next-token KL against fp32 stays within :data:`AUTO_MAX_KL`; fp32 when nothing
-was measured. On a 2-core AMD EPYC (AVX2, no AMX) torch's int8 and int4 CPU
-kernels are slower than fp32's matmul, and bf16 weights 1.45x faster at batch 1
-but slower at batch 8 (BENCHMARKS.md), so ``auto`` takes bf16 for small decode
-batches there. A server's batches above that size read the loaded weights, so a
-greedy answer can depend on how many requests shared its steps.
+was measured. A server's batches above the size where the converted weights
+pay read the loaded weights, so a greedy answer can depend on how many requests
+shared its steps.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvblend.errors import UsageError
+from kvblend.model import quant_kernels
 
 #: The formats `--weights` takes besides "auto".
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -139,11 +146,23 @@ class BF16Linear(ConvertedLinear):
 
 
 class Int8Linear(ConvertedLinear):
-    """Weight-only int8, one symmetric scale per output row."""
+    """Weight-only int8: on the CPU with kvblend's kernel, Q8_0's blocks (a symmetric scale per 32 input
+    weights); else one symmetric scale per output row, for torch's kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
         super().__init__(weight, bias, route)
         w = weight.detach().float()
+        n_out, n_in = w.shape
+        self.kernels = quant_kernels.kernels() if weight.device.type == "cpu" and n_in % INT4_GROUP == 0 else None
+        if self.kernels is not None:
+            blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
+            d = blocks.abs().amax(-1) / 127.0
+            safe = torch.where(d > 0, d, torch.ones_like(d))
+            q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)
+            self.max_error = float((q * d[..., None] - blocks).abs().max())
+            self.codes = q.to(torch.int8).view(n_out, n_in).contiguous()
+            self.d = d.contiguous()
+            return
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.codes = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8).contiguous()
         self.scale = scale.to(weight.dtype).contiguous()
@@ -153,6 +172,8 @@ class Int8Linear(ConvertedLinear):
         self.fused = weight.device.type == "cpu" or _kernel_agrees(self._fused_matmul, self._dequantised, weight)
 
     def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q8_0(flat.float(), self.codes, self.d).to(flat.dtype)
         return self._fused_matmul(flat) if self.fused else self._dequantised(flat)
 
     def _fused_matmul(self, flat: torch.Tensor) -> torch.Tensor:
@@ -176,7 +197,12 @@ class Int4Linear(ConvertedLinear):
         self.max_error = float((q * d[..., None] + low[..., None] - w).abs().max())
         codes = q.to(torch.int32).view(n_out, n_in)
         self.on_cpu = weight.device.type == "cpu"
-        if self.on_cpu:
+        self.kernels = quant_kernels.kernels() if self.on_cpu else None
+        if self.kernels is not None:  # kvblend's own kernel: GGUF's block as it is, two codes to a byte
+            blocks = q.to(torch.uint8)
+            self.nibbles = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(n_out, n_in // 2).contiguous()
+            self.d, self.low = d.contiguous(), low.contiguous()
+        elif self.on_cpu:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             # [groups, out, 2]: the scale, and the kernel's "zero" m + 8·d (it computes (q - 8)·d + zero).
             self.scale_zero = torch.stack([d, low + 8 * d], dim=-1).transpose(0, 1).contiguous()
@@ -196,6 +222,8 @@ class Int4Linear(ConvertedLinear):
                 self.gpu_packed = None
 
     def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q4_1(flat.float(), self.nibbles, self.d, self.low).to(flat.dtype)
         if self.on_cpu:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.float(), self.packed, INT4_GROUP, self.scale_zero)
             return out.to(flat.dtype)
@@ -268,10 +296,13 @@ def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE
 
 
 def int4_packable(weight: torch.Tensor) -> bool:
-    """Can torch's int4 kernel hold this [out, in] weight? Inputs in whole groups of 32, and on the CPU
-    outputs in multiples of 16 (its packing's tile); other layers keep the weight as loaded."""
+    """Can an int4 kernel hold this [out, in] weight? Inputs in whole groups of 32, and where torch's CPU
+    kernel stands in for kvblend's (no compiler), outputs in multiples of 16 (its packing's tile); other
+    layers keep the weight as loaded."""
     n_out, n_in = weight.shape
-    return n_in % INT4_GROUP == 0 and (weight.device.type != "cpu" or n_out % INT4_CPU_TILE == 0)
+    if n_in % INT4_GROUP:
+        return False
+    return weight.device.type != "cpu" or quant_kernels.kernels() is not None or n_out % INT4_CPU_TILE == 0
 
 
 def _weight_of(linear: nn.Module) -> torch.Tensor:

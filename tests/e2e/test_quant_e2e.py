@@ -62,3 +62,33 @@ def test_int4_archive_mixes_with_lossless_and_survives_a_damaged_blob(tmp_path):
     stats = json.loads(run("stats", "--archive", arc, "--json", check=True).stdout)
     assert set(stats["bytes_per_token_by_codec"]) == {"zstd-shuffle"}
     assert run("verify", "--archive", arc).returncode == 0
+
+
+def test_int4_and_its_int8_head_hold_the_gguf_files_own_blocks(default_runner):
+    """On the CPU `--weights int4` multiplies the bundled GGUF's Q4_1 blocks as the file holds them, and its
+    LM head the file's Q8_0 embedding: codes and scales read back from the file, byte for byte."""
+    import numpy as np
+    import pytest
+    from gguf import GGUFReader
+
+    from kvblend.model import quant_kernels
+    from kvblend.model.source import resolve_model_source
+    from kvblend.model.weights import Int4Linear, Int8Linear, Route
+
+    if quant_kernels.kernels() is None:
+        pytest.skip("no C compiler: kvblend's CPU kernels are not built here")
+    source = resolve_model_source(None)
+    tensors = {t.name: t for t in GGUFReader(str(source.directory / (source.gguf_file or ""))).tensors}
+    layer = default_runner.layers[3]
+    for name, module in (("attn_v", layer.self_attn.v_proj), ("ffn_down", layer.mlp.down_proj)):
+        raw = np.asarray(tensors[f"blk.3.{name}.weight"].data).reshape(module.weight.shape[0], -1, 20)  # d, m, 16 B
+        int4 = Int4Linear(module.weight, None, Route())
+        assert int4.max_error == 0.0
+        assert np.array_equal(int4.nibbles.numpy().reshape(raw.shape[0], -1, 16), raw[..., 4:])
+        assert np.array_equal(int4.d.numpy(), raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        assert np.array_equal(int4.low.numpy(), raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    head = default_runner.model.lm_head.weight
+    raw = np.asarray(tensors["token_embd.weight"].data).reshape(head.shape[0], -1, 34)  # d, 32 codes
+    int8 = Int8Linear(head, None, Route())
+    assert int8.max_error == 0.0
+    assert np.array_equal(int8.codes.numpy().reshape(raw.shape[0], -1, 32), raw[..., 2:].view(np.int8))

@@ -1,0 +1,166 @@
+"""kvblend's CPU kernels for weight-only Q4_1 and Q8_0 decode matmuls (quant_gemv.c), built on first use.
+
+Why a kernel of our own: a decode step reads every weight once, so it runs at the speed of the weights'
+bytes only if unpacking them keeps up with memory. torch 2.13's CPU kernels for int4 and int8 weights do
+not: on a 2-core AMD EPYC they were 7-11x *slower* than fp32's matmul on a 1,536 x 576 product
+(BENCHMARKS.md, issue 34), so 4-bit weights decoded slower than the fp32 weights they de-quantise to.
+quant_gemv.c reads GGUF's own Q4_1 and Q8_0 blocks with AVX-512 or AVX2 and accumulates in fp32, so a
+GGUF's quantized weights are multiplied as they are in the file (llama.cpp's model, at its bytes).
+
+The library is compiled once per machine and source with the machine's C compiler (`cc`, or $CC) and
+`-march=native`, into the model cache (kvblend.model.source.model_cache_dir), and loaded with ctypes; the
+OpenMP threads it uses are torch's own runtime's (torch loads libgomp first). Without a compiler, or with
+KVBLEND_CPU_KERNELS=0, :func:`kernels` is None and kvblend.model.weights uses torch's kernels instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvblend.model.source import model_cache_dir
+
+SOURCE = Path(__file__).with_name("quant_gemv.c")
+#: Inputs in whole blocks of this many weights (Q4_1's and Q8_0's block).
+BLOCK = 32
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_LIBS = ("-lm",)
+_COMPILE_TIMEOUT_S = 120
+
+
+class QuantKernels:
+    """The loaded library's kernels over CPU tensors: two weight-only products and decode attention."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        ptr, i = ctypes.c_void_p, ctypes.c_int  # tensors go in as their data pointers
+        self._q4 = lib.kvb_q4_1_gemv
+        self._q4.argtypes = [ptr, i, i, ptr, ptr, ptr, i, ptr, i]
+        self._q4.restype = None
+        self._q8 = lib.kvb_q8_0_gemv
+        self._q8.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
+        self._q8.restype = None
+        self._attn = lib.kvb_decode_attention
+        self._attn.argtypes = [ptr, ptr, ptr, i, ctypes.c_int64, i, i, i, i, ctypes.c_float, ptr, i]
+        self._attn.restype = ctypes.c_int
+
+    def q4_1(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T for W in Q4_1: `codes` [out, in/2] (GGUF's nibble order), `d`, `m` [out, in/32]."""
+        x = x.float().contiguous()
+        rows, n_in = x.shape
+        n_out = codes.shape[0]
+        y = torch.empty(rows, n_out, dtype=torch.float32)
+        self._q4(
+            x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n_out, y.data_ptr(), _threads()
+        )
+        return y
+
+    def q8_0(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T for W in Q8_0: `codes` [out, in] int8, `d` [out, in/32]."""
+        x = x.float().contiguous()
+        rows, n_in = x.shape
+        n_out = codes.shape[0]
+        y = torch.empty(rows, n_out, dtype=torch.float32)
+        self._q8(x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), n_out, y.data_ptr(), _threads())
+        return y
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """One query per head over every key of k, v ([1, kv_heads, T, hd] views of a decode buffer, fp32 or
+        fp16, rows contiguous): [1, heads, 1, hd], or None where the kernel does not take these shapes."""
+        if not _attention_shapes_fit(q, k, v):
+            return None
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = self._attn(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            int(k.dtype == torch.float16),
+            k.stride(1),
+            k.shape[2],
+            q.shape[1],
+            k.shape[1],
+            q.shape[3],
+            scale,
+            out.data_ptr(),
+            _threads(),
+        )
+        return out if status == 0 else None
+
+
+def _attention_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    one = q.shape[0] == 1 and q.shape[2] == 1 and q.dtype == torch.float32 and q.shape[3] == k.shape[3]
+    same = k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and k.stride() == v.stride()
+    return one and same and k.device.type == "cpu" and k.shape[0] == 1 and k.stride(3) == 1 and k.stride(2) == k.shape[3] and k.shape[2] > 0
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+@functools.cache
+def kernels() -> QuantKernels | None:
+    """The kernels for this machine, built the first time (about a second); None where they cannot be."""
+    if os.environ.get("KVBLEND_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    try:
+        path = _built(compiler)
+        return QuantKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        return None
+
+
+def _built(compiler: str) -> Path:
+    """The compiled library for this source, compiler and CPU: from the cache, else compiled into it
+    (atomically, so processes building at once never load a half-written file)."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join((compiler, *_FLAGS, platform.machine(), _cpu_flags())).encode())
+    key.update(subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout)
+    name = f"quant_gemv-{key.hexdigest()[:16]}.so"
+    for directory in (model_cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"kvblend-kernels-{os.getuid()}"):
+        target = directory / name
+        if target.exists():
+            return target
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.part")
+            os.close(fd)
+        except OSError:
+            continue  # not writable: the next place
+        try:
+            subprocess.run(
+                [compiler, *_FLAGS, str(SOURCE), "-o", tmp, *_LIBS],
+                check=True,
+                capture_output=True,
+                timeout=_COMPILE_TIMEOUT_S,
+            )
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return target
+    raise OSError("no writable directory for the compiled kernels")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), so a cache shared between machines
+    never hands one CPU another's instructions."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
