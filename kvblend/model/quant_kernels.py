@@ -100,7 +100,15 @@ class QuantKernels:
 def _attention_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     one = q.shape[0] == 1 and q.shape[2] == 1 and q.dtype == torch.float32 and q.shape[3] == k.shape[3]
     same = k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and k.stride() == v.stride()
-    return one and same and k.device.type == "cpu" and k.shape[0] == 1 and k.stride(3) == 1 and k.stride(2) == k.shape[3] and k.shape[2] > 0
+    return (
+        one
+        and same
+        and k.device.type == "cpu"
+        and k.shape[0] == 1
+        and k.stride(3) == 1
+        and k.stride(2) == k.shape[3]
+        and k.shape[2] > 0
+    )
 
 
 def _threads() -> int:
