@@ -12,8 +12,10 @@ those ids, no tokenizer in between. Per engine and setting, in one run:
 * greedy agreement with kvblend fp32's 32 tokens (the same model, so a measure of numerics).
 
 kvblend runs every `--weights` format (kvblend.model.weights; prefill reads the
-loaded weights under all of them, so TTFT differs only by noise), each with fp32
-decode KV, and bf16 weights once more with fp16 decode KV; two rounds,
+loaded weights under all of them, so TTFT differs only by noise), each with the
+decode KV it takes by default (fp32; fp16 under int8 and int4 on the CPU, where
+kvblend's attention kernel reads it), and bf16 weights once more with fp16
+decode KV; two rounds,
 formats interleaved, best of the two. llama.cpp runs the GGUF's own Q4_1 in a
 subprocess of the benchmark's own venv (`make bench-venv`: llama-cpp-python,
 pinned, never a kvblend dependency), between kvblend's two rounds; without
@@ -96,6 +98,12 @@ def kvblend_side(runner, prompt: list[Segment], kv_dtype: torch.dtype | None = N
     }
 
 
+def _setting_name(fmt: str, kv_dtype: torch.dtype) -> str:
+    if kv_dtype == torch.float32:
+        return f"kvblend {fmt}"
+    return f"kvblend {fmt}, {'fp16' if kv_dtype == torch.float16 else kv_dtype} KV"
+
+
 def llama_side(python: Path, gguf: Path, prompt_ids: list[int], threads: int) -> dict:
     request = {
         "gguf": str(gguf),
@@ -134,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     runners = {fmt: load_model(None, "cpu", None, fmt) for fmt in WEIGHT_FORMATS}
     prompt = prompt_segments(runners["fp32"])
-    # every weight format with fp32 decode KV (the default), and bf16 weights with fp16 KV (issue 34, point 2)
-    settings = {f"kvblend {fmt}": (fmt, None) for fmt in WEIGHT_FORMATS}
+    # each format with the decode KV it takes by default (fp16 under int8/int4 on the CPU: ModelRunner.decode_kv_dtype)
+    settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype): (fmt, None) for fmt in WEIGHT_FORMATS}
     settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16)
     rounds: dict[str, list[dict]] = {name: [] for name in settings}
     llama: list[dict] = []
