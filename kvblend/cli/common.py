@@ -50,7 +50,7 @@ DtypeOpt = typer.Option(
 WeightsOpt = typer.Option(
     None,
     "--weights",
-    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine, fp32 if none did). Prefill and the archived KV always use the weights as loaded.",
+    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine; if none did, the checkpoint's own format where kvblend's CPU kernels run it exactly, a Q4_1 GGUF's int4, else fp32). Prefill and the archived KV always use the weights as loaded.",
     show_default=False,
 )
 EagerOpt = typer.Option(
@@ -70,7 +70,8 @@ def decode_settings(
     enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """`--weights` and `--enforce-eager` as Engine keywords: a format as given, or for `auto` (the default) what
-    the profiles stored in the archive measured fastest on this machine for this model (fp32 where none did)."""
+    the profiles stored in the archive measured fastest on this machine for this model (where none did, NATIVE:
+    the checkpoint's own format where kvblend's CPU kernels run it exactly, else fp32)."""
     eager = {"cuda_graphs": False} if enforce_eager else {}
     if weights not in (None, "auto"):
         return {"weights": weights, **eager}

@@ -31,7 +31,7 @@ from kvblend.model.source import (
 )
 from kvblend.model.tokenizer import TextTokenizer
 from kvblend.model.transformer import Transformer, read_safetensors
-from kvblend.model.weights import DEFAULT_DECODE_ROWS, apply_weights, check_weights
+from kvblend.model.weights import DEFAULT_DECODE_ROWS, NATIVE, apply_weights, check_weights, native_format
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -77,7 +77,8 @@ def load_model(
     config.json, safetensors and tokenizer.json are read directly (kvblend.model.config,
     .transformer, .tokenizer); transformers is imported only to convert a GGUF the first time.
     `weights` gives the linear layers a converted copy that decode batches of up to `decode_rows` read
-    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile). `cuda_graphs` False
+    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile, and to NATIVE without
+    one: the checkpoint's own format where kvblend's CPU kernels run it exactly). `cuda_graphs` False
     (`--enforce-eager`) decodes on CUDA without graphs (kvblend.generation.decode.StaticStep).
     """
     weights = check_weights(weights, allow_auto=False)
@@ -96,6 +97,8 @@ def load_model(
         tokenizer = TextTokenizer.read(directory)
         transformer = Transformer.from_state_dict(config, read_safetensors(directory))
     transformer.to(device=device, dtype=torch_dtype)
+    if weights == NATIVE:
+        weights = native_format(transformer)
     report = apply_weights(transformer, weights, decode_rows)
     return ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs

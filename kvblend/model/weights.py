@@ -84,10 +84,19 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+#: Not a user's choice: what `--weights auto` resolves to where no profile measured this machine. The
+#: checkpoint's own format where kvblend's CPU kernels multiply it exactly (a Q4_1 GGUF: int4; Q8_0: int8),
+#: as vLLM runs a quantized checkpoint in its own format unless told; fp32 elsewhere (native_format).
+NATIVE = "native"
+
+
 def check_weights(name: str | None, allow_auto: bool = True) -> str:
-    """The format named by `--weights` (None: the default), or a one-line UsageError."""
+    """The format named by `--weights` (None: the default), or a one-line UsageError. NATIVE is let through
+    for the loader (it comes from `auto`, never from a user)."""
     if name is None:
         return DEFAULT_WEIGHTS
+    if name == NATIVE:
+        return name
     allowed = (*WEIGHT_FORMATS, "auto") if allow_auto else WEIGHT_FORMATS
     if name not in allowed:
         raise UsageError(f"--weights must be one of {', '.join(allowed)}, not {name!r}")
@@ -155,11 +164,8 @@ class Int8Linear(ConvertedLinear):
         n_out, n_in = w.shape
         self.kernels = quant_kernels.kernels() if weight.device.type == "cpu" and n_in % INT4_GROUP == 0 else None
         if self.kernels is not None:
-            blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
-            d = blocks.abs().amax(-1) / 127.0
-            safe = torch.where(d > 0, d, torch.ones_like(d))
-            q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)
-            self.max_error = float((q * d[..., None] - blocks).abs().max())
+            q, d = _q8_0_blocks(w)
+            self.max_error = float((q * d[..., None] - w.view(q.shape)).abs().max())
             self.codes = q.to(torch.int8).view(n_out, n_in).contiguous()
             self.d = d.contiguous()
             return
@@ -189,12 +195,9 @@ class Int4Linear(ConvertedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route):
         super().__init__(weight, bias, route)
         n_out, n_in = weight.shape
-        w = weight.detach().float().view(n_out, n_in // INT4_GROUP, INT4_GROUP)
-        low, high = w.amin(-1), w.amax(-1)
-        d = (high - low) / 15.0
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.round((w - low[..., None]) / safe[..., None]).clamp_(0, 15)
-        self.max_error = float((q * d[..., None] + low[..., None] - w).abs().max())
+        w = weight.detach().float()
+        q, d, low = _q4_1_blocks(w)
+        self.max_error = float((q * d[..., None] + low[..., None] - w.view(q.shape)).abs().max())
         codes = q.to(torch.int32).view(n_out, n_in)
         self.on_cpu = weight.device.type == "cpu"
         self.kernels = quant_kernels.kernels() if self.on_cpu else None
@@ -293,6 +296,56 @@ def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE
     model.lm_head = head
     total += head.converted_bytes()
     return WeightReport(weights, layers, kept, worst, total, head_format, head.max_error, route)
+
+
+def native_format(model: nn.Module) -> str:
+    """The format a loaded model's weights already are, exactly, where kvblend's CPU kernels multiply it:
+    "int4" if the first and last layers' projections are Q4_1 blocks (re-quantising them loses nothing),
+    "int8" if they are Q8_0 blocks, else "fp32" (a Q4_K or mixed GGUF, safetensors, a GPU: the weights as
+    loaded). Two layers stand for all: a GGUF quantizes its projections alike, and WeightReport.max_error
+    then says what the conversion of every layer found."""
+    weights = [_weight_of(m) for _, _, m in _linears(model)]
+    if not weights or weights[0].device.type != "cpu" or quant_kernels.kernels() is None:
+        return "fp32"
+    per_layer = len(_LINEARS) + len(_MLP)
+    sample = [w.detach().float() for w in weights[:per_layer] + weights[-per_layer:]]
+    if any(w.shape[1] % INT4_GROUP for w in sample):
+        return "fp32"
+    if all(_q4_1_error(w) == 0.0 for w in sample):
+        return "int4"
+    if all(_q8_0_error(w) == 0.0 for w in sample):
+        return "int8"
+    return "fp32"
+
+
+def _q4_1_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1's codes, scales and minimums of a [out, in] weight: w ≈ d·q + m per block of 32."""
+    n_out, n_in = w.shape
+    blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d = (high - low) / 15.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((blocks - low[..., None]) / safe[..., None]).clamp_(0, 15)
+    return q, d, low
+
+
+def _q4_1_error(w: torch.Tensor) -> float:
+    q, d, low = _q4_1_blocks(w)
+    return float((q * d[..., None] + low[..., None] - w.view(q.shape)).abs().max())
+
+
+def _q8_0_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0's codes and scales of a [out, in] weight: w ≈ d·q per block of 32, q in -127..127."""
+    n_out, n_in = w.shape
+    blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
+    d = blocks.abs().amax(-1) / 127.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    return torch.round(blocks / safe[..., None]).clamp_(-127, 127), d
+
+
+def _q8_0_error(w: torch.Tensor) -> float:
+    q, d = _q8_0_blocks(w)
+    return float((q * d[..., None] - w.view(q.shape)).abs().max())
 
 
 def int4_packable(weight: torch.Tensor) -> bool:

@@ -315,11 +315,12 @@ def latest_measured(
 
 def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
     """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
-    weights decides (Profile.weights_choice); fp32 when none did."""
-    from kvblend.model.weights import DEFAULT_WEIGHTS
+    weights decides (Profile.weights_choice); when none did, the checkpoint's own format where kvblend's
+    CPU kernels run it exactly, else fp32 (kvblend.model.weights.NATIVE, resolved as the model loads)."""
+    from kvblend.model.weights import DEFAULT_DECODE_ROWS, NATIVE
 
     profile = latest_measured(location, fingerprint, compute, lambda p: bool(p.weights))
-    return profile.weights_choice() if profile else (DEFAULT_WEIGHTS, 1)
+    return profile.weights_choice() if profile else (NATIVE, DEFAULT_DECODE_ROWS)
 
 
 def dtype_choice(location: Location, fingerprint: str | None, compute: str | None) -> str | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvblend.defaults import DEFAULT_RATIO
+from kvblend.model import quant_kernels
 from support import DOCS, FIXTURES, kvblend_script, one_line_error
 from support import run_cli as run
 
@@ -118,6 +119,8 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     assert first["mode"] == "blend" and first["ratio"] == DEFAULT_RATIO and not first["prefix_cached"]
     assert len(first["segments"]) == 3 and all(s["cached"] for s in first["segments"])
     assert {"key", "document", "tokens", "cached"} <= set(first["segments"][0])
+    # --weights auto with no profile stored: the bundled GGUF's own Q4_1, where kvblend's CPU kernels run it
+    assert first["weights"] == ("int4" if quant_kernels.kernels() is not None else "fp32")
     # A query runs on kvblend's own forward pass, tokenizer and embedder: transformers (~5 s to import) is
     # needed only to convert a GGUF the first time, so here a transformers that refuses to import changes nothing.
     poisoned = tmp_path / "poisoned"

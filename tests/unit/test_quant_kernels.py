@@ -12,7 +12,7 @@ from kvblend.generation import DecodeState
 from kvblend.generation.decode import DecodePrompt, decode_step
 from kvblend.model import quant_kernels
 from kvblend.model.attention import last_query
-from kvblend.model.weights import Int4Linear, Int8Linear, Route, apply_weights
+from kvblend.model.weights import Int4Linear, Int8Linear, Route, _linears, apply_weights
 from support import random_tokens, tiny_runner
 
 KERNELS = quant_kernels.kernels()
@@ -159,3 +159,28 @@ def test_the_library_is_compiled_once_into_the_model_cache(monkeypatch, tmp_path
     again = quant_kernels.kernels.__wrapped__()
     assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == built
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no leftover part files
+
+
+@needs_kernels
+def test_native_format_finds_q4_1_and_q8_0_weights_and_nothing_else():
+    from kvblend.model.weights import native_format
+
+    runner = tiny_runner("llama")
+    assert native_format(runner.model) == "fp32"  # random weights: no block format holds them exactly
+    for _, _, linear in list(_linears(runner.model)):
+        w = linear.weight.data
+        n_out, n_in = w.shape
+        blocks = w.view(n_out, n_in // 32, 32)
+        low = blocks.amin(-1, keepdim=True).half().float()  # GGUF keeps fp16 scales and minimums
+        d = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+        q = torch.round((blocks - low) / d).clamp(0, 15)
+        q[..., 0], q[..., 1] = 0, 15  # a Q4_1 block's codes span 0..15
+        linear.weight.data = (q * d + low).view(n_out, n_in)  # Q4_1, as a loader de-quantises it
+    assert native_format(runner.model) == "int4"
+    for _, _, linear in list(_linears(runner.model)):
+        w = linear.weight.data
+        d = (w.view(w.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+        q = torch.round(w.view(w.shape[0], -1, 32) / d).clamp(-127, 127)
+        q[..., 0] = 127  # a Q8_0 block's largest code is ±127
+        linear.weight.data = (q * d).view(w.shape)  # Q8_0
+    assert native_format(runner.model) == "int8"
