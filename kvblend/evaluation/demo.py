@@ -20,6 +20,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import UsageError
 from kvblend.evaluation.metrics import kl_divergence, normalize_answer, rouge_l
 from kvblend.options import Mode, QueryOptions, SamplingConfig
@@ -100,7 +101,7 @@ def run_demo(
     docs = demo_docs()
     rows: list[DemoRow] = []
     sampling = SamplingConfig(max_new_tokens=DEMO_MAX_TOKENS)
-    with Engine(archive, None, compute) as engine:
+    with Engine(archive, None, compute, weights=NATIVE_WEIGHTS) as engine:  # decode as `query` does with no profile
         notify("ingest", {"docs": docs, "archive": archive})
         report = engine.ingest([docs])
         notify("ingested", report)

@@ -57,8 +57,8 @@ class DecodeState:
 
     The buffers hold what the runner decodes with (ModelRunner.decode_kv_dtype: fp16 under int8 or
     int4 weights on the CPU, where kvblend's attention kernel reads it at half fp32's bytes; else the
-    compute dtype, so `full` under fp32 weights decodes exactly as the model's forward pass does) unless
-    `kv_dtype` says otherwise.
+    compute dtype, so `full` under fp32 weights decodes the model's own forward pass, up to the order of
+    the attention kernel's sums) unless `kv_dtype` says otherwise.
     """
 
     def __init__(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvblend.errors import ModelNotFoundError, UsageError
+from kvblend.model import quant_kernels
 from kvblend.model.config import ModelConfig
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import (
@@ -81,7 +82,7 @@ def load_model(
     one: the checkpoint's own format where kvblend's CPU kernels run it exactly). `cuda_graphs` False
     (`--enforce-eager`) decodes on CUDA without graphs (kvblend.generation.decode.StaticStep).
     """
-    weights = check_weights(weights, allow_auto=False)
+    weights = check_weights(weights, allow_auto=False, allow_native=True)
     source = resolve_model_source(model)
     if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
         check_gguf_architecture(source.directory / source.gguf_file)
@@ -97,6 +98,8 @@ def load_model(
         tokenizer = TextTokenizer.read(directory)
         transformer = Transformer.from_state_dict(config, read_safetensors(directory))
     transformer.to(device=device, dtype=torch_dtype)
+    if device.type == "cpu":
+        quant_kernels.kernels()  # built now (about a second, once per machine), not in the first decode step
     if weights == NATIVE:
         weights = native_format(transformer)
     report = apply_weights(transformer, weights, decode_rows)

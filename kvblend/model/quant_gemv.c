@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -30,6 +30,16 @@
 #define MAX_ROWS 8 /* rows handled together, so each block is unpacked once for all of them */
 
 int kvb_kernel_version(void) { return 1; }
+
+/* 1 where this build has a vector path (AVX-512, or AVX2 with FMA): without one the plain C loops below are
+ * slower than torch's kernels, and the library is not used (kvblend.model.quant_kernels). */
+int kvb_simd(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Per row r and block g: the sum of the block's activations (the minimum's factor in Q4_1). */
 static void block_sums(const float *x, int rows, int n_in, float *sums) {
@@ -44,7 +54,7 @@ static void block_sums(const float *x, int rows, int n_in, float *sums) {
 
 #if defined(__AVX512F__)
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -80,7 +90,7 @@ static void q4_1_row(const float *x, int rows, int n_in, const uint8_t *codes, c
         for (int g = 0; g < groups; g++) s += mn[g] * sums[r * groups + g];
         y[(int64_t)r * n_out + n] = s;
     }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -142,7 +152,7 @@ static void q8_0_row(const float *x, int rows, int n_in, const int8_t *codes, co
         }
     }
     for (int r = 0; r < rows; r++) y[(int64_t)r * n_out + n] = hsum(acc[r]);
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
@@ -177,11 +187,11 @@ static void q8_0_row(const float *x, int rows, int n_in, const int8_t *codes, co
 #endif
 }
 
-void kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
-                   int n_out, float *y, int threads) {
+int kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
+                  int n_out, float *y, int threads) {
     int groups = n_in / BLOCK;
     float *sums = malloc(sizeof(float) * (size_t)rows * groups);
-    if (!sums) return;
+    if (!sums) return -1;
     block_sums(x, rows, n_in, sums);
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         int rr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
@@ -192,6 +202,7 @@ void kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, con
         for (int n = 0; n < n_out; n++) q4_1_row(xr, rr, n_in, codes, d, m, sr, n, n_out, yr);
     }
     free(sums);
+    return 0;
 }
 
 void kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n_out, float *y,
@@ -231,7 +242,7 @@ static inline vf v_zero(void) { return _mm512_setzero_ps(); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 /* exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial, within 2 ulp of libm's. */
 static inline vf v_exp(vf x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* NaN in x stays NaN (max returns its second operand) */
     vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
     vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -257,7 +268,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_zero(void) { return _mm256_setzero_ps(); }
 static inline float v_sum(vf a) { return hsum(a); }
 static inline vf v_exp(vf x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
@@ -347,6 +358,7 @@ int kvb_decode_attention(const float *q, const void *k, const void *v, int half,
     (void)hd; (void)scale; (void)out; (void)threads;
     return -1;
 #else
+    if (kv_heads < 1 || heads < 1) return -1;
     int group = heads / kv_heads;
     if (hd % 16 || group > MAX_GROUP || group * kv_heads != heads || n_keys < 1) return -1;
     int chunks = (n_keys + CHUNK - 1) / CHUNK, tasks = kv_heads * chunks;

@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ BLOCK = 32
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _LIBS = ("-lm",)
 _COMPILE_TIMEOUT_S = 120
+_MAX_GROUP = 16  # query heads per KV head the attention kernel takes (quant_gemv.c's MAX_GROUP)
 
 
 class QuantKernels:
@@ -45,7 +47,7 @@ class QuantKernels:
         ptr, i = ctypes.c_void_p, ctypes.c_int  # tensors go in as their data pointers
         self._q4 = lib.kvb_q4_1_gemv
         self._q4.argtypes = [ptr, i, i, ptr, ptr, ptr, i, ptr, i]
-        self._q4.restype = None
+        self._q4.restype = ctypes.c_int
         self._q8 = lib.kvb_q8_0_gemv
         self._q8.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
         self._q8.restype = None
@@ -58,10 +60,13 @@ class QuantKernels:
         x = x.float().contiguous()
         rows, n_in = x.shape
         n_out = codes.shape[0]
+        _check_blocks(n_in, codes, torch.uint8, n_in // 2, d, m)
         y = torch.empty(rows, n_out, dtype=torch.float32)
-        self._q4(
+        status = self._q4(
             x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n_out, y.data_ptr(), _threads()
         )
+        if status != 0:
+            raise MemoryError("kvblend's Q4_1 kernel could not allocate its block sums")
         return y
 
     def q8_0(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,7 @@ class QuantKernels:
         x = x.float().contiguous()
         rows, n_in = x.shape
         n_out = codes.shape[0]
+        _check_blocks(n_in, codes, torch.int8, n_in, d)
         y = torch.empty(rows, n_out, dtype=torch.float32)
         self._q8(x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), n_out, y.data_ptr(), _threads())
         return y
@@ -97,9 +103,22 @@ class QuantKernels:
         return out if status == 0 else None
 
 
+def _check_blocks(n_in: int, codes: torch.Tensor, dtype: torch.dtype, row_bytes: int, *scales: torch.Tensor) -> None:
+    """What the C side reads through raw pointers must be what it assumes: a wrong tensor would read out of
+    bounds, not raise."""
+    n_out = codes.shape[0]
+    ok = n_in % BLOCK == 0 and codes.dtype == dtype and codes.is_contiguous() and codes.shape == (n_out, row_bytes)
+    ok = ok and all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n_out, n_in // BLOCK) for t in scales
+    )
+    if not ok or codes.device.type != "cpu":
+        raise ValueError(f"quantized weight blocks do not match an input of {n_in}: {tuple(codes.shape)} {codes.dtype}")
+
+
 def _attention_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     one = q.shape[0] == 1 and q.shape[2] == 1 and q.dtype == torch.float32 and q.shape[3] == k.shape[3]
     same = k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and k.stride() == v.stride()
+    same = same and k.shape == v.shape and v.device.type == "cpu" and k.shape[1] > 0
     return (
         one
         and same
@@ -111,39 +130,56 @@ def _attention_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     )
 
 
+def attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Does the decode-attention kernel take a model of this shape? (quant_gemv.c: MAX_GROUP, hd % 16.)"""
+    return kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP and head_dim % 16 == 0
+
+
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
 @functools.cache
 def kernels() -> QuantKernels | None:
-    """The kernels for this machine, built the first time (about a second); None where they cannot be."""
-    if os.environ.get("KVBLEND_CPU_KERNELS", "1") == "0":
+    """The kernels for this machine, built the first time (about a second); None where they cannot be, or
+    where the build has no vector path (a CPU without AVX-512 or AVX2 with FMA: torch's kernels do better)."""
+    if os.environ.get("KVBLEND_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
+    for path in _built(compiler):
+        try:
+            lib = ctypes.CDLL(str(path))
+            if lib.kvb_simd() != 1:
+                return None
+            return QuantKernels(lib, path)
+        except (OSError, AttributeError):
+            continue  # unloadable (another user's file, a damaged one): the next place
+    return None
+
+
+def _built(compiler: str) -> Iterator[Path]:
+    """The compiled library for this source, compiler and CPU, from each place that has or can build it:
+    the model cache, then a private directory under the system temp directory. A build goes to a temporary
+    name and is renamed into place, so processes building at once never load a half-written file."""
     try:
-        path = _built(compiler)
-        return QuantKernels(ctypes.CDLL(str(path)), path)
-    except (OSError, subprocess.SubprocessError, AttributeError):
-        return None
-
-
-def _built(compiler: str) -> Path:
-    """The compiled library for this source, compiler and CPU: from the cache, else compiled into it
-    (atomically, so processes building at once never load a half-written file)."""
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(" ".join((compiler, *_FLAGS, platform.machine(), _cpu_flags())).encode())
-    key.update(subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout)
+        key = hashlib.sha256()
+        key.update(SOURCE.read_bytes())
+        key.update(" ".join((compiler, *_FLAGS, platform.machine(), _cpu_flags())).encode())
+        key.update(subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout)
+    except (OSError, subprocess.SubprocessError):
+        return
     name = f"quant_gemv-{key.hexdigest()[:16]}.so"
     for directory in (model_cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"kvblend-kernels-{os.getuid()}"):
         target = directory / name
-        if target.exists():
-            return target
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _trusted(directory):
+                continue
+            if target.exists():
+                yield target
+                continue
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.part")
             os.close(fd)
         except OSError:
@@ -155,11 +191,24 @@ def _built(compiler: str) -> Path:
                 capture_output=True,
                 timeout=_COMPILE_TIMEOUT_S,
             )
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it 0600: others sharing the cache must read it too
             os.replace(tmp, target)
+        except (OSError, subprocess.SubprocessError):
+            continue
         finally:
             Path(tmp).unlink(missing_ok=True)
-        return target
-    raise OSError("no writable directory for the compiled kernels")
+        yield target
+
+
+def _trusted(directory: Path) -> bool:
+    """A directory whose libraries may be loaded: ours (or the configured model cache) and writable by no one
+    else, since a library loaded from it runs as this process."""
+    if directory.parent == model_cache_dir():
+        return True
+    info = directory.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _cpu_flags() -> str:

@@ -126,11 +126,11 @@ class ModelRunner:
         """What a decode step's KV buffers hold (kvblend.generation.DecodeState): fp16 under int8 or int4
         weights on the CPU, where kvblend's attention kernel reads 16-bit KV widened in registers (half the
         bytes a step streams: 30 layers of 3,656 keys took 11 ms against 15 ms in fp32 on a 2-core AMD
-        EPYC); else the compute dtype, so `fp32` decodes exactly as the model's forward pass does."""
-        quantized = self.weights_name in ("int8", "int4")
-        if quantized and self.device.type == "cpu" and self.dtype == torch.float32 and quant_kernels.kernels():
-            return torch.float16
-        return self.dtype
+        EPYC), where the kernel takes the model's shape; else the compute dtype, so `fp32` decodes the model's
+        own forward pass (up to the order of the kernel's sums)."""
+        quantized = self.weights_name in ("int8", "int4") and self.device.type == "cpu" and self.dtype == torch.float32
+        fits = quant_kernels.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim)
+        return torch.float16 if quantized and fits and quant_kernels.kernels() else self.dtype
 
     @property
     def dtype_name(self) -> str:

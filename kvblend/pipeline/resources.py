@@ -57,7 +57,7 @@ class Resources:
         self.compute = compute
         self.dtype = dtype
         # what decode steps read (kvblend.model.weights): the CLI resolves `auto` from the stored profiles
-        self.weights = check_weights(weights, allow_auto=False)
+        self.weights = check_weights(weights, allow_auto=False, allow_native=True)
         self.decode_rows = decode_rows
         self.cuda_graphs = cuda_graphs  # False: `--enforce-eager`
         self._runner = runner

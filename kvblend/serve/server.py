@@ -109,9 +109,11 @@ def in_a_thread_of_its_own(work: Callable[[], None]) -> None:
         except BaseException as exc:  # handed to the caller, which reports it as the CLI does
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name="kvblend-load")
+    # a daemon, waited on in steps: Ctrl-C during a load stops the server at once instead of after the load
+    thread = threading.Thread(target=run, name="kvblend-load", daemon=True)
     thread.start()
-    thread.join()
+    while thread.is_alive():
+        thread.join(0.2)
     if failure:
         raise failure[0]
 

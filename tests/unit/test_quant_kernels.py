@@ -184,3 +184,54 @@ def test_native_format_finds_q4_1_and_q8_0_weights_and_nothing_else():
         q[..., 0] = 127  # a Q8_0 block's largest code is ±127
         linear.weight.data = (q * d).view(w.shape)  # Q8_0
     assert native_format(runner.model) == "int8"
+
+
+@needs_kernels
+def test_a_nan_or_inf_key_spreads_as_in_sdpa_and_is_never_hidden():
+    assert KERNELS is not None
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 1, 32)
+    q[..., 3] = 1.0  # so an inf key's score is +inf, which SDPA turns into NaN
+    for bad in (float("nan"), float("inf")):
+        k, v = torch.randn(1, 2, 300, 32), torch.randn(1, 2, 300, 32)
+        k[0, 0, 5, 3] = bad  # not a chunk's first key: the kernel's max and exp must carry it
+        got = KERNELS.decode_attention(q, k, v, 0.2)
+        want = F.scaled_dot_product_attention(q, k, v, scale=0.2, enable_gqa=True)
+        assert got is not None
+        assert torch.equal(torch.isnan(got[0, :2]), torch.isnan(want[0, :2]))  # kv head 0's query heads
+        assert torch.isnan(got[0, :2]).all()
+        assert torch.allclose(got[0, 2:], want[0, 2:], atol=1e-5)  # kv head 1 unharmed
+
+
+def test_native_is_the_loaders_word_and_no_format_of_its_own():
+    from kvblend.errors import UsageError
+    from kvblend.model.weights import NATIVE, check_weights
+
+    assert check_weights(NATIVE, allow_auto=False, allow_native=True) == NATIVE
+    with pytest.raises(UsageError):
+        check_weights(NATIVE)  # not a --weights choice
+    with pytest.raises(UsageError):
+        apply_weights(tiny_runner("llama").model, NATIVE)
+
+
+def test_attention_fits_the_shapes_the_kernel_takes():
+    assert quant_kernels.attention_fits(9, 3, 64) and quant_kernels.attention_fits(4, 1, 256)
+    assert not quant_kernels.attention_fits(32, 1, 64)  # 32 query heads per KV head: over the kernel's 16
+    assert not quant_kernels.attention_fits(8, 3, 64) and not quant_kernels.attention_fits(8, 2, 24)
+
+
+@needs_kernels
+def test_the_built_library_is_readable_by_others_and_a_shared_directory_is_not_trusted(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_MODEL_CACHE", str(tmp_path / "cache"))
+    old = __import__("os").umask(0o022)
+    try:
+        built = quant_kernels.kernels.__wrapped__()
+    finally:
+        __import__("os").umask(old)
+    assert built is not None and built.path.stat().st_mode & 0o044 == 0o044  # others sharing the cache load it
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert not quant_kernels._trusted(shared)
+    shared.chmod(0o700)
+    assert quant_kernels._trusted(shared)
