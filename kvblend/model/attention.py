@@ -38,8 +38,8 @@ def last_query(
 
     On the CPU kvblend's own kernel (kvblend.model.quant_kernels) attends fp32 or fp16 K/V as they lie in a
     decode buffer, 16-bit values widened in registers: on a 2-core AMD EPYC (Zen 4), 30 layers of 3,656
-    keys took 14.8 ms over fp32 K/V and 11 ms over fp16, against 19.3 ms for SDPA over fp32 and 13.5-18 ms
-    for the widening path below. Without the kernel (no C compiler), K/V held in 16 bits under fp32 compute
+    keys took 9.7-10.6 ms over fp32 K/V and 5.4-6.0 ms over fp16, against 19.3 ms for SDPA over fp32 and
+    13.5-18 ms for the widening path below. Without the kernel (no C compiler), K/V held in 16 bits under fp32 compute
     are widened one layer at a time, so the widened copy is read back from cache rather than memory, and
     attended as a grouped matmul: on an AVX2-only EPYC that took 16.6 ms against 18.3 ms for SDPA over fp32
     K/V, while SDPA over the widened tensors took 83 ms and SDPA in bf16 or fp16 79-124 ms (no native

@@ -286,10 +286,12 @@ static inline vf v_exp(vf x) {
 
 #ifdef VW
 /* One task: kv head h, keys [t0, t1), for its `group` query heads; writes their max, sum and weighted V. */
-static void attend_chunk(const float *q, const void *k, const void *v, int half, int64_t head_stride, int h,
-                         int t0, int t1, int group, int hd, float scale, float *pm, float *pl, float *pacc) {
+static inline __attribute__((always_inline)) void
+attend_chunk_g(const float *q, const void *k, const void *v, int half, int64_t head_stride, int h, int t0, int t1,
+               int group, int hd, float scale, float *pm, float *pl, float *pacc) {
     float s[MAX_GROUP][CHUNK];
     int n = t1 - t0;
+    if (n <= 0) return; /* never: every chunk holds a key */
     const int64_t base = (int64_t)h * head_stride;
     for (int t = 0; t < n; t++) {
         int64_t row = base + (int64_t)(t0 + t) * hd;
@@ -348,6 +350,25 @@ static void attend_chunk(const float *q, const void *k, const void *v, int half,
 #endif
         }
     }
+}
+/* One task, with the group size a constant where it is a common one: the per-head accumulators can then live
+ * in registers (a runtime-sized array of them is kept on the stack). 30 layers of 3,656 keys, GQA groups of 3,
+ * interleaved on the 2-core Zen 4 EPYC: fp16 K/V 6.9-7.2 ms -> 5.4-6.0 ms, fp32 10.8-14.1 -> 9.7-10.6 ms. */
+static void attend_chunk(const float *q, const void *k, const void *v, int half, int64_t head_stride, int h,
+                         int t0, int t1, int group, int hd, float scale, float *pm, float *pl, float *pacc) {
+#define KVB_GROUP(G) attend_chunk_g(q, k, v, half, head_stride, h, t0, t1, G, hd, scale, pm, pl, pacc)
+    switch (group) {
+    case 1: KVB_GROUP(1); break;
+    case 2: KVB_GROUP(2); break;
+    case 3: KVB_GROUP(3); break;
+    case 4: KVB_GROUP(4); break;
+    case 5: KVB_GROUP(5); break;
+    case 6: KVB_GROUP(6); break;
+    case 7: KVB_GROUP(7); break;
+    case 8: KVB_GROUP(8); break;
+    default: KVB_GROUP(group); break;
+    }
+#undef KVB_GROUP
 }
 #endif
 

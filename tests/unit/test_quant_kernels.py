@@ -68,7 +68,8 @@ def test_products_do_not_depend_on_the_thread_count():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "hd", "n_keys"),
-    [(9, 3, 64, 3656), (4, 1, 256, 700), (9, 3, 64, 1), (8, 8, 16, 255), (8, 2, 32, 256), (8, 2, 32, 257)],
+    [(9, 3, 64, 3656), (4, 1, 256, 700), (9, 3, 64, 1), (8, 8, 16, 255), (8, 2, 32, 256), (8, 2, 32, 257),
+     (16, 1, 32, 300), (12, 1, 48, 90)],  # groups of 16 and 12: the kernel's path for uncommon group sizes
 )
 def test_decode_attention_equals_sdpa_over_the_same_keys(dtype, heads, kv_heads, hd, n_keys):
     assert KERNELS is not None
