@@ -259,3 +259,21 @@ def live_server() -> Iterator[tuple[str, int]]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_the_model_loads_on_a_thread_that_ends_with_the_load_and_its_failure_reaches_the_caller():
+    """serve loads its model off the main thread (kvblend.serve.server.in_a_thread_of_its_own), so that the
+    model thread is the process's one OpenMP pool: the work runs elsewhere, the thread is gone afterwards,
+    and an error (a bad --model) is raised in the caller, where the CLI turns it into one line."""
+    from kvblend.errors import ModelNotFoundError
+    from kvblend.serve.server import in_a_thread_of_its_own
+
+    ran_on: list[threading.Thread] = []
+    in_a_thread_of_its_own(lambda: ran_on.append(threading.current_thread()))
+    assert ran_on and ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+    def bad_model() -> None:
+        raise ModelNotFoundError("no model at /nowhere")
+
+    with pytest.raises(ModelNotFoundError, match="no model at /nowhere"):
+        in_a_thread_of_its_own(bad_model)
