@@ -31,15 +31,99 @@
 
 int kvb_kernel_version(void) { return 1; }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * The vector width this build has, and the few operations both kernels are written in: VW floats a vector.
+ * KVB_F16: 16-bit floats can be widened (AVX-512F has it; AVX2 machines need F16C).
+ */
+#if defined(__AVX512F__)
+#define VW 16
+#define KVB_F16 1
+typedef __m512 vf;
+static inline vf v_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_storef(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf v_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf v_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); } /* b where either is NaN */
+static inline vf v_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf v_pow2(vf n) { /* 2^n for whole n in -127..127, built in the exponent bits */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* A block's 32 codes as floats in block order: Q4_1's low nibbles are its first 16, the high ones the rest. */
+static inline void unpack_q4_1(const uint8_t *b, vf q[BLOCK / VW]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+}
+static inline void unpack_q8_0(const int8_t *b, vf q[BLOCK / VW]) {
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+#if defined(__F16C__)
+#define KVB_F16 1
+#endif
+typedef __m256 vf;
+static inline vf v_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_storef(float *p, vf a) { _mm256_storeu_ps(p, a); }
+#ifdef KVB_F16
+static inline vf v_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf v_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); } /* b where either is NaN */
+static inline vf v_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline float v_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void unpack_q4_1(const uint8_t *b, vf q[BLOCK / VW]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+static inline void unpack_q8_0(const int8_t *b, vf q[BLOCK / VW]) {
+    __m128i b0 = _mm_loadu_si128((const __m128i *)b), b1 = _mm_loadu_si128((const __m128i *)(b + 16));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+}
+#endif
+
 /* 1 where this build has a vector path (AVX-512, or AVX2 with FMA): without one the plain C loops below are
  * slower than torch's kernels, and the library is not used (kvblend.model.quant_kernels). */
 int kvb_simd(void) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef VW
     return 1;
 #else
     return 0;
 #endif
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * The products.
+ */
 
 /* Per row r and block g: the sum of the block's activations (the minimum's factor in Q4_1). */
 static void block_sums(const float *x, int rows, int n_in, float *sums) {
@@ -52,168 +136,90 @@ static void block_sums(const float *x, int rows, int n_in, float *sums) {
         }
 }
 
-#if defined(__AVX512F__)
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-/* One output row n of Q4_1 for `rows` (<= MAX_ROWS) activation rows. */
-static void q4_1_row(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
-                     const float *sums, int n, int n_out, float *y) {
-    int groups = n_in / BLOCK;
-    const uint8_t *c = codes + (int64_t)n * (n_in / 2);
-    const float *dn = d + (int64_t)n * groups, *mn = m + (int64_t)n * groups;
-#if defined(__AVX512F__)
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < groups; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(c + g * 16));
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-        __m512 scale = _mm512_set1_ps(dn[g]);
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + (int64_t)r * n_in + g * BLOCK;
-            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
-            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
-            acc[r] = _mm512_fmadd_ps(scale, t, acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        float s = hsum(acc[r]);
-        for (int g = 0; g < groups; g++) s += mn[g] * sums[r * groups + g];
-        y[(int64_t)r * n_out + n] = s;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < groups; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(c + g * 16));
-        __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        __m256 scale = _mm256_set1_ps(dn[g]);
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + (int64_t)r * n_in + g * BLOCK;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), t);
-            acc[r] = _mm256_fmadd_ps(scale, t, acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        float s = hsum(acc[r]);
-        for (int g = 0; g < groups; g++) s += mn[g] * sums[r * groups + g];
-        y[(int64_t)r * n_out + n] = s;
-    }
-#else
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + (int64_t)r * n_in;
-        float s = 0.f;
-        for (int g = 0; g < groups; g++) {
-            float t = 0.f;
-            for (int j = 0; j < 16; j++)
-                t += (float)(c[g * 16 + j] & 0x0F) * xr[g * BLOCK + j] + (float)(c[g * 16 + j] >> 4) * xr[g * BLOCK + 16 + j];
-            s += dn[g] * t + mn[g] * sums[r * groups + g];
-        }
-        y[(int64_t)r * n_out + n] = s;
-    }
-#endif
-}
-
-/* One output row n of Q8_0 for `rows` (<= MAX_ROWS) activation rows. */
-static void q8_0_row(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n, int n_out,
-                     float *y) {
-    int groups = n_in / BLOCK;
-    const int8_t *c = codes + (int64_t)n * n_in;
+/* One output row n for `rows` (<= MAX_ROWS) activation rows, of Q4_1 (`q4`, with its minimums m and the
+ * activations' block sums) or Q8_0. Inlined with `q4` a constant, so each format gets its own loop. */
+static inline __attribute__((always_inline)) void quant_row(const float *x, int rows, int n_in, const uint8_t *codes,
+                                                          int q4, const float *d, const float *m, const float *sums,
+                                                          int n, int n_out, float *y) {
+    int groups = n_in / BLOCK, block_bytes = q4 ? BLOCK / 2 : BLOCK;
+    const uint8_t *c = codes + (int64_t)n * groups * block_bytes;
     const float *dn = d + (int64_t)n * groups;
-#if defined(__AVX512F__)
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+#ifdef VW
+    vf acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = v_zero();
     for (int g = 0; g < groups; g++) {
-        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + g * BLOCK))));
-        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + g * BLOCK + 16))));
-        __m512 scale = _mm512_set1_ps(dn[g]);
+        vf q[BLOCK / VW];
+        if (q4)
+            unpack_q4_1(c + g * block_bytes, q);
+        else
+            unpack_q8_0((const int8_t *)c + g * block_bytes, q);
+        vf scale = v_set1(dn[g]);
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (int64_t)r * n_in + g * BLOCK;
-            __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xr));
-            t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), t);
-            acc[r] = _mm512_fmadd_ps(scale, t, acc[r]);
+            vf t = v_mul(q[0], v_loadf(xr));
+            for (int i = 1; i < BLOCK / VW; i++) t = v_fma(q[i], v_loadf(xr + i * VW), t);
+            acc[r] = v_fma(scale, t, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) y[(int64_t)r * n_out + n] = hsum(acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        __m128i b0 = _mm_loadu_si128((const __m128i *)(c + g * BLOCK));
-        __m128i b1 = _mm_loadu_si128((const __m128i *)(c + g * BLOCK + 16));
-        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-        __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-        __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-        __m256 scale = _mm256_set1_ps(dn[g]);
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + (int64_t)r * n_in + g * BLOCK;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), t);
-            acc[r] = _mm256_fmadd_ps(scale, t, acc[r]);
-        }
+    for (int r = 0; r < rows; r++) {
+        float s = v_sum(acc[r]);
+        if (q4)
+            for (int g = 0; g < groups; g++) s += m[(int64_t)n * groups + g] * sums[r * groups + g];
+        y[(int64_t)r * n_out + n] = s;
     }
-    for (int r = 0; r < rows; r++) y[(int64_t)r * n_out + n] = hsum(acc[r]);
 #else
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (int64_t)r * n_in;
         float s = 0.f;
         for (int g = 0; g < groups; g++) {
+            const uint8_t *b = c + g * block_bytes;
             float t = 0.f;
-            for (int j = 0; j < BLOCK; j++) t += (float)c[g * BLOCK + j] * xr[g * BLOCK + j];
-            s += dn[g] * t;
+            for (int j = 0; j < BLOCK; j++) {
+                float q = q4 ? (float)(j < 16 ? b[j] & 0x0F : b[j - 16] >> 4) : (float)((const int8_t *)b)[j];
+                t += q * xr[g * BLOCK + j];
+            }
+            s += dn[g] * t + (q4 ? m[(int64_t)n * groups + g] * sums[r * groups + g] : 0.f);
         }
         y[(int64_t)r * n_out + n] = s;
     }
 #endif
 }
 
-int kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
-                  int n_out, float *y, int threads) {
+/* y = x @ W.T for W in Q4_1 (`q4`) or Q8_0, in passes of MAX_ROWS rows, output rows shared among the threads. */
+static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, int q4, const float *d,
+                      const float *m, int n_out, float *y, int threads) {
     int groups = n_in / BLOCK;
-    float *sums = malloc(sizeof(float) * (size_t)rows * groups);
-    if (!sums) return -1;
-    block_sums(x, rows, n_in, sums);
+    float *sums = NULL;
+    if (q4) {
+        sums = malloc(sizeof(float) * (size_t)rows * groups);
+        if (!sums) return -1;
+        block_sums(x, rows, n_in, sums);
+    }
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         int rr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
         const float *xr = x + (int64_t)r0 * n_in;
         float *yr = y + (int64_t)r0 * n_out;
-        const float *sr = sums + r0 * groups;
+        const float *sr = q4 ? sums + r0 * groups : NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int n = 0; n < n_out; n++) q4_1_row(xr, rr, n_in, codes, d, m, sr, n, n_out, yr);
+        for (int n = 0; n < n_out; n++) {
+            if (q4)
+                quant_row(xr, rr, n_in, codes, 1, d, m, sr, n, n_out, yr);
+            else
+                quant_row(xr, rr, n_in, codes, 0, d, NULL, NULL, n, n_out, yr);
+        }
     }
     free(sums);
     return 0;
 }
 
-void kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n_out, float *y,
-                   int threads) {
-    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        int rr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-        const float *xr = x + (int64_t)r0 * n_in;
-        float *yr = y + (int64_t)r0 * n_out;
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int n = 0; n < n_out; n++) q8_0_row(xr, rr, n_in, codes, d, n, n_out, yr);
-    }
+int kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
+                  int n_out, float *y, int threads) {
+    return quant_gemv(x, rows, n_in, codes, 1, d, m, n_out, y, threads);
+}
+
+int kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n_out, float *y,
+                  int threads) {
+    return quant_gemv(x, rows, n_in, (const uint8_t *)codes, 0, d, NULL, n_out, y, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
@@ -224,67 +230,35 @@ void kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, cons
  * The keys are split into chunks of CHUNK, one task per (kv head, chunk) shared among the threads, each
  * keeping a running maximum, sum and weighted V for its query heads (flash-decoding), merged at the end: a
  * 16-bit buffer is read once, widened in registers, instead of widened into a copy.
- * Returns 0, or -1 where this build cannot (fp16 without F16C, hd not a multiple of 16, too many heads).
+ * Returns 0, or -1 where this build cannot (no vector path, an AVX2 CPU without F16C, hd not a multiple
+ * of 16, too many query heads per KV head).
  */
 #define CHUNK 256
 #define MAX_GROUP 16
 
-#if defined(__AVX512F__)
-#define VW 16
-typedef __m512 vf;
+#if defined(VW) && defined(KVB_F16)
+#define KVB_ATTENTION 1
 static inline vf v_load(const void *base, int64_t i, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)))
-                : _mm512_loadu_ps((const float *)base + i);
+    return half ? v_load_f16((const uint16_t *)base + i) : v_loadf((const float *)base + i);
 }
-static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
-static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf v_zero(void) { return _mm512_setzero_ps(); }
-static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 /* exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial, within 2 ulp of libm's. */
 static inline vf v_exp(vf x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* NaN in x stays NaN (max returns its second operand) */
-    vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define VW 8
-typedef __m256 vf;
-static inline vf v_load(const void *base, int64_t i, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
-                : _mm256_loadu_ps((const float *)base + i);
-}
-static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
-static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf v_zero(void) { return _mm256_setzero_ps(); }
-static inline float v_sum(vf a) { return hsum(a); }
-static inline vf v_exp(vf x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-    vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    x = v_max(v_set1(-87.0f), x); /* NaN in x stays NaN */
+    vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    vf r = v_fnma(n, v_set1(0.693359375f), x);
+    r = v_fnma(n, v_set1(-2.12194440e-4f), r);
+    vf p = v_set1(1.9875691500e-4f);
+    p = v_fma(p, r, v_set1(1.3981999507e-3f));
+    p = v_fma(p, r, v_set1(8.3334519073e-3f));
+    p = v_fma(p, r, v_set1(4.1665795894e-2f));
+    p = v_fma(p, r, v_set1(1.6666665459e-1f));
+    p = v_fma(p, r, v_set1(5.0000001201e-1f));
+    p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
+    return v_mul(p, v_pow2(n));
 }
 #endif
 
-#ifdef VW
+#ifdef KVB_ATTENTION
 /* One task: kv head h, keys [t0, t1), for its `group` query heads; writes their max, sum and weighted V. */
 static inline __attribute__((always_inline)) void
 attend_chunk_g(const float *q, const void *k, const void *v, int half, int64_t head_stride, int h, int t0, int t1,
@@ -309,13 +283,9 @@ attend_chunk_g(const float *q, const void *k, const void *v, int half, int64_t h
         int t = 0;
         vf lsum = v_zero();
         for (; t + VW <= n; t += VW) {
-            vf e = v_exp(v_load(s[j], t, 0) - v_set1(m));
-#if VW == 16
-            _mm512_storeu_ps(s[j] + t, e);
-#else
-            _mm256_storeu_ps(s[j] + t, e);
-#endif
-            lsum = lsum + e;
+            vf e = v_exp(v_sub(v_loadf(s[j] + t), v_set1(m)));
+            v_storef(s[j] + t, e);
+            lsum = v_add(lsum, e);
         }
         float l = v_sum(lsum);
         if (t < n) {  /* the tail, through the same polynomial */
@@ -323,13 +293,9 @@ attend_chunk_g(const float *q, const void *k, const void *v, int half, int64_t h
             int rest = n - t;
             for (int i = 0; i < rest; i++) tail[i] = s[j][t + i] - m;
             for (int i = rest; i < VW; i++) tail[i] = -1e30f;
-            vf e = v_exp(v_load(tail, 0, 0));
+            vf e = v_exp(v_loadf(tail));
             float out[VW];
-#if VW == 16
-            _mm512_storeu_ps(out, e);
-#else
-            _mm256_storeu_ps(out, e);
-#endif
+            v_storef(out, e);
             for (int i = 0; i < rest; i++) { s[j][t + i] = out[i]; l += out[i]; }
         }
         pm[j] = m;
@@ -342,13 +308,7 @@ attend_chunk_g(const float *q, const void *k, const void *v, int half, int64_t h
             vf vv = v_load(v, base + (int64_t)(t0 + t) * hd + d0, half);
             for (int j = 0; j < group; j++) acc[j] = v_fma(v_set1(s[j][t]), vv, acc[j]);
         }
-        for (int j = 0; j < group; j++) {
-#if VW == 16
-            _mm512_storeu_ps(pacc + (int64_t)j * hd + d0, acc[j]);
-#else
-            _mm256_storeu_ps(pacc + (int64_t)j * hd + d0, acc[j]);
-#endif
-        }
+        for (int j = 0; j < group; j++) v_storef(pacc + (int64_t)j * hd + d0, acc[j]);
     }
 }
 /* One task, with the group size a constant where it is a common one: the per-head accumulators can then live
@@ -372,16 +332,26 @@ static void attend_chunk(const float *q, const void *k, const void *v, int half,
 }
 #endif
 
+/* 1 where this build attends a model of this shape: kvblend decodes over fp16 KV only then
+ * (kvblend.model.runner.ModelRunner.decode_kv_dtype). */
+int kvb_attention_takes(int heads, int kv_heads, int hd) {
+#ifndef KVB_ATTENTION
+    (void)heads; (void)kv_heads; (void)hd;
+    return 0;
+#else
+    return kv_heads >= 1 && heads >= 1 && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP && hd % 16 == 0;
+#endif
+}
+
 int kvb_decode_attention(const float *q, const void *k, const void *v, int half, int64_t head_stride, int n_keys,
                          int heads, int kv_heads, int hd, float scale, float *out, int threads) {
-#ifndef VW
+#ifndef KVB_ATTENTION
     (void)q; (void)k; (void)v; (void)half; (void)head_stride; (void)n_keys; (void)heads; (void)kv_heads;
     (void)hd; (void)scale; (void)out; (void)threads;
     return -1;
 #else
-    if (kv_heads < 1 || heads < 1) return -1;
+    if (!kvb_attention_takes(heads, kv_heads, hd) || n_keys < 1) return -1;
     int group = heads / kv_heads;
-    if (hd % 16 || group > MAX_GROUP || group * kv_heads != heads || n_keys < 1) return -1;
     int chunks = (n_keys + CHUNK - 1) / CHUNK, tasks = kv_heads * chunks;
     float *pm = malloc(sizeof(float) * (size_t)tasks * group), *pl = malloc(sizeof(float) * (size_t)tasks * group);
     float *pacc = malloc(sizeof(float) * (size_t)tasks * group * hd);

@@ -23,7 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -36,7 +36,6 @@ BLOCK = 32
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _LIBS = ("-lm",)
 _COMPILE_TIMEOUT_S = 120
-_MAX_GROUP = 16  # query heads per KV head the attention kernel takes (quant_gemv.c's MAX_GROUP)
 
 
 class QuantKernels:
@@ -50,34 +49,45 @@ class QuantKernels:
         self._q4.restype = ctypes.c_int
         self._q8 = lib.kvb_q8_0_gemv
         self._q8.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
-        self._q8.restype = None
+        self._q8.restype = ctypes.c_int
         self._attn = lib.kvb_decode_attention
         self._attn.argtypes = [ptr, ptr, ptr, i, ctypes.c_int64, i, i, i, i, ctypes.c_float, ptr, i]
         self._attn.restype = ctypes.c_int
+        self._attn_takes = lib.kvb_attention_takes
+        self._attn_takes.argtypes = [i, i, i]
+        self._attn_takes.restype = ctypes.c_int
 
     def q4_1(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T for W in Q4_1: `codes` [out, in/2] (GGUF's nibble order), `d`, `m` [out, in/32]."""
-        x = x.float().contiguous()
-        rows, n_in = x.shape
-        n_out = codes.shape[0]
-        _check_blocks(n_in, codes, torch.uint8, n_in // 2, d, m)
-        y = torch.empty(rows, n_out, dtype=torch.float32)
-        status = self._q4(
-            x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n_out, y.data_ptr(), _threads()
-        )
-        if status != 0:
-            raise MemoryError("kvblend's Q4_1 kernel could not allocate its block sums")
-        return y
+        return self._product(self._q4, x, codes, torch.uint8, 2, d, m)
 
     def q8_0(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T for W in Q8_0: `codes` [out, in] int8, `d` [out, in/32]."""
+        return self._product(self._q8, x, codes, torch.int8, 1, d)
+
+    def _product(
+        self,
+        kernel: Callable[..., int],
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        dtype: torch.dtype,
+        per_byte: int,
+        *scales: torch.Tensor,
+    ) -> torch.Tensor:
+        """One product: the blocks checked against x's width (`per_byte` codes a byte), then the kernel."""
         x = x.float().contiguous()
         rows, n_in = x.shape
         n_out = codes.shape[0]
-        _check_blocks(n_in, codes, torch.int8, n_in, d)
+        _check_blocks(n_in, codes, dtype, n_in // per_byte, *scales)
         y = torch.empty(rows, n_out, dtype=torch.float32)
-        self._q8(x.data_ptr(), rows, n_in, codes.data_ptr(), d.data_ptr(), n_out, y.data_ptr(), _threads())
+        pointers = (t.data_ptr() for t in (codes, *scales))
+        if kernel(x.data_ptr(), rows, n_in, *pointers, n_out, y.data_ptr(), _threads()) != 0:
+            raise MemoryError("kvblend's quantized product could not allocate its block sums")
         return y
+
+    def attention_fits(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Does this build's decode attention take a model of this shape? (The C side's own rule.)"""
+        return bool(self._attn_takes(heads, kv_heads, head_dim))
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
         """One query per head over every key of k, v ([1, kv_heads, T, hd] views of a decode buffer, fp32 or
@@ -128,11 +138,6 @@ def _attention_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         and k.stride(2) == k.shape[3]
         and k.shape[2] > 0
     )
-
-
-def attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Does the decode-attention kernel take a model of this shape? (quant_gemv.c: MAX_GROUP, hd % 16.)"""
-    return kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP and head_dim % 16 == 0
 
 
 def _threads() -> int:

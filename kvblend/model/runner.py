@@ -129,8 +129,9 @@ class ModelRunner:
         Zen 4 EPYC), where the kernel takes the model's shape; else the compute dtype, so `fp32` decodes the model's
         own forward pass (up to the order of the kernel's sums)."""
         quantized = self.weights_name in ("int8", "int4") and self.device.type == "cpu" and self.dtype == torch.float32
-        fits = quant_kernels.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim)
-        return torch.float16 if quantized and fits and quant_kernels.kernels() else self.dtype
+        kernels = quant_kernels.kernels() if quantized else None
+        fits = kernels is not None and kernels.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim)
+        return torch.float16 if fits else self.dtype
 
     @property
     def dtype_name(self) -> str:

@@ -165,8 +165,7 @@ class Int8Linear(ConvertedLinear):
         n_out, n_in = w.shape
         self.kernels = quant_kernels.kernels() if weight.device.type == "cpu" and n_in % INT4_GROUP == 0 else None
         if self.kernels is not None:
-            q, d = _q8_0_blocks(w)
-            self.max_error = float((q * d[..., None] - w.view(q.shape)).abs().max())
+            q, d, self.max_error = _q8_0_blocks(w)
             self.codes = q.to(torch.int8).view(n_out, n_in).contiguous()
             self.d = d.contiguous()
             return
@@ -197,8 +196,7 @@ class Int4Linear(ConvertedLinear):
         super().__init__(weight, bias, route)
         n_out, n_in = weight.shape
         w = weight.detach().float()
-        q, d, low = _q4_1_blocks(w)
-        self.max_error = float((q * d[..., None] + low[..., None] - w.view(q.shape)).abs().max())
+        q, d, low, self.max_error = _q4_1_blocks(w)
         codes = q.to(torch.int32).view(n_out, n_in)
         self.on_cpu = weight.device.type == "cpu"
         self.kernels = quant_kernels.kernels() if self.on_cpu else None
@@ -312,41 +310,34 @@ def native_format(model: nn.Module) -> str:
     sample = [w.detach().float() for w in weights[:per_layer] + weights[-per_layer:]]
     if any(w.shape[1] % INT4_GROUP for w in sample):
         return "fp32"
-    if all(_q4_1_error(w) == 0.0 for w in sample):
+    if all(_q4_1_blocks(w)[-1] == 0.0 for w in sample):
         return "int4"
-    if all(_q8_0_error(w) == 0.0 for w in sample):
+    if all(_q8_0_blocks(w)[-1] == 0.0 for w in sample):
         return "int8"
     return "fp32"
 
 
-def _q4_1_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1's codes, scales and minimums of a [out, in] weight: w ≈ d·q + m per block of 32."""
+def _q4_1_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Q4_1's codes, scales and minimums of a [out, in] weight (w ≈ d·q + m per block of 32), and the largest
+    |d·q + m - w| (0.0: w already was Q4_1)."""
     n_out, n_in = w.shape
     blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
     low, high = blocks.amin(-1), blocks.amax(-1)
     d = (high - low) / 15.0
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round((blocks - low[..., None]) / safe[..., None]).clamp_(0, 15)
-    return q, d, low
+    return q, d, low, float((q * d[..., None] + low[..., None] - blocks).abs().max())
 
 
-def _q4_1_error(w: torch.Tensor) -> float:
-    q, d, low = _q4_1_blocks(w)
-    return float((q * d[..., None] + low[..., None] - w.view(q.shape)).abs().max())
-
-
-def _q8_0_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0's codes and scales of a [out, in] weight: w ≈ d·q per block of 32, q in -127..127."""
+def _q8_0_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Q8_0's codes and scales of a [out, in] weight (w ≈ d·q per block of 32, q in -127..127), and the
+    largest |d·q - w| (0.0: w already was Q8_0)."""
     n_out, n_in = w.shape
     blocks = w.view(n_out, n_in // INT4_GROUP, INT4_GROUP)
     d = blocks.abs().amax(-1) / 127.0
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    return torch.round(blocks / safe[..., None]).clamp_(-127, 127), d
-
-
-def _q8_0_error(w: torch.Tensor) -> float:
-    q, d = _q8_0_blocks(w)
-    return float((q * d[..., None] - w.view(q.shape)).abs().max())
+    q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)
+    return q, d, float((q * d[..., None] - blocks).abs().max())
 
 
 def int4_packable(weight: torch.Tensor) -> bool:

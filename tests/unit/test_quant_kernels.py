@@ -215,10 +215,12 @@ def test_native_is_the_loaders_word_and_no_format_of_its_own():
         apply_weights(tiny_runner("llama").model, NATIVE)
 
 
+@needs_kernels
 def test_attention_fits_the_shapes_the_kernel_takes():
-    assert quant_kernels.attention_fits(9, 3, 64) and quant_kernels.attention_fits(4, 1, 256)
-    assert not quant_kernels.attention_fits(32, 1, 64)  # 32 query heads per KV head: over the kernel's 16
-    assert not quant_kernels.attention_fits(8, 3, 64) and not quant_kernels.attention_fits(8, 2, 24)
+    assert KERNELS is not None
+    assert KERNELS.attention_fits(9, 3, 64) and KERNELS.attention_fits(4, 1, 256)
+    assert not KERNELS.attention_fits(32, 1, 64)  # 32 query heads per KV head: over the kernel's 16
+    assert not KERNELS.attention_fits(8, 3, 64) and not KERNELS.attention_fits(8, 2, 24)
 
 
 @needs_kernels
