@@ -70,7 +70,7 @@ def decode_settings(
     enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """`--weights` and `--enforce-eager` as Engine keywords: a format as given, or for `auto` (the default) what
-    the profiles stored in the archive measured fastest on this machine for this model (where none did, NATIVE:
+    the profiles stored in the archive measured fastest on this machine for this model (where none did, NATIVE_WEIGHTS:
     the checkpoint's own format where kvblend's CPU kernels run it exactly, else fp32)."""
     eager = {"cuda_graphs": False} if enforce_eager else {}
     if weights not in (None, "auto"):

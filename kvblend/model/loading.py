@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import ModelNotFoundError, UsageError
 from kvblend.model import quant_kernels
 from kvblend.model.config import ModelConfig
@@ -32,7 +33,7 @@ from kvblend.model.source import (
 )
 from kvblend.model.tokenizer import TextTokenizer
 from kvblend.model.transformer import Transformer, read_safetensors
-from kvblend.model.weights import DEFAULT_DECODE_ROWS, NATIVE, apply_weights, check_weights, native_format
+from kvblend.model.weights import DEFAULT_DECODE_ROWS, apply_weights, check_weights, native_format
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -78,7 +79,7 @@ def load_model(
     config.json, safetensors and tokenizer.json are read directly (kvblend.model.config,
     .transformer, .tokenizer); transformers is imported only to convert a GGUF the first time.
     `weights` gives the linear layers a converted copy that decode batches of up to `decode_rows` read
-    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile, and to NATIVE without
+    (kvblend.model.weights; "auto" is resolved by the caller, from a stored profile, and to NATIVE_WEIGHTS without
     one: the checkpoint's own format where kvblend's CPU kernels run it exactly). `cuda_graphs` False
     (`--enforce-eager`) decodes on CUDA without graphs (kvblend.generation.decode.StaticStep).
     """
@@ -100,7 +101,7 @@ def load_model(
     transformer.to(device=device, dtype=torch_dtype)
     if device.type == "cpu":
         quant_kernels.kernels()  # built now (about a second, once per machine), not in the first decode step
-    if weights == NATIVE:
+    if weights == NATIVE_WEIGHTS:
         weights = native_format(transformer)
     report = apply_weights(transformer, weights, decode_rows)
     return ModelRunner(

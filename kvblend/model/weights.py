@@ -85,18 +85,15 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-#: Not a user's choice: what `--weights auto` resolves to where no profile measured this machine. The
-#: checkpoint's own format where kvblend's CPU kernels multiply it exactly (a Q4_1 GGUF: int4; Q8_0: int8),
-#: as vLLM runs a quantized checkpoint in its own format unless told; fp32 elsewhere (native_format).
-NATIVE = NATIVE_WEIGHTS
-
-
 def check_weights(name: str | None, allow_auto: bool = True, allow_native: bool = False) -> str:
-    """The format named by `--weights` (None: the default), or a one-line UsageError. NATIVE is let through
-    where asked (the loader and the engine: it comes from `auto`, never from a user)."""
+    """The format named by `--weights` (None: the default), or a one-line UsageError. NATIVE_WEIGHTS is let
+    through where asked (the loader and the engine: it comes from `auto`, never from a user). Where no profile
+    measured this machine, `auto` is the checkpoint's own format where kvblend's CPU kernels multiply it exactly
+    (a Q4_1 GGUF: int4; Q8_0: int8), as vLLM runs a quantized checkpoint in its own format unless told; fp32
+    elsewhere (native_format)."""
     if name is None:
         return DEFAULT_WEIGHTS
-    if name == NATIVE and allow_native:
+    if name == NATIVE_WEIGHTS and allow_native:
         return name
     allowed = (*WEIGHT_FORMATS, "auto") if allow_auto else WEIGHT_FORMATS
     if name not in allowed:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvblend.archive import Archive, Location, resolve_location
 from kvblend.archive.records import location_key
-from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K, NATIVE_WEIGHTS
 from kvblend.errors import KvblendError, UsageError
 from kvblend.machine import Machine, machine_info, same_machine
 from kvblend.model.source import resolve_model_source, source_fingerprint
@@ -316,11 +316,11 @@ def latest_measured(
 def weights_choice(location: Location, fingerprint: str | None, compute: str | None) -> tuple[str, int]:
     """`--weights auto` for a model on this machine: the latest applicable profile that measured decode
     weights decides (Profile.weights_choice); when none did, the checkpoint's own format where kvblend's
-    CPU kernels run it exactly, else fp32 (kvblend.model.weights.NATIVE, resolved as the model loads)."""
-    from kvblend.model.weights import DEFAULT_DECODE_ROWS, NATIVE
+    CPU kernels run it exactly, else fp32 (NATIVE_WEIGHTS, resolved as the model loads)."""
+    from kvblend.model.weights import DEFAULT_DECODE_ROWS
 
     profile = latest_measured(location, fingerprint, compute, lambda p: bool(p.weights))
-    return profile.weights_choice() if profile else (NATIVE, DEFAULT_DECODE_ROWS)
+    return profile.weights_choice() if profile else (NATIVE_WEIGHTS, DEFAULT_DECODE_ROWS)
 
 
 def dtype_choice(location: Location, fingerprint: str | None, compute: str | None) -> str | None:

@@ -206,13 +206,14 @@ def test_a_nan_or_inf_key_spreads_as_in_sdpa_and_is_never_hidden():
 
 def test_native_is_the_loaders_word_and_no_format_of_its_own():
     from kvblend.errors import UsageError
-    from kvblend.model.weights import NATIVE, check_weights
+    from kvblend.defaults import NATIVE_WEIGHTS
+    from kvblend.model.weights import check_weights
 
-    assert check_weights(NATIVE, allow_auto=False, allow_native=True) == NATIVE
+    assert check_weights(NATIVE_WEIGHTS, allow_auto=False, allow_native=True) == NATIVE_WEIGHTS
     with pytest.raises(UsageError):
-        check_weights(NATIVE)  # not a --weights choice
+        check_weights(NATIVE_WEIGHTS)  # not a --weights choice
     with pytest.raises(UsageError):
-        apply_weights(tiny_runner("llama").model, NATIVE)
+        apply_weights(tiny_runner("llama").model, NATIVE_WEIGHTS)
 
 
 @needs_kernels

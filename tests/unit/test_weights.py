@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from support import random_tokens, tiny_runner
+from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import UsageError
 from kvblend.generation import DecodeState
 from kvblend.generation.decode import DecodePrompt, decode_step
 from kvblend.evaluation.metrics import kl_divergence
 from kvblend.model.weights import (
     INT4_GROUP,
-    NATIVE,
     WEIGHT_FORMATS,
     Int4Linear,
     Route,
@@ -157,7 +157,7 @@ def test_auto_takes_the_fastest_format_within_the_kl_bound_and_the_batches_where
 def test_auto_reads_the_latest_profile_of_this_machine_and_model_from_the_archive(tmp_path):
     path = tmp_path / "archive"
     location = resolve_location(path)
-    assert weights_choice(location, "fp", "cpu") == (NATIVE, 8)  # no archive yet: the checkpoint's own format
+    assert weights_choice(location, "fp", "cpu") == (NATIVE_WEIGHTS, 8)  # no archive yet: the checkpoint's own format
     measured = {"fp32": {"kl": 0.0, "step_ms_1": 80.0}, "bf16": {"kl": 0.001, "step_ms_1": 45.0}}
     older = _with_weights({**measured, "int8": {"kl": 0.001, "step_ms_1": 40.0}}, machine=machine_info(), created=1.0)
     latest = _with_weights(measured, machine=machine_info(), created=2.0)
@@ -170,7 +170,7 @@ def test_auto_reads_the_latest_profile_of_this_machine_and_model_from_the_archiv
         for name, p in (("older", older), ("latest", latest), ("elsewhere", elsewhere)):
             ar.put_profile(name, p.to_dict())
     assert weights_choice(location, "fp", "cpu") == ("bf16", 1)
-    assert weights_choice(location, "another model", "cpu") == (NATIVE, 8)
+    assert weights_choice(location, "another model", "cpu") == (NATIVE_WEIGHTS, 8)
 
 
 def test_decode_buffers_can_hold_16_bit_kv_and_attend_as_fp32_would():
