@@ -194,14 +194,15 @@ class Int4Linear(ConvertedLinear):
         n_out, n_in = weight.shape
         w = weight.detach().float()
         q, d, low, self.max_error = _q4_1_blocks(w)
-        codes = q.to(torch.int32).view(n_out, n_in)
         self.on_cpu = weight.device.type == "cpu"
         self.kernels = quant_kernels.kernels() if self.on_cpu else None
         if self.kernels is not None:  # kvblend's own kernel: GGUF's block as it is, two codes to a byte
             blocks = q.to(torch.uint8)
             self.nibbles = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(n_out, n_in // 2).contiguous()
             self.d, self.low = d.contiguous(), low.contiguous()
-        elif self.on_cpu:
+            return
+        codes = q.to(torch.int32).view(n_out, n_in)  # torch's packings start from one code per int
+        if self.on_cpu:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             # [groups, out, 2]: the scale, and the kernel's "zero" m + 8·d (it computes (q - 8)·d + zero).
             self.scale_zero = torch.stack([d, low + 8 * d], dim=-1).transpose(0, 1).contiguous()
