@@ -4,6 +4,8 @@ decoder gives them, whatever the thread count; without a compiler kvblend falls 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,11 +229,11 @@ def test_attention_fits_the_shapes_the_kernel_takes():
 @needs_kernels
 def test_the_built_library_is_readable_by_others_and_a_shared_directory_is_not_trusted(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBLEND_MODEL_CACHE", str(tmp_path / "cache"))
-    old = __import__("os").umask(0o022)
+    old = os.umask(0o022)
     try:
         built = quant_kernels.kernels.__wrapped__()
     finally:
-        __import__("os").umask(old)
+        os.umask(old)
     assert built is not None and built.path.stat().st_mode & 0o044 == 0o044  # others sharing the cache load it
     shared = tmp_path / "shared"
     shared.mkdir()
