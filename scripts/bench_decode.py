@@ -14,8 +14,9 @@ those ids, no tokenizer in between. Per engine and setting, in one run:
 kvblend runs every `--weights` format (kvblend.model.weights; prefill reads the
 loaded weights under all of them, so TTFT differs only by noise), each with the
 decode KV it takes by default (fp32; fp16 under int8 and int4 on the CPU, where
-kvblend's attention kernel reads it), and bf16 weights once more with fp16
-decode KV; two rounds,
+kvblend's attention kernel reads it), bf16 weights once more with fp16
+decode KV, and int4 and int8 once more with each decode step in torch operations around
+the kernels (what the step was before it ran in one C call, kvblend.model.fused_step); two rounds,
 formats interleaved, best of the two. llama.cpp runs the GGUF's own Q4_1 in a
 subprocess of the benchmark's own venv (`make bench-venv`: llama-cpp-python,
 pinned, never a kvblend dependency), between kvblend's two rounds; without
@@ -65,7 +66,17 @@ def prompt_segments(runner) -> list[Segment]:
     return assemble_prompt(runner, MUSIQUE_TEMPLATE, record["question"], passages)
 
 
-def kvblend_side(runner, prompt: list[Segment], kv_dtype: torch.dtype | None = None) -> dict:
+def kvblend_side(runner, prompt: list[Segment], kv_dtype: torch.dtype | None = None, eager: bool = False) -> dict:
+    """One setting's timings; `eager`: every decode step in torch ops around the kernels, as before the C step
+    (kvblend.model.fused_step), to show what the one-call step gains."""
+    fused_step, runner.fused_step = runner.fused_step, None if eager else runner.fused_step
+    try:
+        return _kvblend_timings(runner, prompt, kv_dtype)
+    finally:
+        runner.fused_step = fused_step
+
+
+def _kvblend_timings(runner, prompt: list[Segment], kv_dtype: torch.dtype | None) -> dict:
     with torch.inference_mode():
         fuse(runner, prompt, "full")  # warm-up
         t0 = time.perf_counter()
@@ -143,16 +154,20 @@ def main(argv: list[str] | None = None) -> dict:
     runners = {fmt: load_model(None, "cpu", None, fmt) for fmt in WEIGHT_FORMATS}
     prompt = prompt_segments(runners["fp32"])
     # each format with the decode KV it takes by default (fp16 under int8/int4 on the CPU: ModelRunner.decode_kv_dtype)
-    settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype): (fmt, None) for fmt in WEIGHT_FORMATS}
-    settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16)
+    settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype): (fmt, None, False) for fmt in WEIGHT_FORMATS}
+    settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16, False)
+    for fmt in ("int4", "int8"):  # the formats whose steps run in one C call, stepped eagerly too
+        if runners[fmt].fused_step is not None:
+            name = _setting_name(fmt, runners[fmt].decode_kv_dtype)
+            settings[f"{name}, eager step"] = (fmt, None, True)
     rounds: dict[str, list[dict]] = {name: [] for name in settings}
     llama: list[dict] = []
     source = resolve_model_source(None)
     gguf = source.directory / (source.gguf_file or "")
     have_llama = args.llama_python.exists()
     for round_ in range(2):
-        for name, (fmt, kv_dtype) in settings.items():
-            rounds[name].append(kvblend_side(runners[fmt], prompt, kv_dtype))
+        for name, (fmt, kv_dtype, eager) in settings.items():
+            rounds[name].append(kvblend_side(runners[fmt], prompt, kv_dtype, eager))
         if have_llama:
             ids = rounds["kvblend fp32"][0]["prompt_ids"]
             llama.append(llama_side(args.llama_python, gguf, ids, threads))

@@ -125,6 +125,8 @@ def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int
     """
     if len(states) <= GRAPHED_BATCH_MAX and all(st.graphed and st.length < st.capacity for st in states):
         return torch.stack([st.static_step().run(token) for st, token in zip(states, tokens)])
+    if runner.fused_step is not None and runner.fused_step.takes(states):
+        return runner.fused_step(states, tokens)
     with runner.decoding():
         return _step(runner, states, tokens)
 

@@ -21,6 +21,7 @@ from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import ModelNotFoundError, UsageError
 from kvblend.model import quant_kernels
 from kvblend.model.config import ModelConfig
+from kvblend.model.fused_step import fused_step
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import (
     SUPPORTED_ARCHITECTURES,
@@ -104,9 +105,11 @@ def load_model(
     if weights == NATIVE_WEIGHTS:
         weights = native_format(transformer)
     report = apply_weights(transformer, weights, decode_rows)
-    return ModelRunner(
+    runner = ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs
     )
+    runner.fused_step = fused_step(runner)
+    return runner
 
 
 def avoid_cudnn_attention() -> None:

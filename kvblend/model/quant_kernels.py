@@ -56,6 +56,12 @@ class QuantKernels:
         self._attn_takes = lib.kvb_attention_takes
         self._attn_takes.argtypes = [i, i, i]
         self._attn_takes.restype = ctypes.c_int
+        self._step = lib.kvb_decode_step
+        self._step.argtypes = [ptr, ptr, ptr, i, ptr, ptr, ptr, ptr, ptr, ptr, i]
+        self._step.restype = ctypes.c_int
+        self._step_takes = lib.kvb_step_takes
+        self._step_takes.argtypes = [ptr]
+        self._step_takes.restype = ctypes.c_int
 
     def q4_1(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T for W in Q4_1: `codes` [out, in/2] (GGUF's nibble order), `d`, `m` [out, in/32]."""
@@ -111,6 +117,39 @@ class QuantKernels:
             _threads(),
         )
         return out if status == 0 else None
+
+    def step_takes(self, shape: ctypes.Structure) -> bool:
+        """Does this build's whole decode step take a model of this shape (kvblend.model.fused_step._Shape)?"""
+        return bool(self._step_takes(ctypes.addressof(shape)))
+
+    def decode_step(
+        self,
+        shape: ctypes.Structure,
+        layers: ctypes.Array,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[ctypes.Array, ctypes.Array],
+        head_strides: ctypes.Array,
+        positions: ctypes.Array,
+    ) -> None:
+        """Every layer of one decode step, in place on `hidden` [rows, dim] fp32 (kvblend.model.fused_step says
+        what the arguments hold; it checks them, since the C side reads and writes through raw pointers)."""
+        status = self._step(
+            ctypes.addressof(shape),
+            ctypes.addressof(layers),
+            hidden.data_ptr(),
+            hidden.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            ctypes.addressof(kv[0]),
+            ctypes.addressof(kv[1]),
+            ctypes.addressof(head_strides),
+            ctypes.addressof(positions),
+            _threads(),
+        )
+        if status != 0:
+            raise MemoryError("kvblend's decode step could not allocate its buffers")
 
 
 def _check_blocks(n_in: int, codes: torch.Tensor, dtype: torch.dtype, row_bytes: int, *scales: torch.Tensor) -> None:

@@ -68,6 +68,9 @@ class ModelRunner:
     local_layers_skip_sink: bool = True
     weights: WeightReport | None = None  # how the linear layers are held (kvblend.model.weights); None: as loaded
     cuda_graphs: bool = True  # on CUDA, decode steps replay captured graphs (False: `--enforce-eager`)
+    # kvblend.model.fused_step.FusedStep: the CPU decode step in one C call, set by the loader where it takes
+    # the model and weights (kvblend.generation.decode steps through it); None: every step is eager.
+    fused_step: Any = None
     arch: str = field(init=False)
 
     def __post_init__(self) -> None:

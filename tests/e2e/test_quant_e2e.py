@@ -92,3 +92,46 @@ def test_int4_and_its_int8_head_hold_the_gguf_files_own_blocks(default_runner):
     int8 = Int8Linear(head, None, Route())
     assert int8.max_error == 0.0
     assert np.array_equal(int8.codes.numpy().reshape(raw.shape[0], -1, 32), raw[..., 2:].view(np.int8))
+
+
+def test_the_bundled_model_decodes_in_one_c_call_as_it_does_step_by_step():
+    """The bundled model under its default (native int4) weights steps through kvblend.model.fused_step, whose
+    greedy tokens and logits are those of the eager step over the same kernels, one sequence or three."""
+    import pytest
+    import torch
+
+    from kvblend.defaults import NATIVE_WEIGHTS
+    from kvblend.generation import DecodeState
+    from kvblend.generation.decode import DecodePrompt, decode_step
+    from kvblend.model import load_model, quant_kernels
+
+    if quant_kernels.kernels() is None:
+        pytest.skip("no C compiler: kvblend's CPU kernels are not built here")
+    runner = load_model(compute="cpu", weights=NATIVE_WEIGHTS)
+    step = runner.fused_step
+    assert runner.weights_name == "int4" and step is not None
+    text = "The Eiffel Tower is in Paris. The Colosseum is in Rome. Question: where is the Colosseum? Answer:"
+    prompts = [runner.tokenize(text * n) for n in (1, 3, 2)]
+    prompt_kv = []
+    for ids in prompts:
+        kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids[:-1]])[0]]
+        prompt_kv.append(DecodePrompt(kv, ids[:-1]))
+
+    def greedy(rows: int, fused: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        runner.fused_step = step if fused else None
+        try:
+            states = [DecodeState(runner, p, 12) for p in prompt_kv[:rows]]
+            tokens, out, logits = [p[-1] for p in prompts[:rows]], [], []
+            for _ in range(12):
+                step_logits = decode_step(runner, states, tokens)
+                logits.append(step_logits)
+                tokens = [int(t) for t in step_logits.argmax(-1)]
+                out.append(tokens)
+            return out, logits
+        finally:
+            runner.fused_step = step
+
+    for rows in (1, 3):
+        (want, want_logits), (got, got_logits) = greedy(rows, False), greedy(rows, True)
+        assert got == want
+        assert float((got_logits[0] - want_logits[0]).abs().max()) < 1e-2

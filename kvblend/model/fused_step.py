@@ -1,0 +1,230 @@
+"""A Llama-shaped decode step in one call into kvblend's C kernels (quant_gemv.c's `kvb_decode_step`).
+
+Why: with the products and attention in C (kvblend.model.quant_kernels), a batch-1 decode step of
+SmolLM2 over 3,656 keys on the 2-core Zen 4 EPYC still took 23 ms, of which 14-15 ms were those
+kernels and 8 ms the ~25 small torch operations per layer around them (norms, RoPE, slicing, the KV
+writes, residual adds, SiLU) plus reaching the kernels through Python 211 times. llama.cpp's C++ step
+pays none of that. Here the layers run as one C loop over buffers of a few hundred floats; Python
+keeps the embedding lookup, the RoPE table and the LM head (one product), as the eager step does.
+
+What it takes (:func:`fused_step`, checked once per runner): the CPU, fp32 compute, a Llama-shaped layer
+(pre-norm RMSNorm, no biases, no q/k norms, no sandwich norms, no sliding window, one RoPE kind, SiLU MLP:
+Llama, Mistral without a window, SmolLM2) whose seven projections kvblend's kernels multiply (`--weights
+int4` or `int8`, the native format of a Q4_1 or Q8_0 GGUF). Per step (:meth:`FusedStep.takes`): at most
+8 sequences, each with room in its KV buffers, all of one KV dtype. Anything else steps eagerly
+(kvblend.generation.decode._step), and the tests hold the two to the same logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kvblend.model import quant_kernels
+from kvblend.model.runner import ModelRunner
+from kvblend.model.weights import Int4Linear, Int8Linear
+
+#: The C step handles this many sequences at once (quant_gemv.c's MAX_ROWS).
+MAX_ROWS = 8
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class StepKV(Protocol):
+    """What the step reads of a sequence (kvblend.generation.DecodeState)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int
+
+    @property
+    def capacity(self) -> int: ...
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("q4", ctypes.c_int32),
+        ("n_in", ctypes.c_int32),
+        ("n_out", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
+        (name, _Linear) for name in _PROJECTIONS
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("inter", ctypes.c_int32),
+        ("half", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class FusedStep:
+    """A runner's layers as the C step reads them: pointers into the runner's own tensors, which it keeps."""
+
+    def __init__(self, runner: ModelRunner, kernels: quant_kernels.QuantKernels, layers: Any, shapes: dict):
+        self.runner = runner
+        self._kernels = kernels
+        self._layers = layers  # ctypes array of _Layer; the tensors it points into live in runner.model
+        self._shapes = shapes  # KV dtype → _Shape
+        # Sequences whose buffers were checked: their K and V lists (released states get new ones) and addresses.
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def takes(self, states: Sequence[StepKV]) -> bool:
+        """Can this batch step here? At most MAX_ROWS sequences (and no more than the converted weights are
+        routed for), each with room for one more token, all with contiguous KV buffers of one dtype."""
+        route = self.runner.weights.route if self.runner.weights is not None else None
+        if not states or len(states) > MAX_ROWS or route is None or len(states) > route.max_rows:
+            return False
+        dtype = states[0].k[0].dtype if states[0].k else None
+        return dtype in self._shapes and all(self._buffers(st, dtype) is not None for st in states)
+
+    def _buffers(self, st: StepKV, dtype: torch.dtype | None) -> tuple[list[int], list[int]] | None:
+        """The addresses of a sequence's per-layer K and V buffers, if the C side may write at st.length and
+        read them through layer 0's strides; checked once per set of buffers (a state keeps its own until
+        it is released), so a step costs no per-layer checks."""
+        if st.length >= st.capacity or not st.k or st.k[0].dtype != dtype:
+            return None
+        seen = self._seen.get(st)
+        if seen is not None and seen[0] is st.k and seen[1] is st.v:
+            return seen[2]
+        runner = self.runner
+        shape = (1, runner.n_kv_heads, st.capacity, runner.head_dim)
+        fits = len(st.k) == len(st.v) == runner.n_layers and all(
+            t.dtype == dtype and t.shape == shape and t.is_contiguous() and t.device.type == "cpu"
+            for t in (*st.k, *st.v)
+        )
+        if not fits:
+            return None
+        addresses = ([t.data_ptr() for t in st.k], [t.data_ptr() for t in st.v])
+        self._seen[st] = (st.k, st.v, addresses)
+        return addresses
+
+    @torch.inference_mode()
+    def __call__(self, states: Sequence[StepKV], tokens: Sequence[int]) -> torch.Tensor:
+        """One token for each sequence (:meth:`takes` holds): next-token logits [len(states), vocab], fp32."""
+        runner, rows = self.runner, len(states)
+        dtype = states[0].k[0].dtype
+        buffers = [self._buffers(st, dtype) for st in states]
+        if any(b is None for b in buffers):
+            raise ValueError("the C decode step was handed a batch it does not take (FusedStep.takes)")
+        positions = torch.tensor([[st.length] for st in states])
+        cos, sin = runner.rope(positions)
+        hidden = runner.embed(torch.tensor([[t] for t in tokens])).reshape(rows, -1).contiguous()
+        k_ptrs = _layer_major([b[0] for b in buffers])  # type: ignore[index]
+        v_ptrs = _layer_major([b[1] for b in buffers])  # type: ignore[index]
+        strides = (ctypes.c_int64 * rows)(*(st.k[0].stride(1) for st in states))
+        where = (ctypes.c_int64 * rows)(*(st.length for st in states))
+        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        self._kernels.decode_step(self._shapes[dtype], self._layers, hidden, cos, sin, (k_ptrs, v_ptrs), strides, where)
+        for st in states:
+            st.length += 1
+        with runner.decoding():
+            return runner.logits(hidden.view(rows, 1, -1))[:, -1]
+
+
+def _layer_major(addresses: list[list[int]]) -> ctypes.Array:
+    """Per-sequence lists of per-layer addresses as the C side reads them: layer l of sequence r at l·rows + r."""
+    flat = [a for layer in zip(*addresses) for a in layer]
+    return (ctypes.c_void_p * len(flat))(*flat)
+
+
+def fused_step(runner: ModelRunner) -> FusedStep | None:
+    """The C step for this runner, or None where its model or weights are not what the step computes."""
+    if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.weights is None:
+        return None
+    kernels = quant_kernels.kernels()
+    if kernels is None or not _llama_shaped(runner):
+        return None
+    layers = (_Layer * runner.n_layers)()
+    for i, block in enumerate(runner.layers):
+        attn, mlp = block.self_attn, block.mlp
+        modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        described = [_describe(m, kernels) for m in modules]
+        if any(d is None for d in described) or not _dims_fit(runner, described):
+            return None
+        layers[i] = _Layer(
+            block.input_layernorm.weight.data_ptr(), block.post_attention_layernorm.weight.data_ptr(), *described
+        )
+    cfg = runner.config
+    shapes = {}
+    for dtype, half in ((torch.float16, 1), (torch.float32, 0)):
+        shape = _Shape(
+            runner.n_layers,
+            cfg.hidden_size,
+            runner.n_heads,
+            runner.n_kv_heads,
+            runner.head_dim,
+            cfg.intermediate_size,
+            half,
+            0,
+            float(runner.layers[0].input_layernorm.eps),
+            runner.attention_scale(0),
+        )
+        if kernels.step_takes(shape):
+            shapes[dtype] = shape
+    return FusedStep(runner, kernels, layers, shapes) if shapes else None
+
+
+def _llama_shaped(runner: ModelRunner) -> bool:
+    """Pre-norm layers with plain RMSNorms, no q/k norms, no windows, one RoPE kind, a SiLU MLP, one scale."""
+    block = runner.layers[0]
+    norms = [m for blk in runner.layers for m in (blk.input_layernorm, blk.post_attention_layernorm)]
+    return (
+        not hasattr(block, "pre_feedforward_layernorm")
+        and not hasattr(block.self_attn, "q_norm")
+        and all(runner.window(i) is None for i in range(runner.n_layers))
+        and len(runner.decoder.rotary_emb.kinds) == 1
+        and not block.mlp.gelu
+        and runner.decoder.embed_tokens.scale is None
+        and all(not n.gemma and n.eps == norms[0].eps and n.weight.dtype == torch.float32 for n in norms)
+        and all(n.weight.is_contiguous() for n in norms)
+        and len({runner.attention_scale(i) for i in range(runner.n_layers)}) == 1
+    )
+
+
+def _dims_fit(runner: ModelRunner, linears: list[Any]) -> bool:
+    """Each projection's (n_in, n_out) is what the C step assumes of its place in the layer."""
+    d, i = runner.config.hidden_size, runner.config.intermediate_size
+    q, kv = runner.n_heads * runner.head_dim, runner.n_kv_heads * runner.head_dim
+    want = [(d, q), (d, kv), (d, kv), (q, d), (d, i), (d, i), (i, d)]
+    return [(lin.n_in, lin.n_out) for lin in linears] == want
+
+
+def _describe(module: Any, kernels: quant_kernels.QuantKernels) -> _Linear | None:
+    """A projection as the C step reads it, if kvblend's kernel multiplies it (int4's Q4_1 or int8's Q8_0)."""
+    if getattr(module, "bias", None) is not None or getattr(module, "kernels", None) is not kernels:
+        return None
+    if isinstance(module, Int4Linear):
+        n_out = module.nibbles.shape[0]
+        return _Linear(
+            module.nibbles.data_ptr(),
+            module.d.data_ptr(),
+            module.low.data_ptr(),
+            1,
+            module.nibbles.shape[1] * 2,
+            n_out,
+            0,
+        )
+    if isinstance(module, Int8Linear):
+        n_out, n_in = module.codes.shape
+        return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, 0, n_in, n_out, 0)
+    return None

@@ -1,0 +1,117 @@
+"""The decode step in one C call (kvblend.model.fused_step): for the models and weights it takes, its logits and
+the K/V it writes are the eager step's up to the order of fp32 sums; every batch or model it does not take
+steps eagerly, and so does every model when it is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblend.generation import DecodeState
+from kvblend.generation.decode import DecodePrompt, decode_step
+from kvblend.model import quant_kernels
+from kvblend.model.fused_step import MAX_ROWS, fused_step
+from kvblend.model.weights import apply_weights
+from support import random_tokens, tiny_runner
+
+needs_kernels = pytest.mark.skipif(
+    quant_kernels.kernels() is None, reason="no C compiler: kvblend's CPU kernels are not built here"
+)
+
+
+def _quantized(arch: str, fmt: str):
+    runner = tiny_runner(arch)
+    runner.weights = apply_weights(runner.model, fmt)
+    return runner
+
+
+def _states(runner, lengths: list[int], new_tokens: int, kv_dtype: torch.dtype | None = None) -> list[DecodeState]:
+    """One decode state per prompt length, over the runner's own prefill of random tokens."""
+    states = []
+    for i, n in enumerate(lengths):
+        ids = random_tokens(n, seed=20 + i)
+        kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in runner.prefill_batch([ids])[0]]
+        states.append(DecodeState(runner, DecodePrompt(kv, ids), new_tokens, kv_dtype))
+    return states
+
+
+def _decode(runner, states: list[DecodeState], steps: int) -> list[torch.Tensor]:
+    """Greedy steps of every state at once; each step's logits [rows, vocab]."""
+    tokens = [7 + i for i in range(len(states))]
+    out = []
+    for _ in range(steps):
+        logits = decode_step(runner, states, tokens)
+        out.append(logits)
+        tokens = [int(t) for t in logits.argmax(-1)]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float32])
+def test_the_c_step_computes_the_eager_steps_logits_and_kv(fmt, kv_dtype):
+    runner = _quantized("llama", fmt)
+    step = fused_step(runner)
+    assert step is not None
+    lengths = [9, 30, 17]  # ragged: each sequence attends over its own keys
+    eager_states, fused_states = _states(runner, lengths, 6, kv_dtype), _states(runner, lengths, 6, kv_dtype)
+    assert step.takes(fused_states)
+    runner.fused_step = None
+    eager = _decode(runner, eager_states, 5)
+    runner.fused_step = step
+    fused = _decode(runner, fused_states, 5)
+    for want, got in zip(eager, fused):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+    for e, f in zip(eager_states, fused_states):
+        assert e.length == f.length == lengths[eager_states.index(e)] + 5
+        for layer in range(runner.n_layers):
+            written = slice(0, e.length)
+            for a, b in ((e.k, f.k), (e.v, f.v)):
+                assert a[layer].dtype == b[layer].dtype
+                assert torch.allclose(a[layer][:, :, written].float(), b[layer][:, :, written].float(), atol=2e-3, rtol=2e-3)
+
+
+@needs_kernels
+def test_a_batch_the_c_step_does_not_take_steps_eagerly_with_the_same_result():
+    runner = _quantized("llama", "int4")
+    step = runner.fused_step = fused_step(runner)
+    assert step is not None
+    full = _states(runner, [12], 1)  # room for one token: the second step has none
+    assert step.takes(full)
+    decode_step(runner, full, [5])
+    assert not step.takes(full)
+    assert not step.takes(_states(runner, [5] * (MAX_ROWS + 1), 2))
+    assert not step.takes([*_states(runner, [5], 2), *_states(runner, [6], 2, torch.float32)])  # mixed KV dtypes
+    assert not step.takes([])
+    runner.weights.route.max_rows = 1  # `kvblend profile` measured the converted weights only up to one row
+    two = _states(runner, [8, 10], 3)
+    assert not step.takes(two) and step.takes(two[:1])
+    logits = decode_step(runner, two, [3, 4])  # eagerly, over the loaded weights
+    assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "qwen2", "phi3", "mistral"])
+def test_models_the_c_step_does_not_compute_have_none(arch):
+    """Sandwich norms and GELU (Gemma 3), q/k norms (Qwen3), q/k/v biases (Qwen2), sliding windows (Phi-3's
+    and Mistral's tiny configs): none is what the C step computes."""
+    assert fused_step(_quantized(arch, "int4")) is None
+
+
+@needs_kernels
+def test_fp32_or_bf16_weights_have_no_c_step():
+    assert fused_step(tiny_runner("llama")) is None
+    assert fused_step(_quantized("llama", "fp32")) is None
+    assert fused_step(_quantized("llama", "bf16")) is None
+
+
+def test_without_kernels_there_is_no_c_step(monkeypatch):
+    monkeypatch.setenv("KVBLEND_CPU_KERNELS", "0")
+    quant_kernels.kernels.cache_clear()
+    try:
+        runner = _quantized("llama", "int4")
+        assert fused_step(runner) is None
+    finally:
+        monkeypatch.delenv("KVBLEND_CPU_KERNELS")
+        quant_kernels.kernels.cache_clear()
