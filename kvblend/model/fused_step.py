@@ -78,35 +78,61 @@ class _Shape(ctypes.Structure):
 
 
 class FusedStep:
-    """A runner's layers as the C step reads them: pointers into the runner's own tensors, which it keeps."""
+    """A runner's layers as the C step reads them: the addresses of the runner's tensors, which it keeps alive
+    (`_tensors`) for as long as it may hand them to C, and uses only while the runner holds the weights report
+    it was built from (a later `apply_weights` replaces the modules: the step then goes eager)."""
 
-    def __init__(self, runner: ModelRunner, kernels: quant_kernels.QuantKernels, layers: Any, shapes: dict):
-        self.runner = runner
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kernels: quant_kernels.QuantKernels,
+        layers: Any,
+        shapes: dict,
+        tensors: list[torch.Tensor],
+    ):
+        # Weakly: the runner holds this step (ModelRunner.fused_step), and a cycle would keep a dropped runner's
+        # weights alive until the cycle collector ran (kvblend profile loads one format after another).
+        self._runner = weakref.ref(runner)
+        self._report = runner.weights
         self._kernels = kernels
-        self._layers = layers  # ctypes array of _Layer; the tensors it points into live in runner.model
+        self._layers = layers  # ctypes array of _Layer, pointing into `_tensors`
+        self._tensors = tensors
         self._shapes = shapes  # KV dtype → _Shape
-        # Sequences whose buffers were checked: their K and V lists (released states get new ones) and addresses.
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Sequences whose buffers were checked, by identity: the addresses checked (a state's buffers change only
+        # when it is released, and then its addresses do). Addresses only, so a released state's buffers are freed.
+        self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self._runner()
+        if runner is None:
+            raise RuntimeError("the model this decode step was built for is gone")
+        return runner
 
     def takes(self, states: Sequence[StepKV]) -> bool:
         """Can this batch step here? At most MAX_ROWS sequences (and no more than the converted weights are
-        routed for), each with room for one more token, all with contiguous KV buffers of one dtype."""
-        route = self.runner.weights.route if self.runner.weights is not None else None
+        routed for), each with room for one more token, all with contiguous KV buffers of one dtype, on the
+        weights the step was built from."""
+        runner = self._runner()
+        if runner is None or runner.weights is not self._report or self._report is None:
+            return False
+        route = self._report.route
         if not states or len(states) > MAX_ROWS or route is None or len(states) > route.max_rows:
             return False
         dtype = states[0].k[0].dtype if states[0].k else None
-        return dtype in self._shapes and all(self._buffers(st, dtype) is not None for st in states)
+        return dtype in self._shapes and all(self._buffers(runner, st, dtype) is not None for st in states)
 
-    def _buffers(self, st: StepKV, dtype: torch.dtype | None) -> tuple[list[int], list[int]] | None:
+    def _buffers(
+        self, runner: ModelRunner, st: StepKV, dtype: torch.dtype | None
+    ) -> tuple[list[int], list[int]] | None:
         """The addresses of a sequence's per-layer K and V buffers, if the C side may write at st.length and
-        read them through layer 0's strides; checked once per set of buffers (a state keeps its own until
-        it is released), so a step costs no per-layer checks."""
+        read every layer through layer 0's strides. Shapes are checked once per set of addresses."""
         if st.length >= st.capacity or not st.k or st.k[0].dtype != dtype:
             return None
-        seen = self._seen.get(st)
-        if seen is not None and seen[0] is st.k and seen[1] is st.v:
-            return seen[2]
-        runner = self.runner
+        addresses = ([t.data_ptr() for t in st.k], [t.data_ptr() for t in st.v])
+        seen = self._checked.get(st)
+        if seen is not None and seen == (addresses, st.capacity):
+            return addresses
         shape = (1, runner.n_kv_heads, st.capacity, runner.head_dim)
         fits = len(st.k) == len(st.v) == runner.n_layers and all(
             t.dtype == dtype and t.shape == shape and t.is_contiguous() and t.device.type == "cpu"
@@ -114,27 +140,33 @@ class FusedStep:
         )
         if not fits:
             return None
-        addresses = ([t.data_ptr() for t in st.k], [t.data_ptr() for t in st.v])
-        self._seen[st] = (st.k, st.v, addresses)
+        self._checked[st] = (addresses, st.capacity)
         return addresses
 
     @torch.inference_mode()
     def __call__(self, states: Sequence[StepKV], tokens: Sequence[int]) -> torch.Tensor:
         """One token for each sequence (:meth:`takes` holds): next-token logits [len(states), vocab], fp32."""
         runner, rows = self.runner, len(states)
-        dtype = states[0].k[0].dtype
-        buffers = [self._buffers(st, dtype) for st in states]
-        if any(b is None for b in buffers):
+        dtype = states[0].k[0].dtype if states and states[0].k else None
+        # The buffer lists, held here: C runs without the GIL, and a release() meanwhile must not free them.
+        held = [(st.k, st.v) for st in states]
+        buffers = [self._buffers(runner, st, dtype) for st in states]
+        ok = len(tokens) == rows and 0 < rows <= MAX_ROWS and dtype in self._shapes and runner.weights is self._report
+        if not ok or any(b is None for b in buffers):
             raise ValueError("the C decode step was handed a batch it does not take (FusedStep.takes)")
+        assert dtype is not None
         positions = torch.tensor([[st.length] for st in states])
         cos, sin = runner.rope(positions)
         hidden = runner.embed(torch.tensor([[t] for t in tokens])).reshape(rows, -1).contiguous()
+        if hidden.shape != (rows, runner.config.hidden_size) or hidden.dtype != torch.float32:
+            raise ValueError(f"the C decode step needs fp32 hidden states [{rows}, {runner.config.hidden_size}]")
         k_ptrs = _layer_major([b[0] for b in buffers])  # type: ignore[index]
         v_ptrs = _layer_major([b[1] for b in buffers])  # type: ignore[index]
         strides = (ctypes.c_int64 * rows)(*(st.k[0].stride(1) for st in states))
         where = (ctypes.c_int64 * rows)(*(st.length for st in states))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
         self._kernels.decode_step(self._shapes[dtype], self._layers, hidden, cos, sin, (k_ptrs, v_ptrs), strides, where)
+        del held
         for st in states:
             st.length += 1
         with runner.decoding():
@@ -149,21 +181,22 @@ def _layer_major(addresses: list[list[int]]) -> ctypes.Array:
 
 def fused_step(runner: ModelRunner) -> FusedStep | None:
     """The C step for this runner, or None where its model or weights are not what the step computes."""
-    if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.weights is None:
+    if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.weights_name not in ("int4", "int8"):
         return None
     kernels = quant_kernels.kernels()
     if kernels is None or not _llama_shaped(runner):
         return None
     layers = (_Layer * runner.n_layers)()
+    tensors: list[torch.Tensor] = []
     for i, block in enumerate(runner.layers):
         attn, mlp = block.self_attn, block.mlp
         modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        described = [_describe(m, kernels) for m in modules]
+        described = [_describe(m, kernels, tensors) for m in modules]
         if any(d is None for d in described) or not _dims_fit(runner, described):
             return None
-        layers[i] = _Layer(
-            block.input_layernorm.weight.data_ptr(), block.post_attention_layernorm.weight.data_ptr(), *described
-        )
+        norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
+        tensors += norms
+        layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *described)
     cfg = runner.config
     shapes = {}
     for dtype, half in ((torch.float16, 1), (torch.float32, 0)):
@@ -181,7 +214,7 @@ def fused_step(runner: ModelRunner) -> FusedStep | None:
         )
         if kernels.step_takes(shape):
             shapes[dtype] = shape
-    return FusedStep(runner, kernels, layers, shapes) if shapes else None
+    return FusedStep(runner, kernels, layers, shapes, tensors) if shapes else None
 
 
 def _llama_shaped(runner: ModelRunner) -> bool:
@@ -209,22 +242,22 @@ def _dims_fit(runner: ModelRunner, linears: list[Any]) -> bool:
     return [(lin.n_in, lin.n_out) for lin in linears] == want
 
 
-def _describe(module: Any, kernels: quant_kernels.QuantKernels) -> _Linear | None:
-    """A projection as the C step reads it, if kvblend's kernel multiplies it (int4's Q4_1 or int8's Q8_0)."""
+def _describe(module: Any, kernels: quant_kernels.QuantKernels, tensors: list[torch.Tensor]) -> _Linear | None:
+    """A projection as the C step reads it, if kvblend's kernel multiplies it (int4's Q4_1 or int8's Q8_0);
+    its blocks checked as the product checks them (kvblend.model.quant_kernels), and kept in `tensors`."""
     if getattr(module, "bias", None) is not None or getattr(module, "kernels", None) is not kernels:
         return None
-    if isinstance(module, Int4Linear):
-        n_out = module.nibbles.shape[0]
-        return _Linear(
-            module.nibbles.data_ptr(),
-            module.d.data_ptr(),
-            module.low.data_ptr(),
-            1,
-            module.nibbles.shape[1] * 2,
-            n_out,
-            0,
-        )
-    if isinstance(module, Int8Linear):
-        n_out, n_in = module.codes.shape
-        return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, 0, n_in, n_out, 0)
+    try:
+        if isinstance(module, Int4Linear):
+            n_out, n_in = module.nibbles.shape[0], module.nibbles.shape[1] * 2
+            quant_kernels.check_blocks(n_in, module.nibbles, torch.uint8, n_in // 2, module.d, module.low)
+            tensors += (module.nibbles, module.d, module.low)
+            return _Linear(module.nibbles.data_ptr(), module.d.data_ptr(), module.low.data_ptr(), 1, n_in, n_out, 0)
+        if isinstance(module, Int8Linear):
+            n_out, n_in = module.codes.shape
+            quant_kernels.check_blocks(n_in, module.codes, torch.int8, n_in, module.d)
+            tensors += (module.codes, module.d)
+            return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, 0, n_in, n_out, 0)
+    except ValueError:
+        return None
     return None

@@ -236,7 +236,8 @@ int kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, const
 #define CHUNK 256
 #define MAX_GROUP 16
 
-#if defined(VW) && defined(KVB_F16)
+/* F16C for the fp16 K/V a decode step writes (every AVX-512 CPU has it; a bare -mavx512f build does not). */
+#if defined(VW) && defined(KVB_F16) && defined(__F16C__)
 #define KVB_ATTENTION 1
 static inline vf v_load(const void *base, int64_t i, int half) {
     return half ? v_load_f16((const uint16_t *)base + i) : v_loadf((const float *)base + i);
@@ -551,7 +552,7 @@ int kvb_decode_step(const kvb_shape *s, const kvb_layer *layers, float *hidden, 
 #else
     if (!kvb_step_takes(s) || rows < 1 || rows > MAX_ROWS) return -1;
     const int D = s->dim, hd = s->head_dim, qn = s->heads * hd, kvn = s->kv_heads * hd, I = s->inter;
-    float *buf = malloc(sizeof(float) * (size_t)rows * (2 * D + 2 * qn + 2 * kvn + 2 * I + D));
+    float *buf = malloc(sizeof(float) * (size_t)rows * (2 * D + 2 * qn + 2 * kvn + 2 * I));
     if (!buf) return -1;
     float *xn = buf, *q = xn + rows * D, *kk = q + rows * qn, *vv = kk + rows * kvn, *att = vv + rows * kvn;
     float *gate = att + rows * qn, *up = gate + rows * I, *o = up + rows * I;

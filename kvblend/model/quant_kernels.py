@@ -84,7 +84,7 @@ class QuantKernels:
         x = x.float().contiguous()
         rows, n_in = x.shape
         n_out = codes.shape[0]
-        _check_blocks(n_in, codes, dtype, n_in // per_byte, *scales)
+        check_blocks(n_in, codes, dtype, n_in // per_byte, *scales)
         y = torch.empty(rows, n_out, dtype=torch.float32)
         pointers = (t.data_ptr() for t in (codes, *scales))
         if kernel(x.data_ptr(), rows, n_in, *pointers, n_out, y.data_ptr(), _threads()) != 0:
@@ -152,7 +152,7 @@ class QuantKernels:
             raise MemoryError("kvblend's decode step could not allocate its buffers")
 
 
-def _check_blocks(n_in: int, codes: torch.Tensor, dtype: torch.dtype, row_bytes: int, *scales: torch.Tensor) -> None:
+def check_blocks(n_in: int, codes: torch.Tensor, dtype: torch.dtype, row_bytes: int, *scales: torch.Tensor) -> None:
     """What the C side reads through raw pointers must be what it assumes: a wrong tensor would read out of
     bounds, not raise."""
     n_out = codes.shape[0]

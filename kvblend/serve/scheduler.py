@@ -63,8 +63,13 @@ if TYPE_CHECKING:
     from kvblend.pipeline.query import Prepared
 
 # Prefill time per iteration: what keeps the running streams' inter-token latency near ITL_FACTOR times a lone
-# stream's (the decode step of the whole batch, plus this), and at least MIN_PREFILL_S so new requests progress.
+# stream's, or MIN_ITL_S where that is longer (the decode step of the whole batch, plus this), and at least
+# MIN_PREFILL_S so new requests progress. The floor: with kvblend's C decode step a lone step is ~12 ms, and
+# 2.5x that left 15 ms prefill slices between decode steps of a few sequences each, so a prefill took ~60
+# iterations and the batch rarely filled (8 clients streamed 1.06x one client's tokens, BENCHMARKS.md); a
+# stream at 10 tokens a second while another request prefills still outpaces its reader.
 ITL_FACTOR = 2.5
+MIN_ITL_S = 0.1
 MIN_PREFILL_S = 0.015
 IDLE_PREFILL_S = 0.25  # nothing decoding: prefill in slices this long, so new arrivals are admitted between
 
@@ -245,7 +250,8 @@ class Scheduler:
             out.background = self._background.pending()
             if out.decode:
                 lone = self._lone_decode_s or self._last_decode_s
-                out.prefill_budget_s = max(MIN_PREFILL_S, ITL_FACTOR * lone - self._last_decode_s)
+                itl = max(ITL_FACTOR * lone, MIN_ITL_S)
+                out.prefill_budget_s = max(MIN_PREFILL_S, itl - self._last_decode_s)
             else:
                 out.prefill_budget_s = IDLE_PREFILL_S
             return out

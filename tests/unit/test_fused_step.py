@@ -4,6 +4,8 @@ steps eagerly, and so does every model when it is absent."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kvblend.generation.decode import DecodePrompt, decode_step
 from kvblend.model import quant_kernels
 from kvblend.model.fused_step import MAX_ROWS, fused_step
 from kvblend.model.weights import apply_weights
-from support import random_tokens, tiny_runner
+from support import native_model, random_tokens, tiny_runner
 
 needs_kernels = pytest.mark.skipif(
     quant_kernels.kernels() is None, reason="no C compiler: kvblend's CPU kernels are not built here"
@@ -21,6 +23,36 @@ needs_kernels = pytest.mark.skipif(
 
 def _quantized(arch: str, fmt: str):
     runner = tiny_runner(arch)
+    runner.weights = apply_weights(runner.model, fmt)
+    return runner
+
+
+def _smollm_shaped(fmt: str):
+    """A Llama of SmolLM2's attention shape (head dim 64, three query heads per KV head), with norms that are
+    not the identity (a norm applied in the wrong place changes the logits), under `fmt` weights."""
+    import transformers as tf
+
+    from kvblend.model import ModelRunner
+
+    config = tf.LlamaConfig(
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=300,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(3)
+    reference = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+    runner = ModelRunner(native_model(reference), None, name="smollm-shaped")
     runner.weights = apply_weights(runner.model, fmt)
     return runner
 
@@ -73,6 +105,40 @@ def test_the_c_step_computes_the_eager_steps_logits_and_kv(fmt, kv_dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_full_batch_of_long_prompts_at_smollm2s_head_shape(fmt):
+    """Eight sequences, some past one 256-key chunk of the attention, head dim 64 in runs of four vectors,
+    GQA groups of three, and norms that weigh: the C step's logits are the eager step's."""
+    runner = _smollm_shaped(fmt)
+    step = fused_step(runner)
+    assert step is not None
+    lengths = [300, 5, 257, 40, 513, 128, 256, 90]
+    eager_states, fused_states = _states(runner, lengths, 4), _states(runner, lengths, 4)
+    runner.fused_step = None
+    eager = _decode(runner, eager_states, 3)
+    runner.fused_step = step
+    fused = _decode(runner, fused_states, 3)
+    for want, got in zip(eager, fused):
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+
+
+@needs_kernels
+def test_the_step_holds_no_buffer_alive_and_goes_eager_on_new_weights():
+    runner = _quantized("llama", "int4")
+    runner.fused_step = step = fused_step(runner)
+    assert step is not None
+    states = _states(runner, [10, 12], 4)
+    decode_step(runner, states, [5, 6])
+    buffer = weakref.ref(states[0].k[0])
+    states[0].release()
+    assert buffer() is None  # release() frees the KV now, not when the step forgets the state
+    assert not step.takes(states)
+    runner.weights = apply_weights(runner.model, "int8")  # the modules the step pointed into are replaced
+    assert not step.takes(states[1:])
+    assert decode_step(runner, states[1:], [7]).shape == (1, 300)  # eagerly, over the new weights
+
+
+@needs_kernels
 def test_a_batch_the_c_step_does_not_take_steps_eagerly_with_the_same_result():
     runner = _quantized("llama", "int4")
     step = runner.fused_step = fused_step(runner)
@@ -84,6 +150,8 @@ def test_a_batch_the_c_step_does_not_take_steps_eagerly_with_the_same_result():
     assert not step.takes(_states(runner, [5] * (MAX_ROWS + 1), 2))
     assert not step.takes([*_states(runner, [5], 2), *_states(runner, [6], 2, torch.float32)])  # mixed KV dtypes
     assert not step.takes([])
+    with pytest.raises(ValueError):
+        step(_states(runner, [10, 12], 4), [5])  # one token for two sequences
     runner.weights.route.max_rows = 1  # `kvblend profile` measured the converted weights only up to one row
     two = _states(runner, [8, 10], 3)
     assert not step.takes(two) and step.takes(two[:1])
