@@ -58,3 +58,24 @@ def test_requests_move_through_their_states_and_the_counts_add_up():
         assert counts["submitted"] == sum(n for status, n in counts.items() if status != "submitted")
     finally:
         loop.close()
+
+
+def test_prefill_slices_keep_the_streams_itl_near_a_multiple_of_a_lone_step_and_never_under_the_floor():
+    """Beside decoding streams each iteration prefills for ITL_FACTOR lone steps less the batch's step, but plans
+    for at least MIN_ITL_S of ITL: with ~12 ms lone steps, 2.5x left 15 ms slices and the batch never filled."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(max_queue=4, max_batch=4)
+        scheduler.submit(ChatRequest(question="Q"), loop)
+        request = scheduler.schedule().start[0]
+        scheduler.update(ExecutorOutput(first_tokens=[(request, [])]))
+        assert request.status is RequestStatus.DECODING
+        # (lone step, the batch's last step) -> prefill time: the 100 ms floor less the batch's step; 2.5 lone
+        # steps less it where that is longer; never under 15 ms.
+        for lone, batch, want in ((0.012, 0.030, 0.070), (0.2, 0.3, 0.2), (0.05, 0.2, 0.015)):
+            scheduler._lone_decode_s = 0.0  # the next lone step sets it afresh
+            scheduler.update(ExecutorOutput(decode_s=lone, decode_batch=1))
+            scheduler.update(ExecutorOutput(decode_s=batch, decode_batch=3))
+            assert scheduler.schedule().prefill_budget_s == pytest.approx(want)
+    finally:
+        loop.close()
