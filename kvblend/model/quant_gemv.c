@@ -185,30 +185,54 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int 
 #endif
 }
 
-/* y = x @ W.T for W in Q4_1 (`q4`) or Q8_0, in passes of MAX_ROWS rows, output rows shared among the threads. */
-static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, int q4, const float *d,
-                      const float *m, int n_out, float *y, int threads) {
-    int groups = n_in / BLOCK;
+/* A weight in Q4_1 (`q4`) or Q8_0 blocks, as the products and a decode step read it. */
+typedef struct {
+    const void *codes; /* Q4_1 nibbles [n_out, n_in/2] or Q8_0 codes [n_out, n_in] */
+    const float *d;    /* scales [n_out, n_in/32] */
+    const float *m;    /* Q4_1's minimums [n_out, n_in/32]; NULL for Q8_0 */
+    int32_t q4, n_in, n_out, unused;
+} kvb_linear;
+
+/* outs[j] = x @ W_j.T for `count` products of one input of `rows` (<= MAX_ROWS) rows, output rows shared among
+ * the threads as one range (a decode step's q, k and v: 960 rows for SmolLM2, rather than three rounds of 576,
+ * 192 and 192). */
+static int products(const float *x, int rows, const kvb_linear *const *lins, float *const *outs, int count,
+                    int threads) {
+    int n_in = lins[0]->n_in, groups = n_in / BLOCK, total = 0, any_q4 = 0;
+    for (int j = 0; j < count; j++) {
+        total += lins[j]->n_out;
+        any_q4 |= lins[j]->q4;
+    }
     float *sums = NULL;
-    if (q4) {
+    if (any_q4) {
         sums = malloc(sizeof(float) * (size_t)rows * groups);
         if (!sums) return -1;
         block_sums(x, rows, n_in, sums);
     }
-    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        int rr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-        const float *xr = x + (int64_t)r0 * n_in;
-        float *yr = y + (int64_t)r0 * n_out;
-        const float *sr = q4 ? sums + r0 * groups : NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int n = 0; n < n_out; n++) {
-            if (q4)
-                quant_row(xr, rr, n_in, codes, 1, d, m, sr, n, n_out, yr);
-            else
-                quant_row(xr, rr, n_in, codes, 0, d, NULL, NULL, n, n_out, yr);
-        }
+    for (int i = 0; i < total; i++) {
+        int j = 0, n = i;
+        while (n >= lins[j]->n_out) n -= lins[j++]->n_out;
+        const kvb_linear *L = lins[j];
+        if (L->q4)
+            quant_row(x, rows, n_in, L->codes, 1, L->d, L->m, sums, n, L->n_out, outs[j]);
+        else
+            quant_row(x, rows, n_in, L->codes, 0, L->d, NULL, NULL, n, L->n_out, outs[j]);
     }
     free(sums);
+    return 0;
+}
+
+/* y = x @ W.T for W in Q4_1 (`q4`) or Q8_0, in passes of MAX_ROWS rows. */
+static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, int q4, const float *d,
+                      const float *m, int n_out, float *y, int threads) {
+    const kvb_linear w = {codes, d, m, q4, n_in, n_out, 0};
+    const kvb_linear *lins[1] = {&w};
+    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        float *out[1] = {y + (int64_t)r0 * n_out};
+        int rr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+        if (products(x + (int64_t)r0 * n_in, rr, lins, out, 1, threads) != 0) return -1;
+    }
     return 0;
 }
 
@@ -421,13 +445,6 @@ int kvb_decode_attention(const float *q, const void *k, const void *v, int half,
  * x * sigmoid(x) through the vector exp, and K/V rounded to fp16 to nearest-even as torch's cast does.
  */
 typedef struct {
-    const void *codes; /* Q4_1 nibbles [n_out, n_in/2] or Q8_0 codes [n_out, n_in] */
-    const float *d;    /* scales [n_out, n_in/32] */
-    const float *m;    /* Q4_1's minimums [n_out, n_in/32]; NULL for Q8_0 */
-    int32_t q4, n_in, n_out, unused;
-} kvb_linear;
-
-typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights [dim] */
     kvb_linear q, k, v, o, gate, up, down;
 } kvb_layer;
@@ -487,35 +504,6 @@ static void silu_mul(float *gate, const float *up, int n) {
         v_storef(gate + i, v_mul(v_mul(g, sig), v_loadf(up + i)));
     }
     for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-/* outs[j] = x @ W_j.T for `count` products of one input, output rows shared among the threads as one range
- * (q, k and v: 960 rows for SmolLM2, rather than three rounds of 576, 192 and 192). */
-static int products(const float *x, int rows, const kvb_linear *const *lins, float *const *outs, int count,
-                    int threads) {
-    int n_in = lins[0]->n_in, groups = n_in / BLOCK, total = 0, any_q4 = 0;
-    for (int j = 0; j < count; j++) {
-        total += lins[j]->n_out;
-        any_q4 |= lins[j]->q4;
-    }
-    float *sums = NULL;
-    if (any_q4) {
-        sums = malloc(sizeof(float) * (size_t)rows * groups);
-        if (!sums) return -1;
-        block_sums(x, rows, n_in, sums);
-    }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int i = 0; i < total; i++) {
-        int j = 0, n = i;
-        while (n >= lins[j]->n_out) n -= lins[j++]->n_out;
-        const kvb_linear *L = lins[j];
-        if (L->q4)
-            quant_row(x, rows, n_in, L->codes, 1, L->d, L->m, sums, n, L->n_out, outs[j]);
-        else
-            quant_row(x, rows, n_in, L->codes, 0, L->d, NULL, NULL, n, L->n_out, outs[j]);
-    }
-    free(sums);
-    return 0;
 }
 
 static void store_kv(const float *x, void *buf, int half, int64_t at) {
