@@ -125,8 +125,8 @@ def decode_step(runner: ModelRunner, states: list[DecodeState], tokens: list[int
     """
     if len(states) <= GRAPHED_BATCH_MAX and all(st.graphed and st.length < st.capacity for st in states):
         return torch.stack([st.static_step().run(token) for st, token in zip(states, tokens)])
-    if runner.fused_step is not None and runner.fused_step.takes(states):
-        return runner.fused_step(states, tokens)
+    if runner.fused_step is not None and (logits := runner.fused_step(states, tokens)) is not None:
+        return logits  # the whole step in one C call (kvblend.model.fused_step), where it takes the batch
     with runner.decoding():
         return _step(runner, states, tokens)
 

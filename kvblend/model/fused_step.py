@@ -113,18 +113,29 @@ class FusedStep:
         """Can this batch step here? At most MAX_ROWS sequences (and no more than the converted weights are
         routed for), each with room for one more token, all with contiguous KV buffers of one dtype, on the
         weights the step was built from."""
+        return self._take(states) is not None
+
+    def _take(self, states: Sequence[StepKV]) -> tuple[torch.dtype, list[tuple[list[int], list[int]]]] | None:
+        """:meth:`takes`' answer with what the step needs of a batch it takes: the KV dtype and each sequence's
+        buffer addresses."""
         runner = self._runner()
         if runner is None or runner.weights is not self._report or self._report is None:
-            return False
+            return None
         route = self._report.route
         if not states or len(states) > MAX_ROWS or route is None or len(states) > route.max_rows:
-            return False
+            return None
         dtype = states[0].k[0].dtype if states[0].k else None
-        return dtype in self._shapes and all(self._buffers(runner, st, dtype) is not None for st in states)
+        if dtype is None or dtype not in self._shapes:
+            return None
+        buffers = []
+        for st in states:
+            addresses = self._buffers(runner, st, dtype)
+            if addresses is None:
+                return None
+            buffers.append(addresses)
+        return dtype, buffers
 
-    def _buffers(
-        self, runner: ModelRunner, st: StepKV, dtype: torch.dtype | None
-    ) -> tuple[list[int], list[int]] | None:
+    def _buffers(self, runner: ModelRunner, st: StepKV, dtype: torch.dtype) -> tuple[list[int], list[int]] | None:
         """The addresses of a sequence's per-layer K and V buffers, if the C side may write at st.length and
         read every layer through layer 0's strides. Shapes are checked once per set of addresses."""
         if st.length >= st.capacity or not st.k or st.k[0].dtype != dtype:
@@ -144,24 +155,25 @@ class FusedStep:
         return addresses
 
     @torch.inference_mode()
-    def __call__(self, states: Sequence[StepKV], tokens: Sequence[int]) -> torch.Tensor:
-        """One token for each sequence (:meth:`takes` holds): next-token logits [len(states), vocab], fp32."""
-        runner, rows = self.runner, len(states)
-        dtype = states[0].k[0].dtype if states and states[0].k else None
+    def __call__(self, states: Sequence[StepKV], tokens: Sequence[int]) -> torch.Tensor | None:
+        """One token for each sequence: next-token logits [len(states), vocab], fp32; None, with nothing done,
+        for a batch the step does not take (:meth:`takes`), which then steps eagerly."""
+        rows = len(states)
+        if len(tokens) != rows:
+            raise ValueError(f"{len(tokens)} tokens for {rows} sequences")
         # The buffer lists, held here: C runs without the GIL, and a release() meanwhile must not free them.
         held = [(st.k, st.v) for st in states]
-        buffers = [self._buffers(runner, st, dtype) for st in states]
-        ok = len(tokens) == rows and 0 < rows <= MAX_ROWS and dtype in self._shapes and runner.weights is self._report
-        if not ok or any(b is None for b in buffers):
-            raise ValueError("the C decode step was handed a batch it does not take (FusedStep.takes)")
-        assert dtype is not None
+        taken = self._take(states)
+        if taken is None:
+            return None
+        runner, (dtype, buffers) = self.runner, taken
         positions = torch.tensor([[st.length] for st in states])
         cos, sin = runner.rope(positions)
         hidden = runner.embed(torch.tensor([[t] for t in tokens])).reshape(rows, -1).contiguous()
         if hidden.shape != (rows, runner.config.hidden_size) or hidden.dtype != torch.float32:
             raise ValueError(f"the C decode step needs fp32 hidden states [{rows}, {runner.config.hidden_size}]")
-        k_ptrs = _layer_major([b[0] for b in buffers])  # type: ignore[index]
-        v_ptrs = _layer_major([b[1] for b in buffers])  # type: ignore[index]
+        k_ptrs = _layer_major([b[0] for b in buffers])
+        v_ptrs = _layer_major([b[1] for b in buffers])
         strides = (ctypes.c_int64 * rows)(*(st.k[0].stride(1) for st in states))
         where = (ctypes.c_int64 * rows)(*(st.length for st in states))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
