@@ -23,6 +23,10 @@ pinned, never a kvblend dependency), between kvblend's two rounds; without
 that venv its rows are left out and the markdown says so.
 
     .venv/bin/python scripts/bench_decode.py [--llama-python .bench-venv/bin/python]
+
+`--model gemma3-270m --weights fp32,native,int4` measures another GGUF (bench-out/decode-MODEL.json, so the
+default model's decode.json stays): `native` is what `--weights auto` loads with no profile, for Gemma 3's
+Q4_K_M file its own Q5_0/Q4_K/Q6_K/Q8_0 blocks (kvblend.model.gguf_blocks).
 """
 
 from __future__ import annotations
@@ -109,7 +113,9 @@ def _kvblend_timings(runner, prompt: list[Segment], kv_dtype: torch.dtype | None
     }
 
 
-def _setting_name(fmt: str, kv_dtype: torch.dtype) -> str:
+def _setting_name(fmt: str, kv_dtype: torch.dtype, runner=None) -> str:
+    if fmt == "native" and runner is not None:  # what `auto` resolved to
+        fmt = f"auto ({runner.weights_name})"
     if kv_dtype == torch.float32:
         return f"kvblend {fmt}"
     return f"kvblend {fmt}, {'fp16' if kv_dtype == torch.float16 else kv_dtype} KV"
@@ -149,20 +155,26 @@ def best(a: dict, b: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-python", type=Path, default=BENCH_VENV_PYTHON)
+    parser.add_argument("--model", default=None, help="a GGUF (name or path); default: the bundled SmolLM2")
+    parser.add_argument("--weights", default=",".join(WEIGHT_FORMATS), help="formats, fp32 first (and `native`)")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
-    runners = {fmt: load_model(None, "cpu", None, fmt) for fmt in WEIGHT_FORMATS}
+    formats = args.weights.split(",")
+    if formats[0] != "fp32":
+        parser.error("--weights must start with fp32 (the greedy reference)")
+    runners = {fmt: load_model(args.model, "cpu", None, fmt) for fmt in formats}
     prompt = prompt_segments(runners["fp32"])
     # each format with the decode KV it takes by default (fp16 under int8/int4 on the CPU: ModelRunner.decode_kv_dtype)
-    settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype): (fmt, None, False) for fmt in WEIGHT_FORMATS}
-    settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16, False)
-    for fmt in ("int4", "int8"):  # the formats whose steps run in one C call, stepped eagerly too
-        if runners[fmt].fused_step is not None:
-            name = _setting_name(fmt, runners[fmt].decode_kv_dtype)
+    settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype, runners[fmt]): (fmt, None, False) for fmt in formats}
+    if "bf16" in runners:
+        settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16, False)
+    for fmt in ("int4", "int8", "native"):  # the formats whose steps run in one C call, stepped eagerly too
+        if fmt in runners and runners[fmt].fused_step is not None:
+            name = _setting_name(fmt, runners[fmt].decode_kv_dtype, runners[fmt])
             settings[f"{name}, eager step"] = (fmt, None, True)
     rounds: dict[str, list[dict]] = {name: [] for name in settings}
     llama: list[dict] = []
-    source = resolve_model_source(None)
+    source = resolve_model_source(args.model)
     gguf = source.directory / (source.gguf_file or "")
     have_llama = args.llama_python.exists()
     for round_ in range(2):
@@ -173,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             llama.append(llama_side(args.llama_python, gguf, ids, threads))
     rows = {name: best(*runs) for name, runs in rounds.items()}
     for name in LLAMA_SETTINGS if have_llama else ():
-        rows[f"llama.cpp {name}"] = best(llama[0][name], llama[1][name])
+        label = name if args.model is None else name.replace("Q4_1", "the file's own blocks")
+        rows[f"llama.cpp {label}"] = best(llama[0][name], llama[1][name])
     reference = rows["kvblend fp32"]["tokens"]
     for row in rows.values():
         row["agreement"] = sum(a == b for a, b in zip(row["tokens"], reference)) / len(reference)
@@ -188,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         "llama_cpp": have_llama,
         "rows": rows,
     }
-    return publish("decode", data, markdown)
+    if args.model is not None:
+        data["model"] = source.name
+    return publish("decode" if args.model is None else f"decode-{source.name}", data, markdown)
 
 
 def markdown(data: dict) -> str:

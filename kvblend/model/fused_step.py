@@ -1,18 +1,22 @@
-"""A Llama-shaped decode step in one call into kvblend's C kernels (quant_gemv.c's `kvb_decode_step`).
+"""A decode step in one call into kvblend's C kernels (quant_gemv.c's `kvb_decode_step`).
 
 Why: with the products and attention in C (kvblend.model.quant_kernels), a batch-1 decode step of
 SmolLM2 over 3,656 keys on the 2-core Zen 4 EPYC still took 23 ms, of which 14-15 ms were those
 kernels and 8 ms the ~25 small torch operations per layer around them (norms, RoPE, slicing, the KV
 writes, residual adds, SiLU) plus reaching the kernels through Python 211 times. llama.cpp's C++ step
 pays none of that. Here the layers run as one C loop over buffers of a few hundred floats; Python
-keeps the embedding lookup, the RoPE table and the LM head (one product), as the eager step does.
+keeps the embedding lookup (with Gemma's scale), the RoPE tables and the LM head (one product), as the
+eager step does.
 
-What it takes (:func:`fused_step`, checked once per runner): the CPU, fp32 compute, a Llama-shaped layer
-(pre-norm RMSNorm, no biases, no q/k norms, no sandwich norms, no sliding window, one RoPE kind, SiLU MLP:
-Llama, Mistral without a window, SmolLM2) whose seven projections kvblend's kernels multiply (`--weights
-int4` or `int8`, the native format of a Q4_1 or Q8_0 GGUF). Per step (:meth:`FusedStep.takes`): at most
-8 sequences, each with room in its KV buffers, all of one KV dtype. Anything else steps eagerly
-(kvblend.generation.decode._step), and the tests hold the two to the same logits.
+What it takes (:func:`fused_step`, checked once per runner): the CPU, fp32 compute, layers of one
+structure without biases: pre-norm RMSNorms of one eps (Gemma's (1 + w) ones included), q/k norms or
+none (Qwen3, Gemma 3), sandwich norms or none (Gemma 3), a SiLU or tanh-GELU MLP, a sliding window per
+layer (Mistral, Phi-3, Gemma 3's local layers) and a RoPE table per layer (Gemma 3's two bases), one
+attention scale; whose seven projections kvblend's kernels multiply (`--weights int4` or `int8`, or a
+GGUF's own blocks: kvblend.model.gguf_blocks). Qwen2 (q/k/v biases) steps eagerly. Per step
+(:meth:`FusedStep.takes`): at most 8 sequences, each with room in its KV buffers, all of one KV dtype.
+Anything else steps eagerly (kvblend.generation.decode._step), and the tests hold the two to the same
+logits for every family.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from kvblend.model import quant_kernels
 from kvblend.model.runner import ModelRunner
-from kvblend.model.weights import Int4Linear, Int8Linear
+from kvblend.model.weights import BlockLinear, Int4Linear, Int8Linear
 
 #: The C step handles this many sequences at once (quant_gemv.c's MAX_ROWS).
 MAX_ROWS = 8
@@ -49,7 +53,7 @@ class _Linear(ctypes.Structure):
         ("codes", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
-        ("q4", ctypes.c_int32),
+        ("format", ctypes.c_int32),  # quant_gemv.c's KVB_Q8_0, KVB_Q4_1 or KVB_Q8_16
         ("n_in", ctypes.c_int32),
         ("n_out", ctypes.c_int32),
         ("unused", ctypes.c_int32),
@@ -57,8 +61,16 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
-        (name, _Linear) for name in _PROJECTIONS
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        *((name, _Linear) for name in _PROJECTIONS),
+        ("q_norm", ctypes.c_void_p),  # NULL: none
+        ("k_norm", ctypes.c_void_p),
+        ("attn_out_norm", ctypes.c_void_p),  # Gemma's sandwich norms; NULL: none
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int32),  # 0: every key
+        ("rope_kind", ctypes.c_int32),
     ]
 
 
@@ -71,9 +83,11 @@ class _Shape(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("inter", ctypes.c_int32),
         ("half", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
+        ("gelu", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("rope_kinds", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
     ]
 
 
@@ -193,10 +207,12 @@ def _layer_major(addresses: list[list[int]]) -> ctypes.Array:
 
 def fused_step(runner: ModelRunner) -> FusedStep | None:
     """The C step for this runner, or None where its model or weights are not what the step computes."""
-    if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.weights_name not in ("int4", "int8"):
+    if runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return None
+    if runner.weights_name not in ("int4", "int8", "gguf"):
         return None
     kernels = quant_kernels.kernels()
-    if kernels is None or not _llama_shaped(runner):
+    if kernels is None or not _step_shaped(runner):
         return None
     layers = (_Layer * runner.n_layers)()
     tensors: list[torch.Tensor] = []
@@ -206,9 +222,19 @@ def fused_step(runner: ModelRunner) -> FusedStep | None:
         described = [_describe(m, kernels, tensors) for m in modules]
         if any(d is None for d in described) or not _dims_fit(runner, described):
             return None
-        norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
-        tensors += norms
-        layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *described)
+        sandwich = hasattr(block, "pre_feedforward_layernorm")
+        norms = [
+            block.input_layernorm,
+            block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm,
+            getattr(attn, "q_norm", None),
+            getattr(attn, "k_norm", None),
+            block.post_attention_layernorm if sandwich else None,
+            block.post_feedforward_layernorm if sandwich else None,
+        ]
+        weights = [None if n is None else _norm_weight(n) for n in norms]
+        tensors += [w for w in weights if w is not None]
+        addresses = [None if w is None else w.data_ptr() for w in weights]
+        layers[i] = _Layer(*addresses[:2], *described, *addresses[2:], runner.window(i) or 0, runner.rope_kind(i))
     cfg = runner.config
     shapes = {}
     for dtype, half in ((torch.float16, 1), (torch.float32, 0)):
@@ -220,28 +246,47 @@ def fused_step(runner: ModelRunner) -> FusedStep | None:
             runner.head_dim,
             cfg.intermediate_size,
             half,
-            0,
+            int(runner.layers[0].mlp.gelu),
             float(runner.layers[0].input_layernorm.eps),
             runner.attention_scale(0),
+            runner.rope_kinds,
+            0,
         )
         if kernels.step_takes(shape):
             shapes[dtype] = shape
     return FusedStep(runner, kernels, layers, shapes, tensors) if shapes else None
 
 
-def _llama_shaped(runner: ModelRunner) -> bool:
-    """Pre-norm layers with plain RMSNorms, no q/k norms, no windows, one RoPE kind, a SiLU MLP, one scale."""
+def _norm_weight(norm: Any) -> torch.Tensor:
+    """A norm's weight as the C step multiplies it: Gemma's norms scale by (1 + weight), computed here once
+    in fp32 as its RMSNorm computes it; the others by the weight itself."""
+    return (1.0 + norm.weight.float()).contiguous() if norm.gemma else norm.weight
+
+
+def _step_shaped(runner: ModelRunner) -> bool:
+    """What the C step computes: RMSNorms of one eps in fp32 (Gemma's (1 + w) ones too), the same layer
+    structure throughout (q/k norms in every layer or none, sandwich norms in every layer or none), one
+    attention scale, a SiLU or tanh-GELU MLP; windows and several RoPE kinds (Gemma 3's local and global
+    layers) are per layer. The embedding's scale, the final norm and any final soft-cap stay in Python."""
     block = runner.layers[0]
-    norms = [m for blk in runner.layers for m in (blk.input_layernorm, blk.post_attention_layernorm)]
+    sandwich, qk = hasattr(block, "pre_feedforward_layernorm"), hasattr(block.self_attn, "q_norm")
+    names = ["input_layernorm", "post_attention_layernorm"]
+    names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if sandwich else []
+    norms = [getattr(blk, n) for blk in runner.layers for n in names]
+    if qk:
+        norms += [getattr(blk.self_attn, n, None) for blk in runner.layers for n in ("q_norm", "k_norm")]
+    same = all(
+        hasattr(blk, "pre_feedforward_layernorm") == sandwich
+        and hasattr(blk.self_attn, "q_norm") == qk
+        and blk.mlp.gelu == block.mlp.gelu
+        for blk in runner.layers
+    )
     return (
-        not hasattr(block, "pre_feedforward_layernorm")
-        and not hasattr(block.self_attn, "q_norm")
-        and all(runner.window(i) is None for i in range(runner.n_layers))
-        and len(runner.decoder.rotary_emb.kinds) == 1
-        and not block.mlp.gelu
-        and runner.decoder.embed_tokens.scale is None
-        and all(not n.gemma and n.eps == norms[0].eps and n.weight.dtype == torch.float32 for n in norms)
-        and all(n.weight.is_contiguous() for n in norms)
+        same
+        and all(
+            n is not None and n.eps == norms[0].eps and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+            for n in norms
+        )
         and len({runner.attention_scale(i) for i in range(runner.n_layers)}) == 1
     )
 
@@ -255,8 +300,9 @@ def _dims_fit(runner: ModelRunner, linears: list[Any]) -> bool:
 
 
 def _describe(module: Any, kernels: quant_kernels.QuantKernels, tensors: list[torch.Tensor]) -> _Linear | None:
-    """A projection as the C step reads it, if kvblend's kernel multiplies it (int4's Q4_1 or int8's Q8_0);
-    its blocks checked as the product checks them (kvblend.model.quant_kernels), and kept in `tensors`."""
+    """A projection as the C step reads it, if kvblend's kernel multiplies it (int4's Q4_1, int8's Q8_0, or a
+    GGUF's own Q4_1/Q8_0/Q8_16 blocks); its blocks checked as the product checks them
+    (kvblend.model.quant_kernels), and kept in `tensors`."""
     if getattr(module, "bias", None) is not None or getattr(module, "kernels", None) is not kernels:
         return None
     try:
@@ -270,6 +316,17 @@ def _describe(module: Any, kernels: quant_kernels.QuantKernels, tensors: list[to
             quant_kernels.check_blocks(n_in, module.codes, torch.int8, n_in, module.d)
             tensors += (module.codes, module.d)
             return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, 0, n_in, n_out, 0)
+        if isinstance(module, BlockLinear):  # a GGUF's own blocks (kvblend.model.gguf_blocks)
+            if module.layout == "q4_1":
+                n_out, n_in = module.codes.shape[0], module.codes.shape[1] * 2
+                quant_kernels.check_blocks(n_in, module.codes, torch.uint8, n_in // 2, module.d, module.low)
+                tensors += (module.codes, module.d, module.low)
+                return _Linear(module.codes.data_ptr(), module.d.data_ptr(), module.low.data_ptr(), 1, n_in, n_out, 0)
+            n_out, n_in = module.codes.shape
+            per, fmt = (quant_kernels.HALF_BLOCK, 2) if module.layout == "q8_16" else (quant_kernels.BLOCK, 0)
+            quant_kernels.check_blocks(n_in, module.codes, torch.int8, n_in, module.d, scale_block=per)
+            tensors += (module.codes, module.d)
+            return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, fmt, n_in, n_out, 0)
     except ValueError:
         return None
     return None

@@ -22,6 +22,7 @@ from kvblend.errors import ModelNotFoundError, UsageError
 from kvblend.model import quant_kernels
 from kvblend.model.config import ModelConfig
 from kvblend.model.fused_step import fused_step
+from kvblend.model.gguf_blocks import plain_array_reader
 from kvblend.model.runner import ModelRunner
 from kvblend.model.source import (
     SUPPORTED_ARCHITECTURES,
@@ -34,7 +35,14 @@ from kvblend.model.source import (
 )
 from kvblend.model.tokenizer import TextTokenizer
 from kvblend.model.transformer import Transformer, read_safetensors
-from kvblend.model.weights import DEFAULT_DECODE_ROWS, apply_weights, check_weights, native_format
+from kvblend.model.weights import (
+    DEFAULT_DECODE_ROWS,
+    GGUF_WEIGHTS,
+    apply_weights,
+    check_weights,
+    file_blocks,
+    native_format,
+)
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -102,9 +110,15 @@ def load_model(
     transformer.to(device=device, dtype=torch_dtype)
     if device.type == "cpu":
         quant_kernels.kernels()  # built now (about a second, once per machine), not in the first decode step
+    blocks = None
     if weights == NATIVE_WEIGHTS:
         weights = native_format(transformer)
-    report = apply_weights(transformer, weights, decode_rows)
+        if weights == "fp32" and source.gguf_file:  # a GGUF of mixed block types (Q4_K_M, ...): its own blocks
+            gguf = source.directory / source.gguf_file
+            heads = (config.num_attention_heads, config.num_key_value_heads)
+            blocks = file_blocks(transformer, gguf, directory / "gguf-blocks.safetensors", *heads)
+            weights = GGUF_WEIGHTS if blocks else weights
+    report = apply_weights(transformer, weights, decode_rows, blocks)
     runner = ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs
     )
@@ -222,7 +236,7 @@ def _gguf_parsed_once() -> Iterator[None]:
 
     originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
     replacements = {
-        "GGUFReader": _plain_array_reader(originals["GGUFReader"]),
+        "GGUFReader": plain_array_reader(originals["GGUFReader"]),
         "get_tensor_name_map": originals["get_tensor_name_map"],
     }
     for name, replacement in replacements.items():
@@ -237,26 +251,6 @@ def _gguf_parsed_once() -> Iterator[None]:
         for name, original in originals.items():
             setattr(gguf, name, original)
         hf_gguf._gguf_parse_value = parse_value
-
-
-def _plain_array_reader(reader: type) -> type:
-    """gguf's GGUFReader, slicing the file through a plain ndarray view of its memory map instead of the
-    np.memmap itself: the same bytes, fields and tensors (its parts are views of the same mapping), without
-    np.memmap's Python-level __getitem__/__array_finalize__ on each of the ~800k slices a 262k-entry
-    vocabulary takes. Gemma 3's file parsed in 13.8 s that way and parses in 4.3 s this way (2-core AMD EPYC).
-    `_get` is the reader's one slicing helper (gguf 0.19.0, pinned); its logic is kept, only the array differs."""
-    import numpy as np
-
-    class PlainArrayReader(reader):
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-            plain = self.__dict__.get("_plain_data")
-            if plain is None:
-                plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
-            dtype, count = np.dtype(dtype), int(count)
-            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    return PlainArrayReader
 
 
 _GGUF_INTS, _GGUF_FLOATS, _GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = {0, 1, 2, 3, 4, 5, 10, 11}, {6, 12}, 7, 8, 9

@@ -8,6 +8,8 @@
  *   Q4_1: 32 consecutive input weights share a scale d and a minimum m, w = d*q + m, q in 0..15; byte j of a
  *         block holds q[j] in its low nibble and q[j + 16] in its high one (GGUF's order).
  *   Q8_0: 32 consecutive input weights share a scale d, w = d*q, q in -128..127.
+ *   Q8_16: Q8_0's codes with a scale per 16 input weights: how GGUF's Q6_K (a scale per 16, 6-bit codes) is
+ *         multiplied exactly (kvblend.model.gguf_blocks re-expresses Q4_K as Q4_1, Q4_0/Q5_0 as Q8_0).
  *
  * Activations and accumulation stay in fp32: the products are those of the de-quantised fp32 weights, up to
  * the order of the sums. Scales are fp32 (GGUF keeps fp16 ones; each converts exactly).
@@ -136,23 +138,43 @@ static void block_sums(const float *x, int rows, int n_in, float *sums) {
         }
 }
 
-/* One output row n for `rows` (<= MAX_ROWS) activation rows, of Q4_1 (`q4`, with its minimums m and the
- * activations' block sums) or Q8_0. Inlined with `q4` a constant, so each format gets its own loop. */
+/* The block formats a kvb_linear holds (its `format`). */
+#define KVB_Q8_0 0
+#define KVB_Q4_1 1
+#define KVB_Q8_16 2
+
+/* One output row n for `rows` (<= MAX_ROWS) activation rows, of Q4_1 (with its minimums m and the activations'
+ * block sums), Q8_0 or Q8_16. Inlined with `fmt` a constant, so each format gets its own loop. */
 static inline __attribute__((always_inline)) void quant_row(const float *x, int rows, int n_in, const uint8_t *codes,
-                                                          int q4, const float *d, const float *m, const float *sums,
+                                                          int fmt, const float *d, const float *m, const float *sums,
                                                           int n, int n_out, float *y) {
-    int groups = n_in / BLOCK, block_bytes = q4 ? BLOCK / 2 : BLOCK;
+    int groups = n_in / BLOCK, block_bytes = fmt == KVB_Q4_1 ? BLOCK / 2 : BLOCK;
+    int scales = fmt == KVB_Q8_16 ? 2 : 1; /* per block */
     const uint8_t *c = codes + (int64_t)n * groups * block_bytes;
-    const float *dn = d + (int64_t)n * groups;
+    const float *dn = d + (int64_t)n * groups * scales;
 #ifdef VW
     vf acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = v_zero();
     for (int g = 0; g < groups; g++) {
         vf q[BLOCK / VW];
-        if (q4)
+        if (fmt == KVB_Q4_1)
             unpack_q4_1(c + g * block_bytes, q);
         else
             unpack_q8_0((const int8_t *)c + g * block_bytes, q);
+        if (fmt == KVB_Q8_16) { /* each half of the block (BLOCK / VW / 2 vectors) under its own scale */
+            enum { H = BLOCK / VW / 2 };
+            vf s0 = v_set1(dn[2 * g]), s1 = v_set1(dn[2 * g + 1]);
+            for (int r = 0; r < rows; r++) {
+                const float *xr = x + (int64_t)r * n_in + g * BLOCK;
+                vf t0 = v_mul(q[0], v_loadf(xr)), t1 = v_mul(q[H], v_loadf(xr + H * VW));
+                for (int i = 1; i < H; i++) {
+                    t0 = v_fma(q[i], v_loadf(xr + i * VW), t0);
+                    t1 = v_fma(q[H + i], v_loadf(xr + (H + i) * VW), t1);
+                }
+                acc[r] = v_fma(s1, t1, v_fma(s0, t0, acc[r]));
+            }
+            continue;
+        }
         vf scale = v_set1(dn[g]);
         for (int r = 0; r < rows; r++) {
             const float *xr = x + (int64_t)r * n_in + g * BLOCK;
@@ -163,7 +185,7 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int 
     }
     for (int r = 0; r < rows; r++) {
         float s = v_sum(acc[r]);
-        if (q4)
+        if (fmt == KVB_Q4_1)
             for (int g = 0; g < groups; g++) s += m[(int64_t)n * groups + g] * sums[r * groups + g];
         y[(int64_t)r * n_out + n] = s;
     }
@@ -173,24 +195,27 @@ static inline __attribute__((always_inline)) void quant_row(const float *x, int 
         float s = 0.f;
         for (int g = 0; g < groups; g++) {
             const uint8_t *b = c + g * block_bytes;
-            float t = 0.f;
+            float t[2] = {0.f, 0.f};
             for (int j = 0; j < BLOCK; j++) {
-                float q = q4 ? (float)(j < 16 ? b[j] & 0x0F : b[j - 16] >> 4) : (float)((const int8_t *)b)[j];
-                t += q * xr[g * BLOCK + j];
+                float q = fmt == KVB_Q4_1 ? (float)(j < 16 ? b[j] & 0x0F : b[j - 16] >> 4) : (float)((const int8_t *)b)[j];
+                t[fmt == KVB_Q8_16 && j >= 16] += q * xr[g * BLOCK + j];
             }
-            s += dn[g] * t + (q4 ? m[(int64_t)n * groups + g] * sums[r * groups + g] : 0.f);
+            if (fmt == KVB_Q8_16)
+                s += dn[2 * g] * t[0] + dn[2 * g + 1] * t[1];
+            else
+                s += dn[g] * t[0] + (fmt == KVB_Q4_1 ? m[(int64_t)n * groups + g] * sums[r * groups + g] : 0.f);
         }
         y[(int64_t)r * n_out + n] = s;
     }
 #endif
 }
 
-/* A weight in Q4_1 (`q4`) or Q8_0 blocks, as the products and a decode step read it. */
+/* A weight in Q4_1, Q8_0 or Q8_16 blocks (`format`), as the products and a decode step read it. */
 typedef struct {
-    const void *codes; /* Q4_1 nibbles [n_out, n_in/2] or Q8_0 codes [n_out, n_in] */
-    const float *d;    /* scales [n_out, n_in/32] */
-    const float *m;    /* Q4_1's minimums [n_out, n_in/32]; NULL for Q8_0 */
-    int32_t q4, n_in, n_out, unused;
+    const void *codes; /* Q4_1 nibbles [n_out, n_in/2], or Q8_0/Q8_16 codes [n_out, n_in] */
+    const float *d;    /* scales [n_out, n_in/32] (Q8_16: [n_out, n_in/16]) */
+    const float *m;    /* Q4_1's minimums [n_out, n_in/32]; NULL otherwise */
+    int32_t format, n_in, n_out, unused;
 } kvb_linear;
 
 /* outs[j] = x @ W_j.T for `count` products of one input of `rows` (<= MAX_ROWS) rows, output rows shared among
@@ -201,7 +226,7 @@ static int products(const float *x, int rows, const kvb_linear *const *lins, flo
     int n_in = lins[0]->n_in, groups = n_in / BLOCK, total = 0, any_q4 = 0;
     for (int j = 0; j < count; j++) {
         total += lins[j]->n_out;
-        any_q4 |= lins[j]->q4;
+        any_q4 |= lins[j]->format == KVB_Q4_1;
     }
     float *sums = NULL;
     if (any_q4) {
@@ -214,19 +239,21 @@ static int products(const float *x, int rows, const kvb_linear *const *lins, flo
         int j = 0, n = i;
         while (n >= lins[j]->n_out) n -= lins[j++]->n_out;
         const kvb_linear *L = lins[j];
-        if (L->q4)
-            quant_row(x, rows, n_in, L->codes, 1, L->d, L->m, sums, n, L->n_out, outs[j]);
+        if (L->format == KVB_Q4_1)
+            quant_row(x, rows, n_in, L->codes, KVB_Q4_1, L->d, L->m, sums, n, L->n_out, outs[j]);
+        else if (L->format == KVB_Q8_16)
+            quant_row(x, rows, n_in, L->codes, KVB_Q8_16, L->d, NULL, NULL, n, L->n_out, outs[j]);
         else
-            quant_row(x, rows, n_in, L->codes, 0, L->d, NULL, NULL, n, L->n_out, outs[j]);
+            quant_row(x, rows, n_in, L->codes, KVB_Q8_0, L->d, NULL, NULL, n, L->n_out, outs[j]);
     }
     free(sums);
     return 0;
 }
 
-/* y = x @ W.T for W in Q4_1 (`q4`) or Q8_0, in passes of MAX_ROWS rows. */
-static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, int q4, const float *d,
+/* y = x @ W.T for W in blocks of `format`, in passes of MAX_ROWS rows. */
+static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, int format, const float *d,
                       const float *m, int n_out, float *y, int threads) {
-    const kvb_linear w = {codes, d, m, q4, n_in, n_out, 0};
+    const kvb_linear w = {codes, d, m, format, n_in, n_out, 0};
     const kvb_linear *lins[1] = {&w};
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         float *out[1] = {y + (int64_t)r0 * n_out};
@@ -238,12 +265,17 @@ static int quant_gemv(const float *x, int rows, int n_in, const uint8_t *codes, 
 
 int kvb_q4_1_gemv(const float *x, int rows, int n_in, const uint8_t *codes, const float *d, const float *m,
                   int n_out, float *y, int threads) {
-    return quant_gemv(x, rows, n_in, codes, 1, d, m, n_out, y, threads);
+    return quant_gemv(x, rows, n_in, codes, KVB_Q4_1, d, m, n_out, y, threads);
 }
 
 int kvb_q8_0_gemv(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n_out, float *y,
                   int threads) {
-    return quant_gemv(x, rows, n_in, (const uint8_t *)codes, 0, d, NULL, n_out, y, threads);
+    return quant_gemv(x, rows, n_in, (const uint8_t *)codes, KVB_Q8_0, d, NULL, n_out, y, threads);
+}
+
+int kvb_q8_16_gemv(const float *x, int rows, int n_in, const int8_t *codes, const float *d, int n_out, float *y,
+                   int threads) {
+    return quant_gemv(x, rows, n_in, (const uint8_t *)codes, KVB_Q8_16, d, NULL, n_out, y, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
@@ -445,13 +477,18 @@ int kvb_decode_attention(const float *q, const void *k, const void *v, int half,
  * x * sigmoid(x) through the vector exp, and K/V rounded to fp16 to nearest-even as torch's cast does.
  */
 typedef struct {
-    const float *input_norm, *post_norm; /* RMSNorm weights [dim] */
+    const float *input_norm, *post_norm; /* RMSNorm weights [dim]: before attention, and before the MLP */
     kvb_linear q, k, v, o, gate, up, down;
+    const float *q_norm, *k_norm;              /* per-head RMSNorms [head_dim] before RoPE (Qwen3, Gemma 3); NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* Gemma's sandwich: on each block's output before its residual; NULL */
+    int32_t window;    /* a sliding window of this many keys (0: every key) */
+    int32_t rope_kind; /* which of the step's cos/sin tables this layer rotates with (Gemma 3: local or global) */
 } kvb_layer;
 
 typedef struct {
-    int32_t n_layers, dim, heads, kv_heads, head_dim, inter, half, unused;
+    int32_t n_layers, dim, heads, kv_heads, head_dim, inter, half, gelu; /* gelu: tanh-GELU MLP, else SiLU */
     float eps, scale;
+    int32_t rope_kinds, unused; /* cos/sin hold rope_kinds tables of head_dim side by side per row */
 } kvb_shape;
 
 #ifdef KVB_ATTENTION
@@ -506,6 +543,26 @@ static void silu_mul(float *gate, const float *up, int n) {
     for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* gate <- gelu_tanh(gate) * up over n floats: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as torch's
+ * F.gelu(approximate="tanh"); tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|), which never overflows. */
+static void gelu_mul(float *gate, const float *up, int n) {
+    int i = 0;
+    const float c = 0.7978845608028654f, a = 0.044715f;
+    vf one = v_set1(1.0f), half = v_set1(0.5f);
+    for (; i + VW <= n; i += VW) {
+        vf g = v_loadf(gate + i);
+        vf y = v_mul(v_set1(c), v_fma(v_mul(v_set1(a), g), v_mul(g, g), g));
+        vf e = v_exp(v_mul(v_set1(-2.0f), v_abs(y)));
+        vf t = v_div(v_sub(one, e), v_add(one, e));
+        t = v_pick_ge0(y, t, v_sub(v_zero(), t));
+        v_storef(gate + i, v_mul(v_mul(v_mul(half, g), v_add(one, t)), v_loadf(up + i)));
+    }
+    for (; i < n; i++) {
+        float g = gate[i];
+        gate[i] = 0.5f * g * (1.0f + tanhf(c * (g + a * g * g * g))) * up[i];
+    }
+}
+
 static void store_kv(const float *x, void *buf, int half, int64_t at) {
     if (half)
         ((uint16_t *)buf)[at] = _cvtss_sh(*x, _MM_FROUND_TO_NEAREST_INT);
@@ -521,12 +578,13 @@ int kvb_step_takes(const kvb_shape *s) {
     return 0;
 #else
     return s->n_layers >= 1 && kvb_attention_takes(s->heads, s->kv_heads, s->head_dim) && s->dim % BLOCK == 0 &&
-           s->inter % BLOCK == 0 && (s->heads * s->head_dim) % BLOCK == 0;
+           s->inter % BLOCK == 0 && (s->heads * s->head_dim) % BLOCK == 0 && s->rope_kinds >= 1;
 #endif
 }
 
 /* One decode step for `rows` (<= MAX_ROWS) sequences: hidden [rows, dim] (their tokens' embeddings) becomes the
- * last layer's output, before the final norm. Sequence r is at position pos[r] with cos/sin [rows, head_dim];
+ * last layer's output, before the final norm. Sequence r is at position pos[r] with cos/sin [rows, rope_kinds *
+ * head_dim] (a layer rotates with table rope_kind);
  * its layer-l K/V buffers are k[l * rows + r], v[...] ([kv_heads, capacity, head_dim], heads head_stride[r]
  * apart; fp16 where s->half, else fp32), with room at pos[r] (the caller checks). Returns 0; -1 where this
  * build cannot (kvb_step_takes) or memory ran out, with hidden then undefined. */
@@ -552,31 +610,48 @@ int kvb_decode_step(const kvb_shape *s, const kvb_layer *layers, float *hidden, 
         float *qkv_out[3] = {q, kk, vv};
         status = products(xn, rows, qkv, qkv_out, 3, threads);
         for (int r = 0; r < rows && status == 0; r++) {
-            rope(q + r * qn, s->heads, hd, cos + r * hd, sin + r * hd);
-            rope(kk + r * kvn, s->kv_heads, hd, cos + r * hd, sin + r * hd);
+            float *qr = q + r * qn, *kr = kk + r * kvn;
+            if (L->q_norm)
+                for (int h = 0; h < s->heads; h++) rms_norm(qr + h * hd, L->q_norm, hd, s->eps, qr + h * hd);
+            if (L->k_norm)
+                for (int h = 0; h < s->kv_heads; h++) rms_norm(kr + h * hd, L->k_norm, hd, s->eps, kr + h * hd);
+            const int64_t table = (int64_t)r * s->rope_kinds * hd + (int64_t)L->rope_kind * hd;
+            rope(qr, s->heads, hd, cos + table, sin + table);
+            rope(kr, s->kv_heads, hd, cos + table, sin + table);
             void *kb = k[l * rows + r], *vb = v[l * rows + r];
             for (int h = 0; h < s->kv_heads; h++)
                 for (int i = 0; i < hd; i++) {
                     int64_t at = h * head_stride[r] + pos[r] * hd + i;
-                    store_kv(kk + r * kvn + h * hd + i, kb, s->half, at);
+                    store_kv(kr + h * hd + i, kb, s->half, at);
                     store_kv(vv + r * kvn + h * hd + i, vb, s->half, at);
                 }
-            status = decode_attention(q + r * qn, kb, vb, s->half, head_stride[r], (int)pos[r] + 1, s->heads,
-                                      s->kv_heads, hd, s->scale, att + r * qn, threads);
+            /* a sliding window sees its last `window` keys, the newest included: the buffers from there on */
+            int64_t n_keys = pos[r] + 1, first = L->window > 0 && n_keys > L->window ? n_keys - L->window : 0;
+            size_t skip = (size_t)first * hd * (s->half ? 2 : 4);
+            status = decode_attention(qr, (const char *)kb + skip, (const char *)vb + skip, s->half, head_stride[r],
+                                      (int)(n_keys - first), s->heads, s->kv_heads, hd, s->scale, att + r * qn,
+                                      threads);
         }
         if (status != 0) break;
         const kvb_linear *op[1] = {&L->o};
         float *o_out[1] = {o};
         if ((status = products(att, rows, op, o_out, 1, threads)) != 0) break;
+        if (L->attn_out_norm)
+            for (int r = 0; r < rows; r++) rms_norm(o + r * D, L->attn_out_norm, D, s->eps, o + r * D);
         for (int i = 0; i < rows * D; i++) hidden[i] += o[i];
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * D, L->post_norm, D, s->eps, xn + r * D);
         const kvb_linear *gu[2] = {&L->gate, &L->up};
         float *gu_out[2] = {gate, up};
         if ((status = products(xn, rows, gu, gu_out, 2, threads)) != 0) break;
-        silu_mul(gate, up, rows * I);
+        if (s->gelu)
+            gelu_mul(gate, up, rows * I);
+        else
+            silu_mul(gate, up, rows * I);
         const kvb_linear *dn[1] = {&L->down};
         float *dn_out[1] = {o};
         if ((status = products(gate, rows, dn, dn_out, 1, threads)) != 0) break;
+        if (L->mlp_out_norm)
+            for (int r = 0; r < rows; r++) rms_norm(o + r * D, L->mlp_out_norm, D, s->eps, o + r * D);
         for (int i = 0; i < rows * D; i++) hidden[i] += o[i];
     }
     free(buf);

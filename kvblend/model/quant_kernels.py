@@ -1,4 +1,4 @@
-"""kvblend's CPU kernels for weight-only Q4_1 and Q8_0 decode matmuls (quant_gemv.c), built on first use.
+"""kvblend's CPU kernels for weight-only Q4_1, Q8_0 and Q8_16 decode matmuls (quant_gemv.c), built on first use.
 
 Why a kernel of our own: a decode step reads every weight once, so it runs at the speed of the weights'
 bytes only if unpacking them keeps up with memory. torch 2.13's CPU kernels for int4 and int8 weights do
@@ -33,6 +33,8 @@ from kvblend.model.source import model_cache_dir
 SOURCE = Path(__file__).with_name("quant_gemv.c")
 #: Inputs in whole blocks of this many weights (Q4_1's and Q8_0's block).
 BLOCK = 32
+#: Q8_16's scales: one per this many input weights (GGUF Q6_K's sub-block).
+HALF_BLOCK = 16
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _LIBS = ("-lm",)
 _COMPILE_TIMEOUT_S = 120
@@ -50,6 +52,9 @@ class QuantKernels:
         self._q8 = lib.kvb_q8_0_gemv
         self._q8.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
         self._q8.restype = ctypes.c_int
+        self._q8_16 = lib.kvb_q8_16_gemv
+        self._q8_16.argtypes = [ptr, i, i, ptr, ptr, i, ptr, i]
+        self._q8_16.restype = ctypes.c_int
         self._attn = lib.kvb_decode_attention
         self._attn.argtypes = [ptr, ptr, ptr, i, ctypes.c_int64, i, i, i, i, ctypes.c_float, ptr, i]
         self._attn.restype = ctypes.c_int
@@ -71,6 +76,10 @@ class QuantKernels:
         """x [rows, in] @ W.T for W in Q8_0: `codes` [out, in] int8, `d` [out, in/32]."""
         return self._product(self._q8, x, codes, torch.int8, 1, d)
 
+    def q8_16(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T for W in Q8_16: `codes` [out, in] int8, `d` [out, in/16] (a scale per 16)."""
+        return self._product(self._q8_16, x, codes, torch.int8, 1, d, scale_block=HALF_BLOCK)
+
     def _product(
         self,
         kernel: Callable[..., int],
@@ -79,12 +88,13 @@ class QuantKernels:
         dtype: torch.dtype,
         per_byte: int,
         *scales: torch.Tensor,
+        scale_block: int = BLOCK,
     ) -> torch.Tensor:
         """One product: the blocks checked against x's width (`per_byte` codes a byte), then the kernel."""
         x = x.float().contiguous()
         rows, n_in = x.shape
         n_out = codes.shape[0]
-        check_blocks(n_in, codes, dtype, n_in // per_byte, *scales)
+        check_blocks(n_in, codes, dtype, n_in // per_byte, *scales, scale_block=scale_block)
         y = torch.empty(rows, n_out, dtype=torch.float32)
         pointers = (t.data_ptr() for t in (codes, *scales))
         if kernel(x.data_ptr(), rows, n_in, *pointers, n_out, y.data_ptr(), _threads()) != 0:
@@ -152,13 +162,20 @@ class QuantKernels:
             raise MemoryError("kvblend's decode step could not allocate its buffers")
 
 
-def check_blocks(n_in: int, codes: torch.Tensor, dtype: torch.dtype, row_bytes: int, *scales: torch.Tensor) -> None:
+def check_blocks(
+    n_in: int,
+    codes: torch.Tensor,
+    dtype: torch.dtype,
+    row_bytes: int,
+    *scales: torch.Tensor,
+    scale_block: int = BLOCK,
+) -> None:
     """What the C side reads through raw pointers must be what it assumes: a wrong tensor would read out of
-    bounds, not raise."""
+    bounds, not raise. `scales` hold one value per `scale_block` input weights (16 for Q8_16)."""
     n_out = codes.shape[0]
     ok = n_in % BLOCK == 0 and codes.dtype == dtype and codes.is_contiguous() and codes.shape == (n_out, row_bytes)
     ok = ok and all(
-        t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n_out, n_in // BLOCK) for t in scales
+        t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n_out, n_in // scale_block) for t in scales
     )
     if not ok or codes.device.type != "cpu":
         raise ValueError(f"quantized weight blocks do not match an input of {n_in}: {tuple(codes.shape)} {codes.dtype}")

@@ -126,12 +126,13 @@ class ModelRunner:
 
     @property
     def decode_kv_dtype(self) -> torch.dtype:
-        """What a decode step's KV buffers hold (kvblend.generation.DecodeState): fp16 under int8 or int4
-        weights on the CPU, where kvblend's attention kernel reads 16-bit KV widened in registers (half the
+        """What a decode step's KV buffers hold (kvblend.generation.DecodeState): fp16 under int8, int4 or a
+        GGUF's own blocks on the CPU, where kvblend's attention kernel reads 16-bit KV widened in registers (half the
         bytes a step streams: 30 layers of 3,656 keys took 5.4-6.0 ms against 9.7-10.6 ms in fp32 on a 2-core
         Zen 4 EPYC), where the kernel takes the model's shape; else the compute dtype, so `fp32` decodes the model's
         own forward pass (up to the order of the kernel's sums)."""
-        quantized = self.weights_name in ("int8", "int4") and self.device.type == "cpu" and self.dtype == torch.float32
+        quantized = self.weights_name in ("int8", "int4", "gguf")
+        quantized = quantized and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = quant_kernels.kernels() if quantized else None
         fits = kernels is not None and kernels.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim)
         return torch.float16 if fits else self.dtype
@@ -187,6 +188,15 @@ class ModelRunner:
         if len(tables) == 1:
             return tables[0]
         return torch.cat([c for c, _ in tables], dim=-1), torch.cat([s for _, s in tables], dim=-1)
+
+    @property
+    def rope_kinds(self) -> int:
+        """How many RoPE tables `rope()` returns side by side (2 for Gemma 3, else 1)."""
+        return self._n_kinds
+
+    def rope_kind(self, layer: int) -> int:
+        """Which of `rope()`'s tables this layer rotates with."""
+        return self._layer_kind[layer]
 
     def _layer_rope(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's part of a `rope()` table (the whole table for a one-kind model)."""

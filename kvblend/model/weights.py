@@ -48,6 +48,12 @@ to bf16) and int8 `_weight_int8pack_mm` where the torch build has it for CUDA; e
 once against the de-quantising path at load and falls back to that path (correct, not fused) where the
 kernel is missing or disagrees.
 
+``gguf`` (never a `--weights` value: what ``auto`` resolves to, with no profile, for a GGUF of mixed block
+types such as a Q4_K_M file): each projection and the LM head multiplied in the file's own blocks, exactly
+(kvblend.model.gguf_blocks re-expresses Q4_K, Q6_K, Q5_0, Q4_0 in the kernels' layouts). A file with any
+projection of a type it does not take (Q5_K, Q3_K, F16, ...) decodes fp32 as before; an LM head of such a
+type keeps its loaded weight.
+
 ``auto`` is resolved by the caller from what ``kvblend profile`` measured on
 this machine (kvblend.tuning): the fastest decode step among the formats whose
 next-token KL against fp32 stays within :data:`AUTO_MAX_KL`; fp32 when nothing
@@ -60,6 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -68,7 +75,10 @@ from torch.nn import functional as F
 from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import UsageError
 from kvblend.model import quant_kernels
+from kvblend.model.gguf_blocks import HEAD, Blocks, cached_gguf_blocks
 
+#: What ``auto`` resolves to for a GGUF whose mixed block types the kernels multiply as they are (native_format).
+GGUF_WEIGHTS = "gguf"
 #: The formats `--weights` takes besides "auto".
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 DEFAULT_WEIGHTS = "fp32"
@@ -241,6 +251,31 @@ class Int4Linear(ConvertedLinear):
         return F.linear(flat, groups.view(n_out, n_in).to(flat.dtype))
 
 
+class BlockLinear(ConvertedLinear):
+    """A projection multiplied in its GGUF file's own blocks (kvblend.model.gguf_blocks): Q4_1, Q8_0 or Q8_16,
+    holding exactly the loaded weight (checked when the blocks were made), so `max_error` is 0."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, route: Route, blocks: Blocks):
+        super().__init__(weight, bias, route)
+        kernels = quant_kernels.kernels()
+        assert kernels is not None, "GGUF blocks are only made where the CPU kernels are built"
+        self.kernels = kernels
+        self.layout = blocks.layout
+        self.codes, self.d = blocks.codes, blocks.d
+        if blocks.m is not None:
+            self.low = blocks.m
+
+    def converted_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        x = flat.float()
+        if self.layout == "q4_1":
+            y = self.kernels.q4_1(x, self.codes, self.d, self.low)
+        elif self.layout == "q8_16":
+            y = self.kernels.q8_16(x, self.codes, self.d)
+        else:
+            y = self.kernels.q8_0(x, self.codes, self.d)
+        return y.to(flat.dtype)
+
+
 def _kernel_agrees(kernel, reference, weight: torch.Tensor) -> bool:
     """Does a fused kernel exist for this device and compute what the de-quantising path does? One call on
     random rows, within bf16's rounding; any error (no kernel for this device or torch build): no."""
@@ -267,8 +302,13 @@ class WeightReport:
     route: Route | None = field(default=None, compare=False, repr=False)
 
 
-def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE_ROWS) -> WeightReport:
-    """Give the decoder's projections and the LM head of a loaded Transformer a converted copy, in place."""
+def apply_weights(
+    model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE_ROWS, blocks: dict[str, Blocks] | None = None
+) -> WeightReport:
+    """Give the decoder's projections and the LM head of a loaded Transformer a converted copy, in place.
+    Under GGUF_WEIGHTS, `blocks` (file_blocks) are those copies, by module path."""
+    if weights == GGUF_WEIGHTS:
+        return _apply_blocks(model, blocks or {}, Route(max_rows))
     weights = check_weights(weights, allow_auto=False)
     head_weight = _weight_of(model.lm_head)  # type: ignore[arg-type]
     if weights == "fp32":
@@ -293,6 +333,42 @@ def apply_weights(model: nn.Module, weights: str, max_rows: int = DEFAULT_DECODE
     model.lm_head = head
     total += head.converted_bytes()
     return WeightReport(weights, layers, kept, worst, total, head_format, head.max_error, route)
+
+
+def _apply_blocks(model: nn.Module, blocks: dict[str, Blocks], route: Route) -> WeightReport:
+    layers = kept = total = 0
+    for path, (parent, name, linear) in zip(_linear_paths(model), _linears(model)):
+        weight = _weight_of(linear)
+        if path not in blocks:
+            kept += 1
+            total += _bytes(weight)
+            continue
+        setattr(parent, name, BlockLinear(weight, getattr(linear, "bias", None), route, blocks[path]))
+        layers += 1
+        total += blocks[path].nbytes()
+    head_format = "fp32"
+    if HEAD in blocks:
+        model.lm_head = BlockLinear(_weight_of(model.lm_head), None, route, blocks[HEAD])  # type: ignore[arg-type]
+        head_format = blocks[HEAD].layout
+        total += blocks[HEAD].nbytes()
+    else:
+        total += _bytes(_weight_of(model.lm_head))  # type: ignore[arg-type]
+    return WeightReport(GGUF_WEIGHTS, layers, kept, 0.0, total, head_format, 0.0, route)
+
+
+def file_blocks(model: nn.Module, gguf: Path, cache: Path, heads: int, kv_heads: int) -> dict[str, Blocks] | None:
+    """The GGUF's own blocks for every projection and the LM head of a loaded Transformer (fp32, CPU), where
+    the kernels are built and every projection's block type is one they multiply exactly; else None. `cache`
+    keeps them between loads (kvblend.model.gguf_blocks.cached_gguf_blocks)."""
+    weights = [_weight_of(m) for _, _, m in _linears(model)]
+    if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
+        return None
+    if quant_kernels.kernels() is None:
+        return None
+    loaded = dict(zip(_linear_paths(model), weights))
+    loaded[HEAD] = _weight_of(model.lm_head)  # type: ignore[arg-type]
+    found = cached_gguf_blocks(gguf, cache, loaded, heads, kv_heads)
+    return found if all(path in found for path in _linear_paths(model)) else None
 
 
 def native_format(model: nn.Module) -> str:
@@ -364,6 +440,11 @@ def _convert(weights: str, weight: torch.Tensor, bias: torch.Tensor | None, rout
     if weights == "int8":
         return Int8Linear(weight, bias, route)
     return Int4Linear(weight, bias, route)
+
+
+def _linear_paths(model: nn.Module) -> list[str]:
+    """The module path of each projection _linears yields, in its order ("model.layers.3.self_attn.q_proj")."""
+    return [f"model.layers.{i}.{path}" for i in range(len(model.model.layers)) for path in (*_LINEARS, *_MLP)]  # type: ignore[union-attr,arg-type]
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:

@@ -85,3 +85,43 @@ def test_an_unsupported_gguf_is_refused_from_its_header(tmp_path):
     line = one_line_error(proc)
     assert "unsupported architecture gemma2" in line and "Gemma3ForCausalLM" in line
     assert time.monotonic() - started < 20  # no conversion was attempted (Gemma's takes ~22 s on 2 cores)
+
+
+def test_gemma_decodes_in_its_gguf_blocks_as_in_fp32(gemma_archive):
+    """With no profile (`--weights auto`), Gemma 3's Q4_K_M file (Q5_0, Q4_K, Q6_K and Q8_0 tensors) decodes in
+    its own blocks, each checked equal to the weights prefill reads: a quarter of fp32's bytes a step, and the
+    same greedy tokens as its fp32 weights. (After the module's ingest, which made the blocks' cache.)"""
+    import torch
+
+    from kvblend.defaults import NATIVE_WEIGHTS
+    from kvblend.fusion import fuse
+    from kvblend.generation import DecodeState, decode_step
+    from kvblend.model import load_model
+    from kvblend.types import Segment
+
+    native, fp32 = (load_model(GEMMA, "cpu", None, w) for w in (NATIVE_WEIGHTS, "fp32"))
+    report = native.weights
+    assert report.weights == "gguf" and report.kept == 0 and report.layers == 7 * native.n_layers
+    assert report.head == "q8_0" and report.bytes < 0.3 * fp32.weights.bytes
+    from kvblend.model.weights import BlockLinear
+
+    converted = [m for m in native.model.modules() if isinstance(m, BlockLinear)]
+    assert len(converted) == 7 * native.n_layers + 1  # every projection and the head, each exactly the weights
+    assert all(torch.equal(m.converted_matmul(torch.eye(m.weight.shape[1])[:8]), m.weight[:, :8].T) for m in converted)
+    assert native.fused_step is not None  # Gemma's sandwich norms, GELU, windows and two RoPE bases, in C
+    tokens, logits = {}, {}
+    for name, runner in (("gguf", native), ("fp32", fp32)):
+        with torch.inference_mode():
+            fused = fuse(runner, [Segment(runner.tokenize("The Orca-7 pump is rated for a maximum pressure of"))],
+                         "full")
+            state = DecodeState(runner, fused, 12, torch.float32)
+            token, out, seen = int(fused.last_logits.argmax()), [], []
+            for _ in range(10):
+                step = decode_step(runner, [state], [token])[0]
+                seen.append(step)
+                token = int(step.argmax())
+                out.append(token)
+        tokens[name], logits[name] = out, torch.stack(seen)
+    assert tokens["gguf"] == tokens["fp32"]
+    diff = float((logits["gguf"] - logits["fp32"]).abs().max())
+    assert diff <= 1e-3 * float(logits["fp32"].abs().max()), diff  # the order of fp32 sums, nothing more
