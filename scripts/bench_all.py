@@ -50,7 +50,7 @@ from benchlib import OUT_DIR, ROOT, SHARED_DATA, write_result  # noqa: E402
 # sections take 10-60 min each (serve, serve_nodes, serve_bound): these run only when named in --only (their last
 # results are kept and rendered)
 SECTIONS = ["startup", "engine", "archive", "query", "bench", "stages", "pareto", "codecs", "codecs_ttft", "redis",
-            "decode", "weights"]
+            "decode", "decode-gemma3-270m", "weights"]
 KVBLEND = [str(Path(sys.executable).parent / "kvblend")]
 SERVE_WEIGHTS = ("fp32", "bf16", "int8")  # the serve_weights section: one server run each, the same prompts
 
@@ -132,6 +132,8 @@ def run_section(name: str) -> None:
         r = bench_stages.main([])
     elif name == "decode":
         r = bench_decode.main([])
+    elif name == "decode-gemma3-270m":  # the second family's Q4_K_M file: its own blocks against fp32 and int4
+        r = bench_decode.main(["--model", "gemma3-270m", "--weights", "fp32,native,int4"])
     elif name == "weights":
         r = bench_weights.main([])
     elif name == "sinks":  # 12 bench runs (2 sinks x 3 templates x 2 record sets): about an hour on 2 cores
@@ -233,6 +235,8 @@ def render() -> str:
          "`python scripts/bench_decode.py` — ~3,000 prompt tokens of a MuSiQue record, `full`; "
          "llama.cpp from the benchmark venv (`make bench-venv`).",
          lambda r: r["markdown"]),
+        ("decode-gemma3-270m", "Decode of Gemma 3 270M's Q4_K_M GGUF in its own blocks, beside llama.cpp (issue 32)",
+         None, lambda r: r["markdown"]),
         ("weights", "Weights in decode: each format's answers against fp32's (issue 34)",
          "`python scripts/bench_weights.py` — musique_dev records 0-19, 6 passages, one `full` prefill per record.",
          lambda r: r["markdown"]),
