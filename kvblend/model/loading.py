@@ -111,7 +111,7 @@ def load_model(
     if device.type == "cpu":
         quant_kernels.kernels()  # built now (about a second, once per machine), not in the first decode step
     blocks = None
-    if weights == NATIVE_WEIGHTS:
+    if weights in (NATIVE_WEIGHTS, GGUF_WEIGHTS):  # gguf: a profile found the file's own blocks fastest
         weights = native_format(transformer)
         if weights == "fp32" and source.gguf_file:  # a GGUF of mixed block types (Q4_K_M, ...): its own blocks
             gguf = source.directory / source.gguf_file

@@ -103,7 +103,7 @@ def check_weights(name: str | None, allow_auto: bool = True, allow_native: bool 
     elsewhere (native_format)."""
     if name is None:
         return DEFAULT_WEIGHTS
-    if name == NATIVE_WEIGHTS and allow_native:
+    if name in (NATIVE_WEIGHTS, GGUF_WEIGHTS) and allow_native:  # gguf: what `auto` took from a profile
         return name
     allowed = (*WEIGHT_FORMATS, "auto") if allow_auto else WEIGHT_FORMATS
     if name not in allowed:

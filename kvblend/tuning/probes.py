@@ -351,7 +351,10 @@ def measure_decode_weights(
     `load(fmt)` returns a runner holding the format for batches of any size. Every format decodes the
     same random prompt's KV, made by the loaded weights (prefill never reads the converted copy). One
     format's runner is held at a time beside fp32's, so measuring costs two models' memory, not five.
+    The checkpoint's own format (NATIVE_WEIGHTS) is measured too where it is none of the others: a GGUF of
+    mixed block types in its own blocks ("gguf", kvblend.model.gguf_blocks), which `auto` can then pick.
     """
+    from kvblend.defaults import NATIVE_WEIGHTS
     from kvblend.generation.decode import DecodePrompt, DecodeState, decode_step
     from kvblend.model.weights import WEIGHT_FORMATS
 
@@ -360,8 +363,12 @@ def measure_decode_weights(
     prompt = DecodePrompt(_prefill(base, ids[:-1]), ids[:-1])
     reference = _next_logits(base, prompt, ids[-1])
     result: dict[str, dict[str, float]] = {}
-    for fmt in WEIGHT_FORMATS:
+    for fmt in (*WEIGHT_FORMATS, NATIVE_WEIGHTS):
         runner = base if fmt == "fp32" else load(fmt)
+        if fmt == NATIVE_WEIGHTS:
+            fmt = runner.weights_name  # what the checkpoint's own format resolved to
+            if fmt in result:
+                continue
         measured = _against(reference, _next_logits(runner, prompt, ids[-1]))
         for batch in batches:
             states = [DecodeState(runner, prompt, steps + 2) for _ in range(batch)]

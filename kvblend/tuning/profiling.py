@@ -170,7 +170,7 @@ def build_profile(
     context = 0
     if load_weights is not None:
         context = min(settings.decode_context_tokens, (runner.max_positions or 1 << 20) - 1)
-        log(f"decode: weights {', '.join(WEIGHT_FORMATS)} over a {context}-token prompt")
+        log(f"decode: weights {', '.join(WEIGHT_FORMATS)} and the checkpoint's own over a {context}-token prompt")
         weights = probes.measure_decode_weights(load_weights, context, settings.decode_steps, settings.decode_batches)
     dtypes: dict[str, dict[str, float]] = {}
     prefill_context = 0

@@ -217,3 +217,32 @@ def test_decode_over_the_blocks_eager_and_in_the_c_step_gives_the_fp32_logits():
         runner.fused_step = fused
         for want, got in zip(reference, steps(runner)):
             assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+
+
+@needs_kernels
+def test_profile_measures_a_ggufs_own_blocks_and_auto_can_take_them():
+    """`kvblend profile` times the checkpoint's own format beside the four `--weights` formats where it is
+    none of them (a GGUF's own blocks), so `--weights auto` can choose it: exact, its KL from fp32 is ~0."""
+    from kvblend.defaults import NATIVE_WEIGHTS
+    from kvblend.model.weights import check_weights
+    from kvblend.tuning.probes import measure_decode_weights
+    from kvblend.tuning.profile import Profile
+
+    def load(fmt: str):
+        runner, blocks = _blocks_runner()
+        if fmt == NATIVE_WEIGHTS:
+            runner.weights = apply_weights(runner.model, GGUF_WEIGHTS, blocks=blocks)
+        elif fmt != "fp32":
+            runner.weights = apply_weights(runner.model, fmt)
+        runner.fused_step = fused_step(runner)
+        return runner
+
+    measured = measure_decode_weights(load, 40, 2, (1, 2))
+    assert set(measured) == {"fp32", "bf16", "int8", "int4", "gguf"}
+    assert measured["gguf"]["kl"] < 1e-6 and measured["gguf"]["step_ms_1"] > 0
+    # what auto takes: the fastest within the KL bound; made the fastest here, it is the GGUF's blocks
+    measured["gguf"]["step_ms_1"] = measured["gguf"]["step_ms_2"] = 1e-3
+    assert Profile.weights_choice(SimpleNamespace(weights=measured))[0] == "gguf"
+    assert check_weights("gguf", allow_auto=False, allow_native=True) == "gguf"  # what the engine is handed
+    with pytest.raises(Exception, match="--weights must be one of"):
+        check_weights("gguf")  # never a user's value
