@@ -96,6 +96,7 @@ class WeightsFormat(StrEnum):
     bf16 = "bf16"
     int8 = "int8"
     int4 = "int4"
+    gguf = "gguf"  # a GGUF's own blocks, exactly (kvblend.model.gguf_blocks)
 
 
 class Codec(StrEnum):

@@ -50,7 +50,7 @@ DtypeOpt = typer.Option(
 WeightsOpt = typer.Option(
     None,
     "--weights",
-    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine; if none did, the checkpoint's own format where kvblend's CPU kernels run it exactly, a Q4_1 GGUF's int4, else fp32). Prefill and the archived KV always use the weights as loaded.",
+    help="Weights decode steps read: fp32, bf16, int8, int4 (the GGUF's Q4_1 codes), gguf (a GGUF's own blocks, exactly: Q4_K_M and other mixed files) or auto (default: what a `kvblend profile` stored in this archive measured fastest on this machine; if none did, the checkpoint's own format where kvblend's CPU kernels run it exactly, a Q4_1 GGUF's int4 or a Q4_K_M GGUF's gguf, else fp32). Prefill and the archived KV always use the weights as loaded.",
     show_default=False,
 )
 EagerOpt = typer.Option(

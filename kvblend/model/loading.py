@@ -96,6 +96,8 @@ def load_model(
     source = resolve_model_source(model)
     if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
         check_gguf_architecture(source.directory / source.gguf_file)
+    elif weights == GGUF_WEIGHTS:
+        raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
     fingerprint = source_fingerprint(source)
     with _unreadable_checkpoint(source):
         directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory
@@ -110,14 +112,19 @@ def load_model(
     transformer.to(device=device, dtype=torch_dtype)
     if device.type == "cpu":
         quant_kernels.kernels()  # built now (about a second, once per machine), not in the first decode step
-    blocks = None
-    if weights in (NATIVE_WEIGHTS, GGUF_WEIGHTS):  # gguf: a profile found the file's own blocks fastest
+    blocks, asked = None, weights
+    if weights in (NATIVE_WEIGHTS, GGUF_WEIGHTS):  # the checkpoint's own blocks (Q4_1 and Q8_0 files: int4, int8)
         weights = native_format(transformer)
         if weights == "fp32" and source.gguf_file:  # a GGUF of mixed block types (Q4_K_M, ...): its own blocks
             gguf = source.directory / source.gguf_file
             heads = (config.num_attention_heads, config.num_key_value_heads)
             blocks = file_blocks(transformer, gguf, directory / "gguf-blocks.safetensors", *heads)
             weights = GGUF_WEIGHTS if blocks else weights
+        if weights == "fp32" and asked == GGUF_WEIGHTS:  # asked for by name: say why it cannot be
+            raise UsageError(
+                f"--weights gguf: {source.name}'s projections are not all in blocks kvblend's CPU kernels multiply "
+                "exactly (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), or this is not the CPU; use int8 or int4 to re-quantise"
+            )
     report = apply_weights(transformer, weights, decode_rows, blocks)
     runner = ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs

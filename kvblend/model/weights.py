@@ -48,8 +48,8 @@ to bf16) and int8 `_weight_int8pack_mm` where the torch build has it for CUDA; e
 once against the de-quantising path at load and falls back to that path (correct, not fused) where the
 kernel is missing or disagrees.
 
-``gguf`` (never a `--weights` value: what ``auto`` resolves to, with no profile, for a GGUF of mixed block
-types such as a Q4_K_M file): each projection and the LM head multiplied in the file's own blocks, exactly
+``gguf`` (what ``auto`` resolves to, with no profile, for a GGUF of mixed block types such as a Q4_K_M
+file; a user may name it too): each projection and the LM head multiplied in the file's own blocks, exactly
 (kvblend.model.gguf_blocks re-expresses Q4_K, Q6_K, Q5_0, Q4_0 in the kernels' layouts). A file with any
 projection of a type it does not take (Q5_K, Q3_K, F16, ...) decodes fp32 as before; an LM head of such a
 type keeps its loaded weight.
@@ -103,9 +103,9 @@ def check_weights(name: str | None, allow_auto: bool = True, allow_native: bool 
     elsewhere (native_format)."""
     if name is None:
         return DEFAULT_WEIGHTS
-    if name in (NATIVE_WEIGHTS, GGUF_WEIGHTS) and allow_native:  # gguf: what `auto` took from a profile
+    if name == NATIVE_WEIGHTS and allow_native:
         return name
-    allowed = (*WEIGHT_FORMATS, "auto") if allow_auto else WEIGHT_FORMATS
+    allowed = (*WEIGHT_FORMATS, GGUF_WEIGHTS, *(("auto",) if allow_auto else ()))
     if name not in allowed:
         raise UsageError(f"--weights must be one of {', '.join(allowed)}, not {name!r}")
     return name

@@ -101,6 +101,7 @@ def test_gemma_decodes_in_its_gguf_blocks_as_in_fp32(gemma_archive):
 
     native, fp32 = (load_model(GEMMA, "cpu", None, w) for w in (NATIVE_WEIGHTS, "fp32"))
     report = native.weights
+    assert load_model(GEMMA, "cpu", None, "gguf").weights == report  # `--weights gguf` by name: the same
     assert report.weights == "gguf" and report.kept == 0 and report.layers == 7 * native.n_layers
     assert report.head == "q8_0" and report.bytes < 0.3 * fp32.weights.bytes
     from kvblend.model.weights import BlockLinear

@@ -244,5 +244,15 @@ def test_profile_measures_a_ggufs_own_blocks_and_auto_can_take_them():
     measured["gguf"]["step_ms_1"] = measured["gguf"]["step_ms_2"] = 1e-3
     assert Profile.weights_choice(SimpleNamespace(weights=measured))[0] == "gguf"
     assert check_weights("gguf", allow_auto=False, allow_native=True) == "gguf"  # what the engine is handed
-    with pytest.raises(Exception, match="--weights must be one of"):
-        check_weights("gguf")  # never a user's value
+    assert check_weights("gguf") == "gguf"  # and a user's value
+
+
+def test_weights_gguf_for_a_model_that_is_not_a_gguf_is_one_line_before_any_load(tmp_path):
+    """`--weights gguf` names the file's own blocks: a checkpoint directory has none, said before any weight loads."""
+    from kvblend.errors import UsageError
+    from kvblend.model.loading import load_model
+    from support import tiny_reference
+
+    tiny_reference("llama").save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="--weights gguf decodes a GGUF's own blocks; .* is not a GGUF"):
+        load_model(str(tmp_path), compute="cpu", weights="gguf")

@@ -127,7 +127,7 @@ def test_prefill_after_decode_steps_and_after_a_failed_one_reads_the_loaded_weig
 
 def test_check_weights_names_the_choices():
     assert check_weights(None) == "fp32" and check_weights("auto") == "auto"
-    with pytest.raises(UsageError, match="--weights must be one of fp32, bf16, int8, int4, auto"):
+    with pytest.raises(UsageError, match="--weights must be one of fp32, bf16, int8, int4, gguf, auto"):
         check_weights("int5")
     with pytest.raises(UsageError):
         check_weights("auto", allow_auto=False)
