@@ -92,15 +92,20 @@ def cached_gguf_blocks(
     cached blocks a fraction of one. A cache of another version, or whose tensors do not fit the loaded
     weights (names, dtypes, shapes; the first layer's blocks de-quantised and compared), is made again;
     where the cache cannot be written the blocks are still returned."""
-    blocks = _read_cache(cache, loaded)
-    if blocks is not None:
-        return blocks
+    found = read_block_cache(cache, loaded)
+    if found is not None:
+        return found[0]
     blocks = gguf_blocks(path, loaded, heads, kv_heads)
-    _write_cache(cache, blocks)
+    write_block_cache(cache, blocks)
     return blocks
 
 
-def _read_cache(cache: Path, loaded: dict[str, torch.Tensor]) -> dict[str, Blocks] | None:
+def read_block_cache(
+    cache: Path, loaded: dict[str, torch.Tensor], exact: bool = True
+) -> tuple[dict[str, Blocks], dict[str, str]] | None:
+    """Blocks kept by write_block_cache, with the notes written beside them; None where the file is missing,
+    unreadable, of another version, or does not fit `loaded` (names, dtypes, shapes; where `exact`, the first
+    layer's blocks must also de-quantise to the loaded weights bit for bit)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -108,6 +113,7 @@ def _read_cache(cache: Path, loaded: dict[str, torch.Tensor]) -> dict[str, Block
             layouts = dict(f.metadata() or {})
             if layouts.pop(_VERSION_KEY, None) != _CACHE_VERSION:
                 return None
+            notes = {k: layouts.pop(k) for k in [k for k in layouts if k.startswith("__")]}
             names = set(f.keys())
             blocks = {}
             for name, layout in layouts.items():
@@ -119,9 +125,9 @@ def _read_cache(cache: Path, loaded: dict[str, torch.Tensor]) -> dict[str, Block
     if not all(name in loaded and _fits(b, loaded[name]) for name, b in blocks.items()):
         return None
     first = [name for name in blocks if name.startswith("model.layers.0.")]
-    if not all(_equal(blocks[name], loaded[name]) for name in first):
+    if exact and not all(_equal(blocks[name], loaded[name]) for name in first):
         return None
-    return blocks
+    return blocks, notes
 
 
 def _fits(blocks: Blocks, weight: torch.Tensor) -> bool:
@@ -141,7 +147,9 @@ def _fits(blocks: Blocks, weight: torch.Tensor) -> bool:
     )
 
 
-def _write_cache(cache: Path, blocks: dict[str, Blocks]) -> None:
+def write_block_cache(cache: Path, blocks: dict[str, Blocks], notes: dict[str, str] | None = None) -> None:
+    """Keep `blocks` (and `notes`, keys starting "__") in `cache`: written to a temporary name, renamed into
+    place; where it cannot be written, nothing is, and nothing fails."""
     import tempfile
 
     from safetensors import SafetensorError
@@ -159,7 +167,7 @@ def _write_cache(cache: Path, blocks: dict[str, Blocks]) -> None:
     os.close(fd)
     try:
         metadata = {name: b.layout for name, b in blocks.items()}
-        save_file(tensors, tmp, metadata={**metadata, _VERSION_KEY: _CACHE_VERSION})
+        save_file(tensors, tmp, metadata={**metadata, **(notes or {}), _VERSION_KEY: _CACHE_VERSION})
         os.replace(tmp, cache)
     except (OSError, SafetensorError):  # a full disk, a vanished directory: this process keeps its blocks
         pass

@@ -125,7 +125,8 @@ def load_model(
                 f"--weights gguf: {source.name}'s projections are not all in blocks kvblend's CPU kernels multiply "
                 "exactly (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), or this is not the CPU; use int8 or int4 to re-quantise"
             )
-    report = apply_weights(transformer, weights, decode_rows, blocks)
+    # a GGUF's conversion to int4/int8 is kept beside its converted checkpoint (directory: this file's own)
+    report = apply_weights(transformer, weights, decode_rows, blocks, directory if source.gguf_file else None)
     runner = ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs
     )

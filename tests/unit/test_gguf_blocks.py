@@ -140,9 +140,9 @@ def test_a_files_tensors_match_the_loaded_weights_or_are_left_out_and_are_cached
     other = dict(loaded, lm_head=torch.zeros(40, 512))
     assert "lm_head" not in gb.cached_gguf_blocks(path, cache, other, 2, 1)
     save_file(tensors, str(cache), metadata={"lm_head": "q8_0", gb._VERSION_KEY: "0"})
-    assert gb._read_cache(cache, loaded) is None
+    assert gb.read_block_cache(cache, loaded) is None
     save_file({"lm_head.codes": tensors["lm_head.codes"]}, str(cache), metadata={"lm_head": "q4_1", gb._VERSION_KEY: gb._CACHE_VERSION})
-    assert gb._read_cache(cache, loaded) is None  # a q4_1 entry of int8 codes, without scales
+    assert gb.read_block_cache(cache, loaded) is None  # a q4_1 entry of int8 codes, without scales
     cache.write_bytes(b"not safetensors")
     assert set(gb.cached_gguf_blocks(path, cache, loaded, 2, 1)) == set(found)
 

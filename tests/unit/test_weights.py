@@ -188,3 +188,44 @@ def test_decode_buffers_can_hold_16_bit_kv_and_attend_as_fp32_would():
     k, v = torch.randn(2, 2, 50, 16).half(), torch.randn(2, 2, 50, 16).half()
     want = torch.nn.functional.scaled_dot_product_attention(q, k.float(), v.float(), scale=0.25, enable_gqa=True)
     assert torch.allclose(last_query(q, k, v, 0.25), want, atol=1e-5)
+
+
+@pytest.mark.skipif(quant_kernels.kernels() is None, reason="no C compiler: kvblend's CPU kernels are not built here")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_kept_conversion_builds_the_same_modules_and_report_as_converting(fmt, tmp_path, monkeypatch):
+    """int4/int8 on the CPU's kernels are kept beside a GGUF's converted checkpoint: the next load builds the
+    modules a conversion builds (the same blocks, errors and report) without converting; a cache of the other
+    format, or a damaged one, is converted again."""
+    import kvblend.model.weights as weights_module
+
+    converted = tiny_runner("llama")
+    report = apply_weights(converted.model, fmt, cache=tmp_path)
+    assert (tmp_path / f"{fmt}-blocks.safetensors").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again instead of reading the kept blocks")
+
+    kept = tiny_runner("llama")
+    with monkeypatch.context() as m:
+        m.setattr(weights_module, "_q4_1_blocks", no_conversion)
+        m.setattr(weights_module, "_q8_0_blocks", no_conversion)
+        again = apply_weights(kept.model, fmt, cache=tmp_path)
+    assert again == report and again.layers == 7 * kept.n_layers and again.kept == 0
+    for (name, a), b in zip(converted.model.named_modules(), kept.model.modules()):
+        assert type(a) is type(b), name
+        for attr in ("nibbles", "codes", "d", "low"):
+            if hasattr(a, attr):
+                assert torch.equal(getattr(a, attr), getattr(b, attr)), (name, attr)
+        if hasattr(a, "max_error"):
+            assert a.max_error == b.max_error
+    converted.weights, kept.weights = report, again
+    x = torch.randn(3, 64)
+    with converted.decoding(), kept.decoding():  # the heads' kernels, on the same blocks
+        assert torch.equal(converted.model.lm_head(x), kept.model.lm_head(x))
+        assert not torch.equal(converted.model.lm_head(x), torch.nn.functional.linear(x, kept.model.lm_head.weight))
+
+    other = "int8" if fmt == "int4" else "int4"
+    (tmp_path / f"{fmt}-blocks.safetensors").rename(tmp_path / f"{other}-blocks.safetensors")  # the other format's
+    assert apply_weights(tiny_runner("llama").model, other, cache=tmp_path).weights == other  # converted, not read
+    (tmp_path / f"{fmt}-blocks.safetensors").write_bytes(b"damaged")
+    assert apply_weights(tiny_runner("llama").model, fmt, cache=tmp_path) == report
