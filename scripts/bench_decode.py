@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {_setting_name(fmt, runners[fmt].decode_kv_dtype, runners[fmt]): (fmt, None, False) for fmt in formats}
     if "bf16" in runners:
         settings["kvblend bf16, fp16 KV"] = ("bf16", torch.float16, False)
-    for fmt in ("int4", "int8", "native"):  # the formats whose steps run in one C call, stepped eagerly too
+    for fmt in ("int4", "int8", "native", "gguf"):  # the formats whose steps run in one C call, stepped eagerly too
         if fmt in runners and runners[fmt].fused_step is not None:
             name = _setting_name(fmt, runners[fmt].decode_kv_dtype, runners[fmt])
             settings[f"{name}, eager step"] = (fmt, None, True)

@@ -74,11 +74,19 @@ def decode_settings(
     the checkpoint's own format where kvblend's CPU kernels run it exactly, else fp32)."""
     eager = {"cuda_graphs": False} if enforce_eager else {}
     if weights not in (None, "auto"):
+        if weights == "gguf":  # the file's own blocks, by name: a checkpoint directory has none (before any write)
+            from kvblend.model.source import resolve_model_source
+
+            source = resolve_model_source(model)
+            if not source.gguf_file:
+                raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
         return {"weights": weights, **eager}
+    from kvblend.defaults import NATIVE_WEIGHTS
     from kvblend.tuning.profile import weights_choice
 
     chosen, rows = weights_choice(*_profiled(archive, model), compute)
-    return {"weights": chosen, "decode_rows": rows, **eager}
+    # a profile's "gguf": the file's own blocks where this run can take them (another dtype, no kernels: fp32)
+    return {"weights": NATIVE_WEIGHTS if chosen == "gguf" else chosen, "decode_rows": rows, **eager}
 
 
 def compute_dtype(dtype: str | None, archive: str | Path | None, model: str | None, compute: str | None) -> str | None:

@@ -161,6 +161,7 @@ def write_block_cache(cache: Path, blocks: dict[str, Blocks], notes: dict[str, s
         if b.m is not None:
             tensors[f"{name}.m"] = b.m
     try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".blocks-", suffix=".part")
     except OSError:
         return  # a read-only cache: the blocks serve this process only
@@ -168,6 +169,8 @@ def write_block_cache(cache: Path, blocks: dict[str, Blocks], notes: dict[str, s
     try:
         metadata = {name: b.layout for name, b in blocks.items()}
         save_file(tensors, tmp, metadata={**metadata, **(notes or {}), _VERSION_KEY: _CACHE_VERSION})
+        with open(tmp, "rb") as written:  # on disk before it has the name readers trust (a crash: no file)
+            os.fsync(written.fileno())
         os.replace(tmp, cache)
     except (OSError, SafetensorError):  # a full disk, a vanished directory: this process keeps its blocks
         pass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from kvblend.defaults import NATIVE_WEIGHTS
 from kvblend.errors import ModelNotFoundError, UsageError
@@ -43,6 +44,10 @@ from kvblend.model.weights import (
     file_blocks,
     native_format,
 )
+
+#: Where a converted GGUF's decode blocks are kept (kvblend.model.gguf_blocks, the int4/int8 conversions): a
+#: folder of its own, since the checkpoint is every *.safetensors beside config.json (read_safetensors).
+DECODE_BLOCKS = "decode-blocks"
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "load_model", "pick_compute_device", "pick_dtype"]
 
@@ -106,6 +111,10 @@ def load_model(
     if device.type == "cuda":
         avoid_cudnn_attention()
     torch_dtype = pick_dtype(device, dtype)
+    if weights == GGUF_WEIGHTS and (
+        device.type != "cpu" or torch_dtype != torch.float32 or not quant_kernels.kernels()
+    ):
+        raise UsageError("--weights gguf runs on the CPU in fp32, with kvblend's CPU kernels (a C compiler)")
     with _unreadable_checkpoint(source):
         tokenizer = TextTokenizer.read(directory)
         transformer = Transformer.from_state_dict(config, read_safetensors(directory))
@@ -118,7 +127,7 @@ def load_model(
         if weights == "fp32" and source.gguf_file:  # a GGUF of mixed block types (Q4_K_M, ...): its own blocks
             gguf = source.directory / source.gguf_file
             heads = (config.num_attention_heads, config.num_key_value_heads)
-            blocks = file_blocks(transformer, gguf, directory / "gguf-blocks.safetensors", *heads)
+            blocks = file_blocks(transformer, gguf, directory / DECODE_BLOCKS / "gguf.safetensors", *heads)
             weights = GGUF_WEIGHTS if blocks else weights
         if weights == "fp32" and asked == GGUF_WEIGHTS:  # asked for by name: say why it cannot be
             raise UsageError(
@@ -126,7 +135,9 @@ def load_model(
                 "exactly (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), or this is not the CPU; use int8 or int4 to re-quantise"
             )
     # a GGUF's conversion to int4/int8 is kept beside its converted checkpoint (directory: this file's own)
-    report = apply_weights(transformer, weights, decode_rows, blocks, directory if source.gguf_file else None)
+    report = apply_weights(
+        transformer, weights, decode_rows, blocks, directory / DECODE_BLOCKS if source.gguf_file else None
+    )
     runner = ModelRunner(
         transformer, tokenizer, name=source.name, fingerprint=fingerprint, weights=report, cuda_graphs=cuda_graphs
     )
@@ -155,7 +166,7 @@ def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
     """
     try:
         yield
-    except (OSError, ValueError, KeyError, EOFError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, EOFError, RuntimeError, SafetensorError) as e:
         shown = source.directory / source.gguf_file if source.gguf_file else source.directory
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelNotFoundError(f"cannot load model from {shown}: {reason}") from None

@@ -79,7 +79,7 @@ from kvblend.model.gguf_blocks import HEAD, Blocks, cached_gguf_blocks, read_blo
 
 #: What ``auto`` resolves to for a GGUF whose mixed block types the kernels multiply as they are (native_format).
 GGUF_WEIGHTS = "gguf"
-#: The formats `--weights` takes besides "auto".
+#: The formats `--weights` takes besides "auto" and GGUF_WEIGHTS (what `profile` measures, each converted).
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 DEFAULT_WEIGHTS = "fp32"
 #: Decode batches up to this many rows read the converted weights unless `kvblend profile` measured otherwise.
@@ -316,7 +316,7 @@ def apply_weights(
     if weights == GGUF_WEIGHTS:
         return _apply_blocks(model, blocks or {}, Route(max_rows))
     if cache is not None and weights in ("int4", "int8") and _on_kernels(model):
-        return _cached_conversion(model, weights, max_rows, cache / f"{weights}-blocks.safetensors")
+        return _cached_conversion(model, weights, max_rows, cache / f"{weights}.safetensors")
     weights = check_weights(weights, allow_auto=False)
     head_weight = _weight_of(model.lm_head)  # type: ignore[arg-type]
     if weights == "fp32":
@@ -359,9 +359,8 @@ def _cached_conversion(model: nn.Module, weights: str, max_rows: int, cache: Pat
     places = dict(zip(paths, _linears(model)))
     loaded = {path: _weight_of(module) for path, (_, _, module) in places.items()}
     loaded[HEAD] = _weight_of(model.lm_head)  # type: ignore[arg-type]
-    found = read_block_cache(cache, loaded, exact=False)
-    notes = found[1] if found is not None else {}
-    if found is None or notes.get("__format") != weights or set(found[0]) != set(loaded):
+    found = _kept_conversion(cache, loaded, weights)
+    if found is None:
         report = apply_weights(model, weights, max_rows)
         modules = {path: getattr(parent, name) for path, (parent, name, _) in places.items()}
         modules[HEAD] = model.lm_head
@@ -369,9 +368,10 @@ def _cached_conversion(model: nn.Module, weights: str, max_rows: int, cache: Pat
         if all(b is not None for b in kept.values()):
             errors = {path: float(getattr(module, "max_error", 0.0)) for path, module in modules.items()}
             blocks = {path: b for path, b in kept.items() if b is not None}
-            write_block_cache(cache, blocks, {"__format": weights, "__errors": json.dumps(errors)})
+            notes = {"__format": weights, "__quantiser": _QUANTISER, "__errors": json.dumps(errors)}
+            write_block_cache(cache, blocks, notes)
         return report
-    blocks, errors = found[0], json.loads(notes["__errors"])
+    blocks, errors = found
     route = Route(max_rows)
     worst = total = 0.0
     for path, (parent, name, linear) in places.items():
@@ -384,6 +384,40 @@ def _cached_conversion(model: nn.Module, weights: str, max_rows: int, cache: Pat
     total += head.converted_bytes()
     head_format = "int8" if blocks[HEAD].layout == "q8_0" else "int4"
     return WeightReport(weights, len(places), 0, worst, int(total), head_format, head.max_error, route)
+
+
+#: The rules _q4_1_blocks and _q8_0_blocks quantise by; a kept conversion made under others is made again.
+_QUANTISER = "1"
+
+
+def _kept_conversion(
+    cache: Path, loaded: dict[str, torch.Tensor], weights: str
+) -> tuple[dict[str, Blocks], dict[str, float]] | None:
+    """A kept conversion of these weights to `weights`, and each module's recorded error; None (convert again)
+    where there is none, or it is of another format or quantiser, lacks a module, holds a layout the format
+    does not make, or its first layer's blocks do not give the errors recorded for them (they then came from
+    other weights: the errors are |de-quantised − loaded| computed as the conversion computes them)."""
+    import json
+
+    found = read_block_cache(cache, loaded, exact=False)
+    if found is None:
+        return None
+    blocks, notes = found
+    if notes.get("__format") != weights or notes.get("__quantiser") != _QUANTISER or set(blocks) != set(loaded):
+        return None
+    try:
+        errors = {path: float(e) for path, e in json.loads(notes["__errors"]).items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+    projections = "q4_1" if weights == "int4" else "q8_0"
+    if any(b.layout != (projections if path != HEAD else "q8_0") for path, b in blocks.items()):
+        return None
+    if set(errors) != set(blocks):
+        return None
+    for path in (p for p in blocks if p.startswith("model.layers.0.")):
+        if float((blocks[path].dequantised() - loaded[path].float()).abs().max()) != errors[path]:
+            return None
+    return blocks, errors
 
 
 def _kernel_blocks(module: nn.Module) -> Blocks | None:

@@ -125,7 +125,7 @@ def test_a_files_tensors_match_the_loaded_weights_or_are_left_out_and_are_cached
         assert torch.equal(blocks.dequantised(), loaded[name])
     assert found["lm_head"].layout == "q8_0" and found["model.layers.0.self_attn.k_proj"].layout == "q4_1"
 
-    cache = tmp_path / "gguf-blocks.safetensors"
+    cache = tmp_path / "decode-blocks" / "gguf.safetensors"  # its folder is made on the first write
     first = gb.cached_gguf_blocks(path, cache, loaded, 2, 1)
     assert cache.is_file() and set(first) == set(found)
     from safetensors.torch import load_file, save_file
@@ -152,9 +152,10 @@ def test_a_cache_that_cannot_be_written_still_gives_the_blocks(tmp_path):
     path = tmp_path / "head.gguf"
     _write_gguf(path, raws, {"token_embd.weight": "Q8_0"})
     loaded = {"lm_head": torch.from_numpy(dequantize(raws["token_embd.weight"], GGMLQuantizationType.Q8_0))}
-    missing = tmp_path / "gone" / "gguf-blocks.safetensors"  # its directory does not exist
-    assert set(gb.cached_gguf_blocks(path, missing, loaded, 1, 1)) == {"lm_head"}
-    assert not missing.exists()
+    (tmp_path / "a-file").write_text("")
+    unwritable = tmp_path / "a-file" / "gguf.safetensors"  # its folder cannot be made: a file is in the way
+    assert set(gb.cached_gguf_blocks(path, unwritable, loaded, 1, 1)) == {"lm_head"}
+    assert not unwritable.exists()
 
 
 def _blocks_runner(seed: int = 0):
@@ -248,7 +249,9 @@ def test_profile_measures_a_ggufs_own_blocks_and_auto_can_take_them():
 
 
 def test_weights_gguf_for_a_model_that_is_not_a_gguf_is_one_line_before_any_load(tmp_path):
-    """`--weights gguf` names the file's own blocks: a checkpoint directory has none, said before any weight loads."""
+    """`--weights gguf` names the file's own blocks: a checkpoint directory has none, said before any weight loads
+    (by the loader, and by the CLI before it opens or creates an archive)."""
+    from support import one_line_error, run_cli
     from kvblend.errors import UsageError
     from kvblend.model.loading import load_model
     from support import tiny_reference
@@ -256,3 +259,6 @@ def test_weights_gguf_for_a_model_that_is_not_a_gguf_is_one_line_before_any_load
     tiny_reference("llama").save_pretrained(tmp_path)
     with pytest.raises(UsageError, match="--weights gguf decodes a GGUF's own blocks; .* is not a GGUF"):
         load_model(str(tmp_path), compute="cpu", weights="gguf")
+    proc = run_cli("serve", "--model", tmp_path, "--weights", "gguf", "--archive", tmp_path / "archive", timeout=60)
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "is not a GGUF" in line and not (tmp_path / "archive").exists()

@@ -200,7 +200,7 @@ def test_a_kept_conversion_builds_the_same_modules_and_report_as_converting(fmt,
 
     converted = tiny_runner("llama")
     report = apply_weights(converted.model, fmt, cache=tmp_path)
-    assert (tmp_path / f"{fmt}-blocks.safetensors").is_file()
+    assert (tmp_path / f"{fmt}.safetensors").is_file()
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again instead of reading the kept blocks")
@@ -225,7 +225,26 @@ def test_a_kept_conversion_builds_the_same_modules_and_report_as_converting(fmt,
         assert not torch.equal(converted.model.lm_head(x), torch.nn.functional.linear(x, kept.model.lm_head.weight))
 
     other = "int8" if fmt == "int4" else "int4"
-    (tmp_path / f"{fmt}-blocks.safetensors").rename(tmp_path / f"{other}-blocks.safetensors")  # the other format's
+    (tmp_path / f"{fmt}.safetensors").rename(tmp_path / f"{other}.safetensors")  # the other format's
     assert apply_weights(tiny_runner("llama").model, other, cache=tmp_path).weights == other  # converted, not read
-    (tmp_path / f"{fmt}-blocks.safetensors").write_bytes(b"damaged")
+    (tmp_path / f"{fmt}.safetensors").write_bytes(b"damaged")
     assert apply_weights(tiny_runner("llama").model, fmt, cache=tmp_path) == report
+    # kept blocks whose first layer does not give the recorded errors came from other weights: converted again
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / f"{fmt}.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        notes, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    fresh = tiny_runner("llama").model
+    loaded = {p: m.weight for p, m in fresh.named_modules() if p.startswith("model.layers.") and p.endswith("_proj")}
+    loaded["lm_head"] = fresh.lm_head.weight
+    assert weights_module._kept_conversion(path, loaded, fmt) is not None
+    errors = json.loads(notes["__errors"])
+    errors["model.layers.0.self_attn.q_proj"] += 1e-3
+    save_file(tensors, str(path), metadata={**notes, "__errors": json.dumps(errors)})
+    assert weights_module._kept_conversion(path, loaded, fmt) is None
+    save_file(tensors, str(path), metadata={**notes, "__quantiser": "0"})
+    assert weights_module._kept_conversion(path, loaded, fmt) is None
