@@ -30,7 +30,7 @@ import torch
 
 from kvblend.model import quant_kernels
 from kvblend.model.runner import ModelRunner
-from kvblend.model.weights import BlockLinear, Int4Linear, Int8Linear
+from kvblend.model.weights import kernel_blocks
 
 #: The C step handles this many sequences at once (quant_gemv.c's MAX_ROWS).
 MAX_ROWS = 8
@@ -305,28 +305,14 @@ def _describe(module: Any, kernels: quant_kernels.QuantKernels, tensors: list[to
     (kvblend.model.quant_kernels), and kept in `tensors`."""
     if getattr(module, "bias", None) is not None or getattr(module, "kernels", None) is not kernels:
         return None
+    blocks = kernel_blocks(module)
+    if blocks is None:
+        return None
     try:
-        if isinstance(module, Int4Linear):
-            n_out, n_in = module.nibbles.shape[0], module.nibbles.shape[1] * 2
-            quant_kernels.check_blocks(n_in, module.nibbles, torch.uint8, n_in // 2, module.d, module.low)
-            tensors += (module.nibbles, module.d, module.low)
-            return _Linear(module.nibbles.data_ptr(), module.d.data_ptr(), module.low.data_ptr(), 1, n_in, n_out, 0)
-        if isinstance(module, Int8Linear):
-            n_out, n_in = module.codes.shape
-            quant_kernels.check_blocks(n_in, module.codes, torch.int8, n_in, module.d)
-            tensors += (module.codes, module.d)
-            return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, 0, n_in, n_out, 0)
-        if isinstance(module, BlockLinear):  # a GGUF's own blocks (kvblend.model.gguf_blocks)
-            if module.layout == "q4_1":
-                n_out, n_in = module.codes.shape[0], module.codes.shape[1] * 2
-                quant_kernels.check_blocks(n_in, module.codes, torch.uint8, n_in // 2, module.d, module.low)
-                tensors += (module.codes, module.d, module.low)
-                return _Linear(module.codes.data_ptr(), module.d.data_ptr(), module.low.data_ptr(), 1, n_in, n_out, 0)
-            n_out, n_in = module.codes.shape
-            per, fmt = (quant_kernels.HALF_BLOCK, 2) if module.layout == "q8_16" else (quant_kernels.BLOCK, 0)
-            quant_kernels.check_blocks(n_in, module.codes, torch.int8, n_in, module.d, scale_block=per)
-            tensors += (module.codes, module.d)
-            return _Linear(module.codes.data_ptr(), module.d.data_ptr(), None, fmt, n_in, n_out, 0)
+        blocks.check()
     except ValueError:
         return None
-    return None
+    n_out, n_in = blocks.shape
+    tensors += [t for t in (blocks.codes, blocks.d, blocks.m) if t is not None]
+    minimums = None if blocks.m is None else blocks.m.data_ptr()
+    return _Linear(blocks.codes.data_ptr(), blocks.d.data_ptr(), minimums, blocks.kernel_format, n_in, n_out, 0)

@@ -49,8 +49,8 @@ _CHECK_ROWS = 8192  # rows de-quantised at a time when checking against the load
 #: The cache's format; a cache of another (older rules) is made again, never read.
 _CACHE_VERSION = "1"
 _VERSION_KEY = "__kvblend_gguf_blocks__"
-#: Each layout's codes dtype, and how many input weights a scale covers.
-_LAYOUTS = {"q4_1": (torch.uint8, 32), "q8_0": (torch.int8, 32), "q8_16": (torch.int8, 16)}
+#: Each layout's codes dtype, how many input weights a scale covers, and quant_gemv.c's number for it (KVB_*).
+_LAYOUTS = {"q4_1": (torch.uint8, 32, 1), "q8_0": (torch.int8, 32, 0), "q8_16": (torch.int8, 16, 2)}
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,23 @@ class Blocks:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+
+    @property
+    def kernel_format(self) -> int:
+        """quant_gemv.c's number for this layout (a kvb_linear's `format`)."""
+        return _LAYOUTS[self.layout][2]
+
+    def check(self) -> None:
+        """ValueError unless these tensors are what the kernels read through raw pointers for this layout
+        (quant_kernels.check_blocks, the products' own check): codes, scales, and Q4_1's minimums."""
+        from kvblend.model import quant_kernels
+
+        if self.layout not in _LAYOUTS or self.codes.dim() != 2 or (self.m is not None) != (self.layout == "q4_1"):
+            raise ValueError(f"not {self.layout} blocks")
+        dtype, per, _ = _LAYOUTS[self.layout]
+        scales = (self.d,) if self.m is None else (self.d, self.m)
+        n_in = self.shape[1]
+        quant_kernels.check_blocks(n_in, self.codes, dtype, self.codes.shape[1], *scales, scale_block=per)
 
 
 def cached_gguf_blocks(
@@ -132,19 +149,11 @@ def read_block_cache(
 
 def _fits(blocks: Blocks, weight: torch.Tensor) -> bool:
     """Are these blocks, as read from a cache, what their layout says for a weight of this shape?"""
-    if blocks.layout not in _LAYOUTS or weight.dim() != 2 or blocks.codes.dim() != 2:
+    try:
+        blocks.check()
+    except ValueError:
         return False
-    dtype, per = _LAYOUTS[blocks.layout]
-    n_out, n_in = weight.shape
-    width = n_in // 2 if blocks.layout == "q4_1" else n_in
-    scales = [blocks.d] + ([blocks.m] if blocks.layout == "q4_1" else [])
-    return (
-        n_in % 32 == 0
-        and blocks.codes.dtype == dtype
-        and tuple(blocks.codes.shape) == (n_out, width)
-        and (blocks.m is not None) == (blocks.layout == "q4_1")
-        and all(t is not None and t.dtype == torch.float32 and tuple(t.shape) == (n_out, n_in // per) for t in scales)
-    )
+    return weight.dim() == 2 and blocks.shape == tuple(weight.shape)
 
 
 def write_block_cache(cache: Path, blocks: dict[str, Blocks], notes: dict[str, str] | None = None) -> None:

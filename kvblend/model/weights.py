@@ -364,7 +364,7 @@ def _cached_conversion(model: nn.Module, weights: str, max_rows: int, cache: Pat
         report = apply_weights(model, weights, max_rows)
         modules = {path: getattr(parent, name) for path, (parent, name, _) in places.items()}
         modules[HEAD] = model.lm_head
-        kept = {path: _kernel_blocks(module) for path, module in modules.items()}
+        kept = {path: kernel_blocks(module) for path, module in modules.items()}
         if all(b is not None for b in kept.values()):
             errors = {path: float(getattr(module, "max_error", 0.0)) for path, module in modules.items()}
             blocks = {path: b for path, b in kept.items() if b is not None}
@@ -420,12 +420,15 @@ def _kept_conversion(
     return blocks, errors
 
 
-def _kernel_blocks(module: nn.Module) -> Blocks | None:
-    """A converted module's blocks as the CPU's kernels read them (None: not converted to them)."""
+def kernel_blocks(module: nn.Module) -> Blocks | None:
+    """A converted module's blocks as the CPU's kernels read them (None: not converted to them): int4's Q4_1,
+    int8's Q8_0, or a GGUF's own blocks. What a kept conversion stores and the C decode step points into."""
     if isinstance(module, Int4Linear) and module.kernels is not None:
         return Blocks("q4_1", module.nibbles, module.d, module.low)
     if isinstance(module, Int8Linear) and module.kernels is not None:
         return Blocks("q8_0", module.codes, module.d)
+    if isinstance(module, BlockLinear):
+        return Blocks(module.layout, module.codes, module.d, getattr(module, "low", None))
     return None
 
 
