@@ -74,12 +74,10 @@ def decode_settings(
     the checkpoint's own format where kvblend's CPU kernels run it exactly, else fp32)."""
     eager = {"cuda_graphs": False} if enforce_eager else {}
     if weights not in (None, "auto"):
-        if weights == "gguf":  # the file's own blocks, by name: a checkpoint directory has none (before any write)
-            from kvblend.model.source import resolve_model_source
+        if weights == "gguf":  # the file's own blocks, by name: refused for a checkpoint directory before any write
+            from kvblend.model.source import check_gguf_weights, resolve_model_source
 
-            source = resolve_model_source(model)
-            if not source.gguf_file:
-                raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
+            check_gguf_weights(resolve_model_source(model), weights)
         return {"weights": weights, **eager}
     from kvblend.defaults import NATIVE_WEIGHTS
     from kvblend.tuning.profile import weights_choice

@@ -30,6 +30,7 @@ from kvblend.model.source import (
     ModelSource,
     check_architecture,
     check_gguf_architecture,
+    check_gguf_weights,
     model_cache_dir,
     resolve_model_source,
     source_fingerprint,
@@ -101,8 +102,7 @@ def load_model(
     source = resolve_model_source(model)
     if source.gguf_file:  # from the header, in milliseconds: never after a conversion of half a minute
         check_gguf_architecture(source.directory / source.gguf_file)
-    elif weights == GGUF_WEIGHTS:
-        raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
+    check_gguf_weights(source, weights)
     fingerprint = source_fingerprint(source)
     with _unreadable_checkpoint(source):
         directory = _converted_gguf_dir(source, fingerprint) if source.gguf_file else source.directory

@@ -563,6 +563,14 @@ static void gelu_mul(float *gate, const float *up, int n) {
     }
 }
 
+/* hidden += out over rows of D, `out` first normed in place by `norm` where there is one (Gemma's sandwich norms
+ * on the attention's and the MLP's outputs); NULL: the plain residual add. */
+static void add_residual(float *hidden, float *out, const float *norm, int rows, int D, float eps) {
+    if (norm)
+        for (int r = 0; r < rows; r++) rms_norm(out + r * D, norm, D, eps, out + r * D);
+    for (int i = 0; i < rows * D; i++) hidden[i] += out[i];
+}
+
 static void store_kv(const float *x, void *buf, int half, int64_t at) {
     if (half)
         ((uint16_t *)buf)[at] = _cvtss_sh(*x, _MM_FROUND_TO_NEAREST_INT);
@@ -636,9 +644,7 @@ int kvb_decode_step(const kvb_shape *s, const kvb_layer *layers, float *hidden, 
         const kvb_linear *op[1] = {&L->o};
         float *o_out[1] = {o};
         if ((status = products(att, rows, op, o_out, 1, threads)) != 0) break;
-        if (L->attn_out_norm)
-            for (int r = 0; r < rows; r++) rms_norm(o + r * D, L->attn_out_norm, D, s->eps, o + r * D);
-        for (int i = 0; i < rows * D; i++) hidden[i] += o[i];
+        add_residual(hidden, o, L->attn_out_norm, rows, D, s->eps);
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * D, L->post_norm, D, s->eps, xn + r * D);
         const kvb_linear *gu[2] = {&L->gate, &L->up};
         float *gu_out[2] = {gate, up};
@@ -650,9 +656,7 @@ int kvb_decode_step(const kvb_shape *s, const kvb_layer *layers, float *hidden, 
         const kvb_linear *dn[1] = {&L->down};
         float *dn_out[1] = {o};
         if ((status = products(gate, rows, dn, dn_out, 1, threads)) != 0) break;
-        if (L->mlp_out_norm)
-            for (int r = 0; r < rows; r++) rms_norm(o + r * D, L->mlp_out_norm, D, s->eps, o + r * D);
-        for (int i = 0; i < rows * D; i++) hidden[i] += o[i];
+        add_residual(hidden, o, L->mlp_out_norm, rows, D, s->eps);
     }
     free(buf);
     return status;

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvblend.defaults import BUNDLED_MODELS, DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL_NAME
-from kvblend.errors import ModelNotFoundError, UnsupportedModelError
+from kvblend.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 
 # The decoder layouts the runner re-expresses step by step (kvblend.model.runner).
 SUPPORTED_ARCHITECTURES = (
@@ -181,6 +181,13 @@ def gguf_architecture(path: Path, max_entries: int = 64) -> str | None:
                 return read_string().decode("utf-8", "replace")
             skip(value_type)
     return None
+
+
+def check_gguf_weights(source: ModelSource, weights: str | None) -> None:
+    """`--weights gguf` names a GGUF's own blocks (kvblend.model.gguf_blocks): a checkpoint directory has none.
+    Checked by the loader, and by the CLI before it opens or creates an archive."""
+    if weights == "gguf" and not source.gguf_file:
+        raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
 
 
 def check_gguf_architecture(path: Path) -> None:

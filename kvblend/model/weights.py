@@ -355,10 +355,8 @@ def _cached_conversion(model: nn.Module, weights: str, max_rows: int, cache: Pat
     the cache are the ones a conversion builds, with the same blocks and the same recorded errors."""
     import json
 
-    paths = _linear_paths(model)
-    places = dict(zip(paths, _linears(model)))
-    loaded = {path: _weight_of(module) for path, (_, _, module) in places.items()}
-    loaded[HEAD] = _weight_of(model.lm_head)  # type: ignore[arg-type]
+    places = dict(zip(_linear_paths(model), _linears(model)))
+    loaded = _loaded_weights(model)
     found = _kept_conversion(cache, loaded, weights)
     if found is None:
         report = apply_weights(model, weights, max_rows)
@@ -481,9 +479,7 @@ def file_blocks(model: nn.Module, gguf: Path, cache: Path, heads: int, kv_heads:
         return None
     if quant_kernels.kernels() is None:
         return None
-    loaded = dict(zip(_linear_paths(model), weights))
-    loaded[HEAD] = _weight_of(model.lm_head)  # type: ignore[arg-type]
-    found = cached_gguf_blocks(gguf, cache, loaded, heads, kv_heads)
+    found = cached_gguf_blocks(gguf, cache, _loaded_weights(model), heads, kv_heads)
     return found if all(path in found for path in _linear_paths(model)) else None
 
 
@@ -561,6 +557,13 @@ def _convert(weights: str, weight: torch.Tensor, bias: torch.Tensor | None, rout
 def _linear_paths(model: nn.Module) -> list[str]:
     """The module path of each projection _linears yields, in its order ("model.layers.3.self_attn.q_proj")."""
     return [f"model.layers.{i}.{path}" for i in range(len(model.model.layers)) for path in (*_LINEARS, *_MLP)]  # type: ignore[union-attr,arg-type]
+
+
+def _loaded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each projection's weight as loaded, by module path, and the LM head's (HEAD): what kept blocks answer to."""
+    loaded = {path: _weight_of(m) for path, (_, _, m) in zip(_linear_paths(model), _linears(model))}
+    loaded[HEAD] = _weight_of(model.lm_head)  # type: ignore[arg-type]
+    return loaded
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
