@@ -7,8 +7,10 @@ that checkpoint without it.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -218,6 +220,12 @@ def _convert_gguf(source: ModelSource, target: Path) -> Path:
 
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs would clutter it
     hf_logging.set_verbosity_error()
+    if sys.stderr.isatty():  # half a minute for Gemma 3 with nothing else said; never in a script's stderr
+        print(
+            f"kvblend: converting {source.gguf_file} for its first use (once; kept in {target.parent})",
+            file=sys.stderr,
+            flush=True,
+        )
     with _gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
@@ -262,14 +270,17 @@ def _gguf_parsed_once() -> Iterator[None]:
         setattr(gguf, name, _memoised(replacement))
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    parse_value = hf_gguf._gguf_parse_value
+    parse_value, bar = hf_gguf._gguf_parse_value, hf_gguf.tqdm
     hf_gguf._gguf_parse_value = _fast_parse_value
+    # Its tensor loop draws a tqdm bar of its own, which `disable_progress_bar` does not reach: into a
+    # `--json` run's stderr too.
+    hf_gguf.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(gguf, name, original)
-        hf_gguf._gguf_parse_value = parse_value
+        hf_gguf._gguf_parse_value, hf_gguf.tqdm = parse_value, bar
 
 
 _GGUF_INTS, _GGUF_FLOATS, _GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = {0, 1, 2, 3, 4, 5, 10, 11}, {6, 12}, 7, 8, 9

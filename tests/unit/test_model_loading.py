@@ -23,6 +23,20 @@ def test_the_conversion_parses_once_and_leaves_gguf_as_it_was():
     assert gguf.get_tensor_name_map(arch, 30) is not gguf.get_tensor_name_map(arch, 30)
 
 
+def test_the_conversion_draws_no_progress_bar_of_transformers(capsys):
+    """transformers' GGUF loader draws its own tqdm bar over the tensors, which `disable_progress_bar` does not
+    reach: a `--json` run's stderr got it. While converting it draws nothing; afterwards it is transformers' own."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    original = hf_gguf.tqdm
+    with _gguf_parsed_once():
+        assert list(hf_gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")) == [0, 1, 2]
+    assert "Converting" not in capsys.readouterr().err
+    assert hf_gguf.tqdm is original
+    list(hf_gguf.tqdm(range(3), desc="drawn"))
+    assert "drawn" in capsys.readouterr().err  # the check above could see a bar
+
+
 def test_the_conversion_reader_reads_what_ggufs_own_reader_reads(tmp_path):
     """The conversion's reader slices a plain view of the file's memory map (3x faster on a 262k-entry
     vocabulary): every field's parts, types and data indices, and every tensor, equal gguf's own reader's."""
