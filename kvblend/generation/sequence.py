@@ -155,7 +155,9 @@ class Sequence:
             self.finish = "length"
             return Delta(self._finish_whole(), entries)
         self.text = self.decoded
-        safe = len(self.text) - _held_back(self.text, stops)  # a stop string may be starting: hold it back
+        # A stop string may be starting: hold it back, before min_tokens too, where it cannot end the answer yet
+        # but may once min_tokens is reached; sent text is never taken back.
+        safe = len(self.text) - _held_back(self.text, p.stop)
         delta = self.text[self.sent : safe]
         self.sent = max(self.sent, safe)
         return Delta(delta, entries)
@@ -244,8 +246,10 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    """Where the earliest stop string begins in `text` (searching from a little before `start`), or None."""
-    found = [i for s in stops if (i := text.find(s, max(0, start - len(s)))) != -1]
+    """Where the earliest stop string begins in `text` at or after `start` (the characters sent: any stop
+    string that could begin there is held back, so one that ends now begins after them), or None. A stop
+    string wholly within the text sent before min_tokens is not one (vLLM's rule), and never cuts it."""
+    found = [i for s in stops if (i := text.find(s, start)) != -1]
     return min(found) if found else None
 
 

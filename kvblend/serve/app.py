@@ -51,25 +51,26 @@ MAX_BODY_BYTES = 1 << 20  # ~25 times the text of the default model's 8k-token c
 BODY_BYTES_PER_CONTEXT_TOKEN = 64  # a long-context model's limit: its context in tokens, times this
 
 
-def error_for(exc: BaseException, hidden: Sequence[str] = ()) -> ApiError:
+def error_for(exc: BaseException, hidden: Sequence[str] = (), legacy: bool = False) -> ApiError:
     """The HTTP answer to a failure: the user's mistakes are 4xx, only our own faults are 5xx.
 
     `hidden`: the server's own paths (the archive directory and its real path), replaced in every message by
-    "<archive>": an error names what went wrong, never where the server keeps its files."""
-    answer = _classify(exc)
+    "<archive>": an error names what went wrong, never where the server keeps its files. `legacy`: the request
+    came to /v1/completions, whose prompt is `prompt`, not `messages`."""
+    answer = _classify(exc, "prompt" if legacy else "messages")
     for path in sorted((p for p in hidden if p), key=len, reverse=True):
         answer.message = answer.message.replace(path, "<archive>")
     return answer
 
 
-def _classify(exc: BaseException) -> ApiError:
+def _classify(exc: BaseException, prompt_param: str) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, NotFoundError):
         return ApiError(404, str(exc), "not_found")
     if isinstance(exc, ContextLengthError):  # a client asks for fewer segments with kvblend.top_k, not --top-k
         return ApiError(
-            400, exc.explain("kvblend.top_k, or fewer passages"), "context_length_exceeded", param="messages"
+            400, exc.explain("kvblend.top_k, or fewer passages"), "context_length_exceeded", param=prompt_param
         )
     if isinstance(exc, UsageError):
         return ApiError(400, str(exc), "invalid_value")
@@ -150,7 +151,7 @@ def create_app(
             return closed()
         first = await next_event(request, job)
         if first[0] == "error":
-            return refuse(error_for(first[1], hidden_paths))
+            return refuse(error_for(first[1], hidden_paths, req.legacy))
         if first[0] == "cancelled":
             return closed()
         cid = completion_id(req.legacy)
@@ -165,7 +166,7 @@ def create_app(
         while kind == "token":
             kind, value = await next_event(request, job)
         if kind != "done":
-            return refuse(error_for(value, hidden_paths)) if kind == "error" else closed()
+            return refuse(error_for(value, hidden_paths, req.legacy)) if kind == "error" else closed()
         metrics.request(200)
         observe(value, job)
         return JSONResponse(completion_body(cid, model, value, job.queue_wait_s, req.legacy))
@@ -217,7 +218,7 @@ def create_app(
                 if req.include_usage:
                     yield event(usage_chunk(cid, model, req.legacy, value))
             elif kind == "error":
-                yield event(error_for(value, hidden_paths).body())
+                yield event(error_for(value, hidden_paths, req.legacy).body())
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a no-op once done

@@ -52,6 +52,22 @@ NEUTRAL = {
     "parallel_tool_calls": None,
     "response_format": {"type": "text"},
 }
+
+
+def _empty(value: Any) -> bool:
+    """null, false or empty, by type: `0 in (None, False)` is true in Python, and 0 is a value (a
+    repetition_penalty of 0 or best_of 0 is a request vLLM refuses, not an absent one)."""
+    return value is None or value is False or (isinstance(value, (list, dict)) and not value)
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """The parameter's default, of its own type: `true` is no best_of of 1."""
+    if name not in NEUTRAL:
+        return False
+    neutral = NEUTRAL[name]
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
 MAX_STOP = 4  # as OpenAI
 MAX_N = 8
 MAX_TOP_LOGPROBS = 20
@@ -371,7 +387,7 @@ class _Body(_Strict):
         for name, value in data.items() if isinstance(data, dict) else ():
             if name in cls.model_fields or name in IGNORED:
                 continue
-            if value in (None, False, [], {}) or (name in NEUTRAL and value == NEUTRAL[name]):
+            if _empty(value) or _neutral(name, value):
                 continue
             raise refused(
                 f"unsupported parameter: {name}={json.dumps(value)[:60]} (kvblend serve does not support it)",

@@ -83,6 +83,7 @@ def test_errors_map_to_statuses_users_can_act_on():
     assert "--top-k" in str(ContextLengthError(9000, 64, 8192))  # the CLI's own message names its flag
     assert (too_long.status, too_long.code, too_long.param) == (400, "context_length_exceeded", "messages")
     assert "--top-k" not in too_long.message and "kvblend.top_k" in too_long.message
+    assert error_for(ContextLengthError(9000, 64, 8192), legacy=True).param == "prompt"  # /v1/completions
     assert error_for(UsageError("bad ratio")).status == 400
     assert error_for(ArchiveBusyError("busy")).status == 503
     assert error_for(ArchiveError("broken")).status == 500

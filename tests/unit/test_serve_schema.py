@@ -108,9 +108,19 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 
 @pytest.mark.parametrize("name,value", [("tools", [{"type": "function"}]), ("presence_penalty", 0.5),
-                                        ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1})])
+                                        ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1}),
+                                        # 0 is a value, not an absence (0 == False in Python let these through)
+                                        ("repetition_penalty", 0), ("best_of", 0), ("prompt_logprobs", 0),
+                                        ("top_k", 0.0), ("best_of", True)])
 def test_unsupported_parameters_are_refused_by_name(name, value):
     refused({**user("Q?"), name: value}, param=name, code="unsupported_parameter")
+
+
+@pytest.mark.parametrize("name,value", [("presence_penalty", 0.0), ("frequency_penalty", 0), ("best_of", 1),
+                                        ("repetition_penalty", 1.0), ("echo", False), ("tools", []),
+                                        ("logit_bias", {}), ("suffix", None)])
+def test_unsupported_parameters_at_their_neutral_value_are_accepted(name, value):
+    assert parse_chat_request({**user("Q?"), name: value}).n == 1
 
 
 @pytest.mark.parametrize("name,value", [("max_tokens", 0), ("max_tokens", "5"), ("max_tokens", True),

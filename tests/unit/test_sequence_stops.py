@@ -1,0 +1,46 @@
+"""The output processor's stop strings (kvblend.generation.sequence): what a stream sends is what the answer
+holds, whatever min_tokens says. No model: tokens are forced, the text comes from a stub vocabulary."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvblend.generation.sequence import OutputParams, Sequence
+
+VOCAB = ["<eos>", "D", "r", "ones", " fly", "."]
+
+
+class Vocab:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+def run(tokens: list[int], stop: tuple[str, ...], min_tokens: int = 0) -> tuple[str, str]:
+    """(what the stream sent, the answer's text) for forced `tokens`."""
+    runner = SimpleNamespace(tokenizer=Vocab(), stop_token_ids={0})
+    seq = Sequence(runner, None, OutputParams(stop=stop, min_tokens=min_tokens, forced_tokens=tuple(tokens)))
+    sent = ""
+    while not seq.finished:
+        sent += seq.accept(torch.zeros(len(VOCAB))).text
+    return sent, seq.text
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2])
+def test_a_stop_string_ending_at_min_tokens_cuts_what_was_never_sent(min_tokens):
+    """"Dr" ends at the second token. Before min_tokens nothing can stop the answer, but the "D" that may begin a
+    stop string is held back all the same, so the cut never takes back sent text (it sent "D" before)."""
+    sent, text = run([1, 2, 3, 4], ("Dr",), min_tokens)
+    assert (sent, text) == ("", "")
+
+
+def test_a_stop_string_wholly_before_min_tokens_is_no_stop_and_is_sent():
+    sent, text = run([1, 2, 3, 4, 5], ("Dr",), min_tokens=3)
+    assert sent == text == "Drones fly."
+
+
+def test_a_stop_string_after_min_tokens_cuts_and_the_stream_matches():
+    sent, text = run([1, 2, 3, 4, 5], (" fly",), min_tokens=1)
+    assert sent == text == "Drones"
