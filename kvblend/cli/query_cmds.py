@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
 
 
 def ingest(
-    paths: list[Path] = typer.Argument(
+    paths: list[str] = typer.Argument(
         ...,
         help="Files or directories (recursive) to archive: text (any encoding), Markdown, JSON/JSONL, CSV/TSV, PDF, HTML, DOCX, PPTX, ODT, ODS, ODP, EPUB, XLSX, XML, e-mail (.eml, mailboxes), Jupyter notebooks (.ipynb), transcripts (.vtt, .srt); any of them gzip'd (.gz), or in a ZIP or tar archive.",
     ),
@@ -122,14 +122,17 @@ def ingest(
         raise UsageError(f"--level must be between 1 and 22, or {MIN_FAST_LEVEL} and -1 (fast mode)")
     if batch_tokens < 1:
         raise UsageError("--batch-tokens must be at least 1")
-    for p in paths:
-        if not p.exists():
-            raise UsageError(f"no such file or directory: {p}")
+    if "" in paths:  # Path("") is the current directory: `ingest "$DOCS"` with DOCS unset would archive it
+        raise UsageError("an empty path names no file or directory (an unset shell variable?)")
+    files = [Path(p) for p in paths]
+    for f in files:
+        if not f.exists():
+            raise UsageError(f"no such file or directory: {f}")
     from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
 
     chosen = compute_dtype(dtype, archive, model, compute)
     if dry_run:
-        _dry_run(paths, chunk_tokens, codec, level, archive, model, compute, chosen, sink, as_json)
+        _dry_run(files, chunk_tokens, codec, level, archive, model, compute, chosen, sink, as_json)
         return
     with Engine(archive, model, compute, chosen, sink=sink, weights="fp32") as engine:  # ingest never decodes
         if progress_enabled(as_json):
@@ -148,7 +151,7 @@ def ingest(
                     )
 
                 report = engine.ingest(
-                    paths,
+                    files,
                     chunk_tokens,
                     codec.canonical,
                     level,
@@ -157,7 +160,7 @@ def ingest(
                     on_progress=on_progress,
                 )
         else:
-            report = engine.ingest(paths, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
+            report = engine.ingest(files, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
     for s in report.skipped:
         err.print(f"[yellow]skipped[/] {escape(s['path'])}: {escape(s['reason'])}")  # a name may hold "[bold]"

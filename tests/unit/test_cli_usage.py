@@ -6,11 +6,12 @@ No command here gets far enough to load a model (no real weights), so they are u
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
 from hardening_helpers import build_archive
-from support import one_line_error, run_cli
+from support import kvblend_script, one_line_error, run_cli
 
 # Every command, with its required arguments filled, so an unknown option is the only fault.
 COMMANDS = {
@@ -142,3 +143,12 @@ def test_the_test_host_runs_a_call_as_the_installed_script_does(tmp_path):
         assert hosted is not None
         assert (hosted.returncode, hosted.stdout, hosted.stderr) == \
             (script.returncode, script.stdout, script.stderr), args
+
+
+def test_ingest_of_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path):
+    """`kvblend ingest "$DOCS"` with DOCS unset: Path("") is ".", so it archived whatever folder it ran in."""
+    (tmp_path / "a.txt").write_text("A document in the folder the command runs in.")
+    proc = subprocess.run([*kvblend_script(), "ingest", "", "--archive", str(tmp_path / "arc")], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert proc.returncode == 2 and "an empty path names no file or directory" in one_line_error(proc)
+    assert not (tmp_path / "arc").exists()
