@@ -714,9 +714,10 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
     - A short line (:data:`_RUNNING_MAX_WORDS`) that recurs at an edge on at least :data:`_RUNNING_MIN_PAGES`
       pages and :data:`_RUNNING_MIN_SHARE` of them is a running header or footer. Its first occurrence is kept (nothing
       is lost: a table header repeated over pages keeps one copy), the rest dropped.
-    - A short edge line whose digits differ from page to page is a page number when, over the pages it is
-      on, one of its numbers is the page's index plus one constant (printed numbering may start anywhere).
-      Every occurrence is dropped: kvblend records pages itself.
+    - A short edge line whose digits differ from page to page is a page number when it is written as one
+      (:func:`_page_number_form`) and, over the pages it is on, one of its numbers is the page's index plus
+      one constant (printed numbering may start anywhere). Every occurrence is dropped: kvblend records pages
+      itself.
 
     A PDF of fewer pages has nothing to tell a running line from content by, and is returned as it is.
     """
@@ -736,7 +737,9 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
             if numbers and len(text.split()) <= _PAGE_NUMBER_MAX_WORDS:
                 numbered.setdefault(_NUMBER.sub("#", text), []).append((index, numbers))
     running = {text for text, on in pages_with.items() if len(on) >= enough and len(text.split()) <= _RUNNING_MAX_WORDS}
-    page_numbers = {shape for shape, seen in numbered.items() if _counts_pages(seen, enough)}
+    page_numbers = {
+        shape for shape, seen in numbered.items() if _page_number_form(shape) and _counts_pages(seen, enough)
+    }
 
     out: list[str] = []
     seen_running: set[str] = set()
@@ -758,6 +761,28 @@ def _edge_indices(page_lines: list[str]) -> list[int]:
     """Indices of a page's first and last :data:`_EDGE_LINES` non-blank lines (each once)."""
     filled = [i for i, line in enumerate(page_lines) if line.strip()]
     return sorted(set(filled[:_EDGE_LINES] + filled[-_EDGE_LINES:]))
+
+
+_DECORATION = " -\u2013\u2014_|\u00b7\u2022.,:;()[]{}<>*"
+_PAGE_WORD_NUMBER = re.compile(
+    r"(?:page|pg\.?|p\.|pp\.|seite|s\.|p\u00e1gina|pagina|pag\.?) ?#(?: ?(?:of|/|von|de|di) ?#)?"
+)
+_NUMBER_OF_NUMBER = re.compile(r"# ?(?:of|/) ?#")
+_TITLE_AND_NUMBER = re.compile(r".+ [|\u00b7\u2022\u2013\u2014-] ?#|# ?[|\u00b7\u2022\u2013\u2014-] .+")
+
+
+def _page_number_form(shape: str) -> bool:
+    """Whether an edge line's shape (digits as '#') is written as a page number: the number alone ("#", "- # -",
+    "[#]"), after a page word ("Page # of #", "p. #"), as "# of #" or "# / #", or beside a title across a
+    separator ("Orca manual | #"). Rising numbers alone do not make one: a quiz's "Question 3" and a diary's
+    "Day 3" atop each page, or a paragraph's wrapped last line, climb with the pages too, and are content."""
+    core = shape.strip(_DECORATION)
+    return (
+        core == "#"
+        or _PAGE_WORD_NUMBER.fullmatch(core) is not None
+        or _NUMBER_OF_NUMBER.fullmatch(core) is not None
+        or _TITLE_AND_NUMBER.fullmatch(core) is not None
+    )
 
 
 def _counts_pages(seen: list[tuple[int, list[int]]], enough: float) -> bool:

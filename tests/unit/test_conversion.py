@@ -129,6 +129,27 @@ def test_running_headers_footers_and_page_numbers_leave_a_pdf(tmp_path, numberin
     assert all(text[start:].startswith("Install" if i == 0 else BODIES[i][:10]) for i, start in enumerate(starts) if i)
 
 
+def test_numbered_headings_that_climb_with_the_pages_are_content_not_page_numbers(tmp_path):
+    """A quiz with "Question N" atop page N, and a body line numbered by its page at each page's foot: their
+    numbers follow the page index as a page number's do, but they are not written as one, and are kept."""
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    for n in range(1, 7):
+        pdf.add_page()
+        pdf.set_font("helvetica", size=11)
+        pdf.multi_cell(0, 6, f"Question {n}", new_x="LMARGIN", new_y="NEXT")
+        pdf.multi_cell(0, 6, f"Which city did expedition {n} reach first?", new_x="LMARGIN", new_y="NEXT")
+        pdf.multi_cell(0, 6, f"{n + 10} teams took part in it.", new_x="LMARGIN", new_y="NEXT")
+        pdf.multi_cell(0, 6, f"- {n} -", new_x="LMARGIN", new_y="NEXT")  # the printed page number: dropped
+    pdf.output(str(tmp_path / "quiz.pdf"))
+    doc = read_one(tmp_path / "quiz.pdf")
+    assert [int(n) for n in re.findall(r"^Question (\d+)$", doc.text, re.M)] == [1, 2, 3, 4, 5, 6]
+    assert [int(n) for n in re.findall(r"^(\d+) teams took part in it\.$", doc.text, re.M)] == [11, 12, 13, 14, 15, 16]
+    assert not re.search(r"^- \d+ -$", doc.text, re.M), doc.text
+    assert all(doc.text[start:].startswith(f"Question {i + 1}\n") for i, start in enumerate(doc.page_starts))
+
+
 def test_a_short_pdf_keeps_every_line():
     """Two pages are too few to tell a running line from content: nothing is dropped."""
     pages = ["Orca manual\nFirst page text.\nPage 1", "Orca manual\nSecond page text.\nPage 2"]
