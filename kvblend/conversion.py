@@ -864,13 +864,11 @@ def _convert_html(data: bytes, started: float) -> Converted:
         )
     import trafilatura  # lazy: 0.2 s to import
 
-    if _wide_bom(data) is not None:  # "Save as: Unicode" (old Internet Explorer, Word): UTF-16 pages
-        data = decode_text(data)[0].encode("utf-8")  # its own <meta charset> may still say UTF-16: now wrong
-        data = re.sub(rb"(?i)<meta[^>]*charset\s*=\s*[\"']?utf-?(?:16|32)[^>]*>", b"", data[:4096]) + data[4096:]
+    data = _html_as_utf8(data)
     if b"<html" not in data[:4096].lower():  # a fragment ("<p>...</p>"): trafilatura reads only whole pages
         data = b"<html><body>" + data + b"</body></html>"
     text = trafilatura.extract(
-        data,  # bytes: trafilatura reads the page's declared or detected charset
+        data,  # UTF-8, declared nowhere: trafilatura detects UTF-8
         output_format="markdown",
         include_tables=True,
         include_formatting=True,  # headings as '#' lines (and bold/italic), lists as '- '
@@ -887,6 +885,57 @@ def _convert_html(data: bytes, started: float) -> Converted:
     if not text:
         raise ConversionError("no text in the HTML page")
     return Converted(text, "html")
+
+
+_CHARSET_DECLARATION = re.compile(
+    rb"(?i)<meta[^>]*charset\s*=\s*[\"']?\s*([\w.:-]+)[^>]*>|<\?xml[^>]*encoding\s*=\s*[\"']([\w.:-]+)[^>]*\?>"
+)
+# WHATWG's Encoding Standard: browsers read these labels as Windows-1252, a superset (curly quotes, dashes, €)
+_READ_AS_CP1252 = {"iso8859-1", "ascii"}
+
+
+def _html_as_utf8(data: bytes) -> bytes:
+    """The page's bytes as UTF-8, its charset declarations removed, decoded as a browser would: a byte-order
+    mark, else the charset the page declares if its bytes are that, else as a plain-text file
+    (:func:`decode_text`: UTF-8, else the detected legacy code page, Windows-1252 on a tie).
+
+    trafilatura, handed the bytes, guessed the code page itself and read an unlabelled Latin-1 page as
+    Central European ("grand-mčre"), and believed a `<meta charset="utf-8">` its bytes were not. Bytes that
+    no encoding reads (binary named .html) go to trafilatura as they are."""
+    marked = _wide_bom(data) is not None or data.startswith(b"\xef\xbb\xbf")
+    text = None
+    if not marked:
+        for match in _CHARSET_DECLARATION.finditer(data[:4096]):
+            text = _decoded_as(data, (match.group(1) or match.group(2)).decode("ascii", "replace"))
+            break
+    if text is None:
+        try:
+            text = decode_text(data)[0]
+        except ConversionError:
+            if marked:  # damaged text after its byte-order mark: named as such
+                raise
+            return data
+    encoded = text.encode("utf-8", "surrogatepass")
+    return _CHARSET_DECLARATION.sub(b"", encoded[:4096]) + encoded[4096:]
+
+
+def _decoded_as(data: bytes, label: str) -> str | None:
+    """`data` in the encoding a page declares, or None where the label is unknown, names a 16/32-bit encoding
+    (a page without a byte-order mark is none), or the bytes are not in it."""
+    import codecs
+
+    try:
+        name = codecs.lookup(label).name
+    except LookupError:
+        return None
+    if name.startswith(("utf-16", "utf-32")):
+        return None
+    for candidate in ["cp1252", name] if name in _READ_AS_CP1252 else [name]:
+        try:
+            return data.decode(candidate)
+        except UnicodeDecodeError:
+            continue
+    return None
 
 
 # DOCX ───────────────────────────────────────────────────────────────────────

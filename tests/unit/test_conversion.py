@@ -541,6 +541,32 @@ def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
     assert skipped[0].reason == "not valid UTF-16 (damaged text after a UTF-16 byte-order mark)"
 
 
+@pytest.mark.parametrize("head,encoding", [
+    ("", "latin-1"),  # unlabelled Western page: Windows-1252, as browsers assume (trafilatura guessed cp1250)
+    ('<meta charset="utf-8">', "latin-1"),  # a label its bytes are not: read as if unlabelled
+    ('<meta http-equiv="Content-Type" content="text/html; charset=iso-8859-1">', "cp1252"),  # WHATWG: cp1252
+    ('<meta charset="koi8-r">', "koi8-r"),  # a label its bytes are: believed
+], ids=["unlabelled", "mislabelled-utf8", "latin1-label", "koi8r-label"])
+def test_a_web_page_is_decoded_as_a_browser_decodes_it(tmp_path, head, encoding):
+    body = "Le café naïve de ma grand-mère était très célèbre à Paris, “disait-on” – et ses crêpes aussi."
+    if encoding == "koi8-r":
+        body = "Бабушкино кафе было очень известно в Париже, и её блины тоже были известны всем."
+    elif encoding == "latin-1":
+        body = body.replace("“", '"').replace("”", '"').replace("–", "-")
+    page = f"<!DOCTYPE html><html><head>{head}<title>Souvenirs</title></head><body><article><h1>Souvenirs</h1>" \
+           f"<p>{body}</p></article></body></html>"
+    (tmp_path / "page.html").write_bytes(page.encode(encoding))
+    assert body in flat(read_one(tmp_path / "page.html").text)
+
+
+@pytest.mark.parametrize("meta", ["", '<meta charset="utf-8">'])
+def test_a_short_unlabelled_latin1_page_is_not_read_as_central_european(tmp_path, meta):
+    """The review's page: trafilatura's own guess read it as cp1250 ("grand-mčre", "ŕ Paris")."""
+    text = "Le café naïve de ma grand-mère était très célèbre à Paris. Les crêpes étaient délicieuses."
+    (tmp_path / "p.html").write_bytes(f"<html><head>{meta}</head><body><p>{text}</p></body></html>".encode("latin-1"))
+    assert read_one(tmp_path / "p.html").text == text
+
+
 def test_review_cases_wide_tables_xml_siblings_and_entities_an_odt_bomb_and_fences(tmp_path):
     # a header too wide for a block's budget: blocks of 25 rows, not the header over every row
     header = ",".join(f"column name number {i}" for i in range(30))
