@@ -1214,7 +1214,7 @@ def _convert_docx(data: bytes, started: float) -> Converted:
             blocks.append("\n".join(list_run))
             list_run.clear()
 
-    for block in document.iter_inner_content():
+    for block in _docx_blocks(document.element.body, document._body):
         if isinstance(block, Table):
             flush_list()
             blocks.append(_docx_table(block))
@@ -1252,11 +1252,50 @@ def _heading_level(style_name: str) -> int:
     return min(int(m.group(1)), 6) if m else 0
 
 
+def _docx_blocks(element, parent) -> Iterator:
+    """The paragraphs and tables under a body-like element, in reading order, where Word keeps text that
+    python-docx's `iter_inner_content` (direct `w:p` and `w:tbl` children only) does not reach: inside a
+    content control (`w:sdt`: cover pages, templates, forms) and in a paragraph's text boxes (`w:txbxContent`,
+    each after its paragraph; a text box's VML fallback copy, `mc:Fallback`, is the same text and skipped)."""
+    from docx.oxml.ns import qn
+    from docx.table import Table
+    from docx.text.paragraph import Paragraph
+
+    for child in element.iterchildren():
+        if child.tag == qn("w:p"):
+            yield Paragraph(child, parent)
+            for box in child.iter(qn("w:txbxContent")):
+                if not any(a.tag == _MC_FALLBACK for a in box.iterancestors()):
+                    yield from _docx_blocks(box, parent)
+        elif child.tag == qn("w:tbl"):
+            yield Table(child, parent)
+        elif child.tag == qn("w:sdt"):
+            for content in child.iterchildren(qn("w:sdtContent")):
+                yield from _docx_blocks(content, parent)
+
+
+_MC_FALLBACK = "{http://schemas.openxmlformats.org/markup-compatibility/2006}Fallback"
+
+
 def _docx_table(table) -> str:
     """A Word table as Markdown pipe rows in blocks under its header row (:func:`_table_blocks`: a long
     table's later segments still name its columns); a merged cell's text appears once per grid column it
     spans, as python-docx reports it."""
-    return _table_text([[cell.text for cell in row.cells] for row in table.rows])
+    return _table_text([[_docx_cell_text(cell) for cell in row.cells] for row in table.rows])
+
+
+def _docx_cell_text(cell) -> str:
+    """A cell's text, a table nested in it included (python-docx's `cell.text` leaves it out): a nested
+    table's rows inline, cells joined by "; ", as a pipe row cannot hold a table."""
+    from docx.table import Table
+
+    parts: list[str] = []
+    for block in _docx_blocks(cell._tc, cell):
+        if isinstance(block, Table):
+            parts.extend("; ".join(_docx_cell_text(c) for c in row.cells) for row in block.rows)
+        else:
+            parts.append(block.text)
+    return "\n".join(parts)
 
 
 def _table_text(rows: list[list[str]]) -> str:

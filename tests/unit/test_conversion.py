@@ -204,6 +204,42 @@ def test_docx_has_headings_list_and_table_in_body_order():
     )
 
 
+W = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+
+
+def test_docx_text_in_content_controls_nested_tables_and_text_boxes_is_read(tmp_path):
+    """Where Word keeps text that python-docx's top-level walk misses: a cover page's content control (w:sdt),
+    a table nested in a cell, and a text box, here as Word writes one (DrawingML with a VML fallback copy of
+    the same text, which must not come out twice)."""
+    import docx
+    from docx.oxml import parse_xml
+
+    document = docx.Document()
+    document.add_paragraph("Body text before.")
+    body = document.element.body
+    body.insert(len(body) - 1, parse_xml(
+        f"<w:sdt {W}><w:sdtPr/><w:sdtContent><w:p><w:r><w:t>Warranty: seven years on the Skua-7.</w:t></w:r>"
+        "</w:p></w:sdtContent></w:sdt>"))
+    table = document.add_table(rows=2, cols=2)
+    table.cell(0, 0).text, table.cell(0, 1).text, table.cell(1, 1).text = "Part", "Note", "outer"
+    inner = table.cell(1, 0).add_table(rows=1, cols=2)
+    inner.cell(0, 0).text, inner.cell(0, 1).text = "Seal kit", "code SK-42"
+    anchor = document.add_paragraph("Callout: ")
+    box = "<w:txbxContent><w:p><w:r><w:t>Torque the bolts to 40 Nm.</w:t></w:r></w:p></w:txbxContent>"
+    anchor._p.append(parse_xml(
+        f'<w:r {W} xmlns:mc="http://schemas.openxmlformats.org/markup-compatibility/2006" '
+        'xmlns:wps="http://schemas.microsoft.com/office/word/2010/wordprocessingShape" xmlns:v="urn:schemas-microsoft-com:vml">'
+        f'<mc:AlternateContent><mc:Choice Requires="wps"><w:drawing><wps:txbx>{box}</wps:txbx></w:drawing></mc:Choice>'
+        f"<mc:Fallback><w:pict><v:shape><v:textbox>{box}</v:textbox></v:shape></w:pict></mc:Fallback>"
+        "</mc:AlternateContent></w:r>"))
+    document.add_paragraph("Body text after.")
+    document.save(str(tmp_path / "cover.docx"))
+    text = read_one(tmp_path / "cover.docx").text
+    in_order(text, "Body text before.", "Warranty: seven years on the Skua-7.", "| Part | Note |",
+             "| Seal kit; code SK-42 | outer |", "Callout:", "Torque the bolts to 40 Nm.", "Body text after.")
+    assert text.count("Torque the bolts") == 1
+
+
 def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in_reading_order():
     doc = read_one(DOCS / "briefing.pptx")
     assert doc.format == "pptx"
