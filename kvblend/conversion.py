@@ -79,6 +79,7 @@ goes on; converters' own logging and warnings are silenced.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import html
 import io
@@ -533,15 +534,23 @@ def markdown_body(text: str) -> str:
         return text
     body = text[m.end() :].lstrip("\n")
     kept = []
-    title = meta.get("title")
-    if isinstance(title, str) and title.strip() and not body.startswith("# "):
+    title = _scalar_text(meta.get("title"))
+    if title and not body.startswith("# "):
         kept.append("# " + " ".join(title.split()))
     for key in _FRONT_MATTER_TEXT:
-        value = meta.get(key)
-        if isinstance(value, str) and value.strip():
-            kept.append(value.strip())
+        value = _scalar_text(meta.get(key))
+        if value:
+            kept.append(value)
             break
     return "\n\n".join([*kept, body]) if kept else body
+
+
+def _scalar_text(value: object) -> str:
+    """A front-matter value as the text its author wrote, for the scalars YAML and TOML read as something else
+    (`title: 1984` is an int, `title: 2024-01-01` a date); "" for a list, a mapping, a boolean or nothing."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, datetime.date, datetime.time)):
+        return ""
+    return str(value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else value).strip()
 
 
 def _parse_front_matter(block: str, toml: bool) -> dict | None:

@@ -860,8 +860,11 @@ def test_a_date_cell_is_a_date_and_a_timestamp_keeps_its_time():
             "# Faults\n\nA red light means the self-test failed.\n",
         ),
         ("---\ntags: [a]\n---\nBody only.\n", "Body only.\n"),  # nothing to keep but the body
+        # titles YAML reads as a number or a date: the text the author wrote (they were dropped)
+        ("---\ntitle: 1984\ndescription: 2024-01-01\n---\nA novel.\n", "# 1984\n\n2024-01-01\n\nA novel.\n"),
+        ("---\ntitle: true\n---\nA flag is no title.\n", "A flag is no title.\n"),
     ],
-    ids=["yaml", "own-heading", "toml", "settings-only"],
+    ids=["yaml", "own-heading", "toml", "settings-only", "number-and-date", "boolean"],
 )
 def test_markdown_front_matter_becomes_its_title_and_description(tmp_path, page, text):
     f = tmp_path / "page.md"
