@@ -44,8 +44,8 @@ from kvblend.fusion.plan import (
     never_recomputed,
     plan_prompt,
 )
-from kvblend.fusion.policies import Check, head_mask, question_rows, select
-from kvblend.fusion.probe import KeptLayers, probe_pass
+from kvblend.fusion.policies import Check, head_mask, select
+from kvblend.fusion.probe import PROBE_LEADING_MAX, PROBE_LEADING_SINK, KeptLayers, probe_pass
 from kvblend.fusion.selection import budget, keep_top
 from kvblend.model.runner import ModelRunner, row_chunks
 from kvblend.types import LayerKV, Segment, Steps, drain
@@ -239,6 +239,7 @@ class _LayerLoop:
         self.probe_scores: Any = None
         self.probe_cost = 0
         self.probing = False
+        self.question_start = T
         self.cos_all, self.sin_all = runner.rope(torch.arange(T, device=runner.device)[None])
         self.kv: list[LayerKV] = []
         self.active_counts: list[int] = []
@@ -248,6 +249,7 @@ class _LayerLoop:
         lengths = [b - a for a, b in zip(plan.offsets, [*plan.offsets[1:], self.T])]
         device = self.runner.device
         self.heads = head_mask(plan.offsets, lengths, approximate, self.T, HEAD_TOKENS, device)
+        self.question_start = plan.offsets[-1]  # the last segment: the question and the template's tail
         self.candidates = ~self.always
         self.candidates[:exact] = False
 
@@ -262,11 +264,27 @@ class _LayerLoop:
         self._resumed = time.perf_counter()
 
     def probe(self, ids: torch.Tensor) -> Steps[None]:
-        """The probe pass (kvblend.fusion.probe); the main loop then reads the layers it kept."""
+        """The probe pass (kvblend.fusion.probe); the main loop then reads the layers it kept.
+
+        Its rows are the question's (the last segment: the question and the template's tail) and the recomputed
+        tokens before the first cached one (the instruction prefix when it is not cached; of a longer run only
+        its first PROBE_LEADING_SINK tokens, the attention sink). A passage computed in the prompt (one a server
+        may not store, or one too long to) is left out, and out of the rows' attention: the main loop computes
+        it anyway, and the pass computed it a second time (an 8,000-token passage took two full prefills' time
+        and 6 GB for its attention probabilities). With nothing cached to select from there is no pass."""
         positions = torch.arange(self.T, device=ids.device)
-        rows = positions[self.always]
-        first_scored = positions[question_rows(positions, self.always, self.candidates)][0]
-        score_from = int(torch.searchsorted(rows, first_scored))  # the question: a suffix of the rows
+        cached = positions[self.candidates]
+        if not cached.numel():
+            self.probe_scores = torch.zeros(self.T, dtype=torch.float32, device=ids.device)
+            return
+        first = int(cached[0])
+        probed = self.always.clone()
+        probed[first : self.question_start] = False
+        if int(probed[:first].sum()) > PROBE_LEADING_MAX:
+            probed[PROBE_LEADING_SINK:first] = False
+        rows = positions[probed]
+        hidden = self.always & ~probed
+        score_from = int(torch.searchsorted(rows, torch.tensor(self.question_start, device=rows.device)))
         self.probe_scores, kept = yield from probe_pass(
             self.runner,
             self.feed,
@@ -278,6 +296,7 @@ class _LayerLoop:
             self.sin_all,
             self.pause,
             self.clock,
+            hidden if bool(hidden.any()) else None,
         )
         self.probe_cost = int(rows.numel()) * self.runner.n_layers
         self.feed = KeptLayers(kept)

@@ -26,6 +26,11 @@ import torch
 from kvblend.model.runner import ModelRunner
 from kvblend.types import LayerKV, Steps
 
+# The probe's rows before the first cached token: all of them up to PROBE_LEADING_MAX (an instruction prefix not yet
+# cached, ~60 tokens), else only the first PROBE_LEADING_SINK (the attention sink every row leans on).
+PROBE_LEADING_MAX = 256
+PROBE_LEADING_SINK = 64
+
 
 class KeptLayers:
     """A feed over layers already read: the main loop's source after a probe pass."""
@@ -52,6 +57,7 @@ def probe_pass(
     sin_all: torch.Tensor,
     pause: Callable[[], Steps[None]] | None = None,
     clock: Callable[[str], AbstractContextManager[None]] | None = None,
+    hidden_keys: torch.Tensor | None = None,
 ) -> Steps[tuple[torch.Tensor, list[LayerKV]]]:
     """Run the `rows` (positions, ascending) through every layer over the feed's cached KV.
 
@@ -60,7 +66,9 @@ def probe_pass(
     question), normalised to sum 1 over the `candidates` mask, then averaged over layers) and every
     layer's KV as read from the feed, with
     the rows' probe K/V written in (the main loop recomputes those rows anyway). `clock` (a StageClock) splits
-    its time into reading the cached layers ("load") and the pass itself ("probe").
+    its time into reading the cached layers ("load") and the pass itself ("probe"). `hidden_keys` ([T] bool):
+    positions the pass leaves out of every row's attention (recomputed positions that are not among `rows`,
+    whose KV it never computes).
     """
     timed = clock if clock is not None else _untimed
     hidden = runner.embed(token_ids[:, rows])
@@ -76,7 +84,7 @@ def probe_pass(
             layer_k[:, :, rows] = k.to(layer_k.dtype)
             layer_v[:, :, rows] = v.to(layer_v.dtype)
             kept.append((layer_k, layer_v))
-            probs = runner.attention_weights(layer, q, layer_k, rows)  # [1, heads, rows, T]
+            probs = runner.attention_weights(layer, q, layer_k, rows, hidden_keys)  # [1, heads, rows, T]
             per_token = probs[0, :, score_from:].mean(dim=1).amax(dim=0)  # [T]: the most attentive head
             total += per_token / per_token.dot(weights).clamp_min(1e-12)
             hidden = runner.finish_layer(layer, hidden, attention_output(runner, probs, layer_v, hidden.dtype))

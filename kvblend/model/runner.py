@@ -264,17 +264,28 @@ class ModelRunner:
         return every
 
     def attention_weights(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        query_positions: torch.Tensor,
+        hidden_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The probabilities `attend` would use: [B, heads, Tq, Tk] in fp32 (few queries only)."""
+        """The probabilities `attend` would use: [B, heads, Tq, Tk] in fp32 (few queries only). `hidden_keys`
+        ([Tk] bool): keys left out as if absent (the probe's: positions it does not compute)."""
         scale = self.attention_scale(layer)
         window = self._windows[layer]
         memo = self._bias_memo  # the probe asks with one query set for every layer: masks built once
-        if memo.get("positions") is not query_positions or memo.get("keys") != k.shape[2]:
+        if (
+            memo.get("positions") is not query_positions
+            or memo.get("keys") != k.shape[2]
+            or memo.get("hidden") is not hidden_keys
+        ):
             memo.clear()
-            memo.update(positions=query_positions, keys=k.shape[2])
+            memo.update(positions=query_positions, keys=k.shape[2], hidden=hidden_keys)
         if window not in memo:
-            memo[window] = causal_bias(query_positions, k.shape[2], window)
+            bias = causal_bias(query_positions, k.shape[2], window)
+            memo[window] = bias if hidden_keys is None else bias.masked_fill_(hidden_keys[None], float("-inf"))
         return attention_probs(q, k, memo[window], scale)
 
     def attention_scale(self, layer: int) -> float:

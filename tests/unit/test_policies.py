@@ -148,3 +148,41 @@ def test_probe_scores_every_layer_and_reads_each_once(runner):
     in_memory = fuse(runner, segs, "blend", cfg)
     assert torch.equal(streamed.selected, in_memory.selected)
     assert torch.allclose(streamed.last_logits, in_memory.last_logits, atol=1e-6)
+
+
+def test_the_probe_leaves_out_a_segment_computed_between_cached_ones(runner):
+    """A passage computed in the prompt between cached ones (a server's unstored passage) is recomputed by the
+    main loop anyway: the probe neither computes it a second time nor attends to it (its KV is not there), so
+    its cost is the question's rows; with no such passage its rows are every recomputed token, as before."""
+    from kvblend.types import Segment
+
+    segs = rag_prompt(runner, n_chunks=4)
+    interior = Segment(random_tokens(50, seed=77))  # no KV: computed in the prompt
+    with_interior = [*segs[:3], interior, *segs[3:]]
+    L, cfg = runner.n_layers, BlendConfig.single(0.3, select="probe")
+    fused = fuse(runner, with_interior, "blend", cfg)
+    question = len(segs[-1].token_ids)
+    assert fused.probe_token_layers == question * L  # the prefix is cached; the 50 rows are not probed
+    plain = fuse(runner, segs, "blend", cfg)
+    assert plain.probe_token_layers == question * L
+    # The passage still holds its fresh KV in the fused result, and at ratio 1.0 blend is still full exactly.
+    assert fused.recomputed_token_layers == sum(fused.active_per_layer) + question * L
+    assert all(n >= question + 50 for n in fused.active_per_layer)
+    full, exact = fuse(runner, with_interior, "full"), fuse(runner, with_interior, "blend", BlendConfig.single(1.0))
+    assert torch.equal(full.last_logits, exact.last_logits)
+    # last before the question, the same; and with nothing cached to select from, no pass at all
+    assert fuse(runner, [*segs[:-1], interior, segs[-1]], "blend", cfg).probe_token_layers == question * L
+    uncached = [Segment(s.token_ids) for s in segs]
+    assert fuse(runner, uncached, "blend", cfg).probe_token_layers == 0
+
+
+def test_a_long_uncached_run_before_the_first_cached_segment_is_probed_by_its_sink_only(runner):
+    from kvblend.fusion.probe import PROBE_LEADING_MAX, PROBE_LEADING_SINK
+    from kvblend.types import Segment
+
+    segs = rag_prompt(runner, n_chunks=2, cached_prefix=False)
+    lead = Segment(random_tokens(PROBE_LEADING_MAX + 10 - len(segs[0].token_ids), seed=5))
+    fused = fuse(runner, [segs[0], lead, *segs[1:]], "blend", BlendConfig.single(0.3, select="probe"))
+    assert fused.probe_token_layers == (PROBE_LEADING_SINK + len(segs[-1].token_ids)) * runner.n_layers
+    short = fuse(runner, segs, "blend", BlendConfig.single(0.3, select="probe"))  # a short uncached prefix: probed
+    assert short.probe_token_layers == (len(segs[0].token_ids) + len(segs[-1].token_ids)) * runner.n_layers
