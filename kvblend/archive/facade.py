@@ -21,7 +21,7 @@ from pathlib import Path
 from kvblend.archive import maintenance
 from kvblend.archive.core import SEGMENT_PREFIX_MIN, ArchiveCore, DocumentSummary, bind
 from kvblend.archive.index import DEFAULT_MAP_SIZE
-from kvblend.archive.local import LocalStore, archive_exists
+from kvblend.archive.local import LocalStore, archive_exists, check_creatable
 from kvblend.archive.location import Location, resolve_location
 from kvblend.archive.records import Model
 from kvblend.archive.store import Store
@@ -44,6 +44,13 @@ class Archive(ArchiveCore):
         only connecting could tell)."""
         where = resolve_location(location)
         return where.is_redis or archive_exists(where.path or Path())
+
+    @staticmethod
+    def check_creatable(location: str | os.PathLike[str] | Location) -> None:
+        """Raise ArchiveError where a local archive could not be created (a file there, no permission)."""
+        where = resolve_location(location)
+        if where.path is not None:
+            check_creatable(where.path)
 
     @classmethod
     def open(

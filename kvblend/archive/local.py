@@ -80,6 +80,23 @@ def writable(root: Path) -> bool:
     return all(os.access(d, os.W_OK | os.X_OK) for d in dirs)
 
 
+def check_creatable(root: Path) -> None:
+    """Refuse, as :func:`prepare_dir` would when creating, a place no archive can be made: a file, or under a
+    directory this process may not write (an ingest's dry run creates nothing, but must not promise what the
+    ingest then refuses)."""
+    if root.exists() and not root.is_dir():
+        raise ArchiveError(f"archive path {root} is a file, not a directory")
+    existing = root
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ArchiveError(f"cannot create archive directory {root}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ArchiveError(f"cannot create archive directory {root}: permission denied")
+
+
 def prepare_dir(root: Path, *, create: bool, readonly: bool) -> None:
     """Check (and, when creating, make) the archive directory and its ``index/`` and ``blobs/``."""
     if root.exists() and not root.is_dir():

@@ -239,6 +239,7 @@ def _existing_archive(res: Resources) -> Archive | None:
     ingest with nothing to ingest leaves no archive). Whatever keeps an existing one from opening (damage,
     another model) is raised when ingest opens it to write, as before."""
     if not Archive.exists(res.location):
+        Archive.check_creatable(res.location)  # a file there, or no permission: the ingest would refuse
         return None
     try:
         return res.archive(create=False)
@@ -252,6 +253,7 @@ def _archive_to_plan_against(res: Resources) -> Archive | None:
     model's archive, a newer format, damage, a store that is down) is raised here: a plan of an ingest that
     cannot run would mislead."""
     if not Archive.exists(res.location):
+        Archive.check_creatable(res.location)  # a file there, or no permission: the ingest would refuse
         return None
     try:
         return res.archive(create=False)

@@ -152,3 +152,15 @@ def test_ingest_of_an_empty_path_is_refused_not_read_as_the_current_directory(tm
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
     assert proc.returncode == 2 and "an empty path names no file or directory" in one_line_error(proc)
     assert not (tmp_path / "arc").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_a_dry_run_refuses_an_archive_the_ingest_could_not_create(tmp_path, where):
+    """It wrote nothing and promised "would store ...", for an --archive the ingest itself then refused."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("A short document.")
+    (tmp_path / "afile").write_text("not an archive")
+    archive = tmp_path / "afile" if where == "file" else tmp_path / "afile" / "sub"
+    line = one_line_error(run_cli("ingest", tmp_path / "d", "--dry-run", "--archive", archive))
+    assert "is a file, not a directory" in line
+    assert (tmp_path / "afile").read_text() == "not an archive"
