@@ -1727,6 +1727,14 @@ def _attachment_text(part, name: str, started: float) -> tuple[str, str | None]:
 NOTEBOOK_OUTPUT_LINES = 40  # of one cell output: a printed table says what it holds in its first lines ...
 NOTEBOOK_OUTPUT_CHARS = 4000  # ... and a training loop's log or a 10,000-row print would crowd out the prose
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # colours and cursor moves in a terminal's output
+# A character that shows: not whitespace, a control code, a zero-width or direction mark, a BOM
+_VISIBLE = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def has_visible_text(text: str) -> bool:
+    """Whether `text` shows anything once terminal escape codes are left out: a file of zero-width spaces or of
+    colour codes alone is empty to a reader, and would be KV of nothing."""
+    return _VISIBLE.search(_ANSI.sub("", text)) is not None
 
 
 def _convert_ipynb(data: bytes, started: float) -> Converted:

@@ -347,7 +347,8 @@ def _read_file(
         return None
     try:
         if not file.is_file():  # FIFOs, devices, sockets: never block on them
-            skipped.append(Skipped(name, "not a regular file"))
+            broken = file.is_symlink() and not file.exists()  # its target gone, or a loop of links
+            skipped.append(Skipped(name, "a broken symbolic link" if broken else "not a regular file"))
             return None
         size = file.stat().st_size
         if size > MAX_FILE_BYTES:
@@ -536,7 +537,7 @@ def _add_text(
     encoding: str = "",
     row_marks: tuple[tuple[int, int], ...] = (),
 ) -> None:
-    if not text.strip():
+    if not conversion.has_visible_text(text):
         skipped.append(Skipped(name, "empty"))
     elif not _is_text(text):  # a JSON string's lone "\ud800" escape
         skipped.append(Skipped(name, "holds a lone UTF-16 surrogate, which is no text"))

@@ -71,6 +71,7 @@ def test_binary_undecodable_empty_are_skipped_with_reasons(tmp_path):
     write(tmp_path / "noise.txt", bytes(128 + (i * 7919 + 13) % 128 for i in range(4096)))
     write(tmp_path / "empty.md", "")
     write(tmp_path / "blank.md", "  \n\n\t")
+    write(tmp_path / "unseen.txt", "\u200b\u200b\ufeff\n\x01\x02\x1b[0m\x1b[2K\n")  # nothing that shows
     write(tmp_path / "ok.md", "fine")
     docs, skipped = iter_documents([tmp_path])
     p = tmp_path.as_posix()
@@ -81,6 +82,7 @@ def test_binary_undecodable_empty_are_skipped_with_reasons(tmp_path):
         Skipped(f"{p}/empty.md", "empty"),
         Skipped(f"{p}/img.png", "binary"),
         Skipped(f"{p}/noise.txt", "not UTF-8, and no other text encoding reads it as text"),
+        Skipped(f"{p}/unseen.txt", "empty"),
     ]
 
 
@@ -323,3 +325,14 @@ def test_names_and_texts_that_are_no_utf8_are_skipped_with_a_reason(tmp_path):
     assert "surrogate" in reasons["notes.jsonl#L2"]
     for s in skipped:
         s.path.encode("utf-8")  # printable
+
+
+def test_a_broken_or_looping_symbolic_link_is_named_as_one(tmp_path):
+    (tmp_path / "dead.txt").symlink_to(tmp_path / "gone.txt")
+    (tmp_path / "a.txt").symlink_to(tmp_path / "b.txt")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "a.txt")
+    write(tmp_path / "ok.txt", "fine")
+    docs, skipped = iter_documents([tmp_path])
+    assert [d.path for d in docs] == [f"{tmp_path.as_posix()}/ok.txt"]
+    assert sorted((Path(s.path).name, s.reason) for s in skipped) == [
+        ("a.txt", "a broken symbolic link"), ("b.txt", "a broken symbolic link"), ("dead.txt", "a broken symbolic link")]
