@@ -37,6 +37,7 @@ from kvblend.cli.common import (
     out,
     parse_size,
     print_json,
+    printable,
 )
 from kvblend.errors import NotFoundError, UsageError
 from kvblend.provenance import describe
@@ -91,7 +92,7 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
             + (f", {d.pages} p." if d.pages else "")
             + (f", {escape(d.encoding)}" if d.encoding else "")
         )
-        table.add_row(escape(d.name), fmt, segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
+        table.add_row(escape(printable(d.name)), fmt, segs, f"{d.tokens:,}", human_bytes(d.bytes), _ago(d.last_used))
     out.print(table)
 
 
@@ -133,7 +134,7 @@ def show(
                         shown = f"{len(doc.segment_keys)}"
                     else:
                         shown = _when(doc.ingested) if k == "ingested" else str(v)
-                    out.print(f"[bold]{k}[/]: {escape(shown)}")
+                    out.print(f"[bold]{k}[/]: {escape(printable(shown))}")
                 # each segment a line: its key's first 12 characters (what `show` takes) and where it came from
                 known = any(wheres)  # records of older kvblends say nothing of where
                 out.print("[bold]sources[/]:" if known else "[bold]segment keys[/]:")

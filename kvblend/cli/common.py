@@ -106,6 +106,15 @@ def _profiled(archive: str | Path | None, model: str | None) -> tuple[Location, 
     return resolve_location(archive), source_fingerprint(resolve_model_source(model))
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters as escapes (`\\n`, `\\x01`): a newline in a file's name would break a
+    one-line message in two, or a table row."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
     sys.stdout.flush()

@@ -21,6 +21,7 @@ import typer
 from typer.exceptions import TyperException
 
 from kvblend.cli import archive_cmds, bench_cmds, query_cmds, serve_cmds, tuning_cmds
+from kvblend.cli.common import printable
 from kvblend.errors import KvblendError
 
 app = typer.Typer(
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except KvblendError as exc:
-        print(f"kvblend: error: {exc}", file=sys.stderr)
+        print(f"kvblend: error: {printable(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("kvblend: interrupted", file=sys.stderr)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if not _is_usage_error(exc):
             raise
-        print(usage_line(exc), file=sys.stderr)
+        print(printable(usage_line(exc)), file=sys.stderr)
         sys.exit(getattr(exc, "exit_code", 2) or 2)
 
 

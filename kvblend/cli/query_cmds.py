@@ -41,6 +41,7 @@ from kvblend.cli.common import (
     out,
     parse_check_layers,
     print_json,
+    printable,
     progress_enabled,
 )
 from kvblend.defaults import (
@@ -163,7 +164,9 @@ def ingest(
             report = engine.ingest(files, chunk_tokens, codec.canonical, level, batch_tokens, wait_for_writer=wait)
         on_disk = engine.archive().size_bytes()
     for s in report.skipped:
-        err.print(f"[yellow]skipped[/] {escape(s['path'])}: {escape(s['reason'])}")  # a name may hold "[bold]"
+        err.print(
+            f"[yellow]skipped[/] {escape(printable(s['path']))}: {escape(s['reason'])}"
+        )  # a name may hold "[bold]"
     if as_json:
         print_json({**report.to_dict(), "archive": str(engine.location), "archive_bytes": on_disk})
         return
@@ -225,7 +228,7 @@ def _dry_run(
         else:
             plan = engine.plan_ingest(paths, chunk_tokens, codec.canonical, level)
     for s in plan.skipped:
-        err.print(f"[yellow]skipped[/] {escape(s['path'])}: {escape(s['reason'])}")
+        err.print(f"[yellow]skipped[/] {escape(printable(s['path']))}: {escape(s['reason'])}")
     if as_json:
         print_json({**plan.to_dict(), "archive": str(engine.location)})
         return

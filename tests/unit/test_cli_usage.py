@@ -164,3 +164,10 @@ def test_a_dry_run_refuses_an_archive_the_ingest_could_not_create(tmp_path, wher
     line = one_line_error(run_cli("ingest", tmp_path / "d", "--dry-run", "--archive", archive))
     assert "is a file, not a directory" in line
     assert (tmp_path / "afile").read_text() == "not an archive"
+
+
+def test_a_file_name_with_a_newline_keeps_the_error_on_one_line(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "bad\nname.txt").write_bytes(b"\x00\x01 binary")
+    line = one_line_error(run_cli("ingest", tmp_path / "d", "--archive", tmp_path / "arc"))
+    assert line.endswith("bad\\nname.txt (binary)")
