@@ -1991,6 +1991,10 @@ def _convert_xlsx(data: bytes, started: float) -> Converted:
             if sheet.sheet_state != "visible":
                 continue
             rows: list[list[str]] = []
+            # The sheet's rows as they are in the file, not as its stored <dimension> claims: a wrong one ("A1",
+            # which some writers leave) cut the sheet to one cell, and one cell far out (Z60000) padded every row
+            # to its width, past the cell bound.
+            sheet.reset_dimensions()
             for values in sheet.iter_rows(values_only=True):  # from row 1, empty rows included
                 cells = _spend_cells(cells, len(values), "XLSX")
                 rows.append([_cell(v) for v in values])

@@ -315,6 +315,35 @@ def test_epub_with_obfuscated_fonts_is_read_and_with_encrypted_chapters_is_refus
             conversion.convert("epub", with_member(book, name, data))
 
 
+def test_xlsx_rows_are_read_as_the_file_holds_them_not_as_its_dimension_claims(tmp_path):
+    """A writer's wrong <dimension ref="A1"/> cut the sheet to one cell; one cell far out (Z60000) padded each of
+    its 60,000 rows to 26 columns, and the sheet was refused as too large."""
+    import zipfile
+
+    import openpyxl
+
+    book = openpyxl.Workbook()
+    book.active.title = "Parts"
+    for row in [["part", "cost"], *([f"seal {i}", 10 + i] for i in range(5))]:
+        book.active.append(row)
+    book.save(tmp_path / "right.xlsx")
+    with zipfile.ZipFile(tmp_path / "right.xlsx") as src, zipfile.ZipFile(tmp_path / "dim.xlsx", "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "xl/worksheets/sheet1.xml":
+                data = re.sub(rb'<dimension ref="[^"]*"/>', b'<dimension ref="A1"/>', data)
+            dst.writestr(item, data)
+    assert read_one(tmp_path / "dim.xlsx").text == read_one(tmp_path / "right.xlsx").text
+    assert "| seal 4 | 14 |" in read_one(tmp_path / "dim.xlsx").text
+    sparse = openpyxl.Workbook()
+    for cell, value in {"A1": "item", "B1": "qty", "A2": "bolt", "B2": 4, "Z60000": "end note"}.items():
+        sparse.active[cell] = value
+    sparse.save(tmp_path / "sparse.xlsx")
+    doc = read_one(tmp_path / "sparse.xlsx")
+    assert doc.text.endswith("| bolt | 4 |  |\n|  |  | end note |")
+    assert [row for _, row in doc.row_marks] == [2, 60000]
+
+
 def test_xlsx_is_its_visible_sheets_as_sections_with_the_header_over_every_block_of_rows():
     doc = read_one(DOCS / "budget.xlsx")
     assert doc.format == "xlsx" and doc.page_starts == ()
