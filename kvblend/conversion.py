@@ -1328,7 +1328,9 @@ _ODT_ESCAPE = re.compile(r"(?m)^([ \t]*\\[-#*+])|\\([-_*#.!+()\[\]{}`])")
 
 
 def _unescape_odt(markdown: str) -> str:
-    return _ODT_ESCAPE.sub(lambda m: m.group(1) or m.group(2), markdown)
+    """odfdo's Markdown read as text: its escapes gone (:data:`_ODT_ESCAPE`), and a soft line break's
+    Markdown form (a backslash before the newline) a plain newline."""
+    return _ODT_ESCAPE.sub(lambda m: m.group(1) or m.group(2), markdown).replace("\\\n", "\n")
 
 
 def _open_odf(data: bytes, what: str):
@@ -1479,14 +1481,48 @@ def _convert_odt(data: bytes, started: float) -> Converted:
                 continue
             cells = _odf_table_size(table, "ODT", cells, started)
             marker = f"kvblend-odt-table-{i}"
-            tables[marker] = _table_text(_odf_rows(table))
+            tables[marker] = _table_text(_odt_rows(table))
             table.parent.replace_element(table, odfdo.Paragraph(marker))
         markdown = str(document.to_markdown())  # str for a text document (a list only for a spreadsheet's tables)
-    lines = [tables.get(line.strip(), line) for line in _unescape_odt(markdown).split("\n")]
-    text = _tidy("\n".join(lines))
+    text = _tidy(_ODT_TABLE_MARKER.sub(lambda m: _odt_table_in_place(m, tables), _unescape_odt(markdown)))
     if not text:
         raise ConversionError("empty (the ODT holds no text)")
     return Converted(text, "odt")
+
+
+_ODT_TABLE_MARKER = re.compile(r"^(.*?)kvblend-odt-table-\d+(.*)$", re.M)
+
+
+def _odt_table_in_place(match: re.Match, tables: dict[str, str]) -> str:
+    """A table's marker line as the table, a paragraph of its own: odfdo writes a table inside a list item as
+    `- marker` and one in a frame as `Frame: marker`, where a lookup of the whole line missed it and the marker
+    itself reached the text (the table lost)."""
+    line = match.group(0)
+    marker = line[len(match.group(1)) : len(line) - len(match.group(2))]
+    before = match.group(1).strip()
+    kept = before if before.strip("-*+#: ") else ""  # a list bullet alone says nothing
+    return (
+        "\n\n" + "\n\n".join(part for part in (kept, tables.get(marker, ""), match.group(2).strip()) if part) + "\n\n"
+    )
+
+
+def _odt_rows(table) -> list[list[str]]:
+    """An ODT table's cells as text: a typed cell's value (:func:`_cell`), an untyped one's text (writers other
+    than LibreOffice leave `office:value-type` out, and odfdo's values are then None: the table vanished), and
+    a table nested in a cell inline, its rows' cells joined by "; "."""
+    rows = []
+    for row in table.traverse():
+        cells = []
+        for cell in row.traverse():
+            nested = cell.get_elements("table:table")
+            if nested:
+                cells.append(" ".join("; ".join(r) for t in nested for r in _odt_rows(t)))
+            elif cell.get_attribute("office:value-type") and cell.value not in (None, ""):
+                cells.append(_cell(cell.value))
+            else:
+                cells.append(" ".join(str(cell.text_recursive or "").split()))
+        rows.append(cells)
+    return rows
 
 
 # XML documents ───────────────────────────────────────────────────────────────

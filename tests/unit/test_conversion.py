@@ -315,6 +315,44 @@ def test_epub_with_obfuscated_fonts_is_read_and_with_encrypted_chapters_is_refus
             conversion.convert("epub", with_member(book, name, data))
 
 
+def _odt_cell(text: str, typed: bool = True) -> str:
+    kind = ' office:value-type="string"' if typed else ""
+    return f"<table:table-cell{kind}><text:p>{text}</text:p></table:table-cell>"
+
+
+def _odt_table(name: str, rows: list[list[str]], typed: bool = True) -> str:
+    body = "".join("<table:table-row>" + "".join(_odt_cell(c, typed) if not c.startswith("<") else
+                                                 f'<table:table-cell office:value-type="string">{c}</table:table-cell>'
+                                                 for c in row) + "</table:table-row>" for row in rows)
+    return f'<table:table table:name="{name}"><table:table-column table:number-columns-repeated="2"/>{body}</table:table>'
+
+
+def test_odt_tables_in_list_items_untyped_or_nested_are_read(tmp_path):
+    """A table in a list item (as pandoc writes) came out as its internal marker `- kvblend-odt-table-0`, its
+    cells lost; one whose cells carry no value type (writers other than LibreOffice) vanished; one nested in a
+    cell was an empty cell; a soft line break left a backslash."""
+    import odfdo
+    from odfdo import Element
+
+    document = odfdo.Document("text")
+    document.body.clear()
+    for fragment in [
+        "<text:p>Before.</text:p>",
+        "<text:list><text:list-item><text:p>list item one</text:p>"
+        + _odt_table("InList", [["colA", "colB"], ["LISTTABLE a", "b"]]) + "</text:list-item></text:list>",
+        _odt_table("NoType", [["name", "value"], ["untyped cell", "42"]], typed=False),
+        _odt_table("Outer", [["outer1", _odt_table("Inner", [["i1", "NESTED"]])], ["o3", "o4"]]),
+        "<text:p>Soft<text:line-break/>break.</text:p>",
+    ]:
+        document.body.append(Element.from_tag(fragment))
+    document.save(str(tmp_path / "t.odt"))
+    text = read_one(tmp_path / "t.odt").text
+    assert "kvblend-odt-table" not in text and "\\" not in text
+    in_order(text, "Before.", "list item one", "| colA | colB |\n|---|---|\n| LISTTABLE a | b |",
+             "| name | value |\n|---|---|\n| untyped cell | 42 |", "| outer1 | i1; NESTED |", "| o3 | o4 |",
+             "Soft\nbreak.")
+
+
 def test_xlsx_rows_are_read_as_the_file_holds_them_not_as_its_dimension_claims(tmp_path):
     """A writer's wrong <dimension ref="A1"/> cut the sheet to one cell; one cell far out (Z60000) padded each of
     its 60,000 rows to 26 columns, and the sheet was refused as too large."""
