@@ -1643,18 +1643,31 @@ def _message_text(msg, started: float) -> str:
     """One message as :func:`_convert_eml` describes it: subject heading, people and date, body, attachments."""
     subject = _header(msg, "Subject") or "(no subject)"
     blocks = ["# " + subject, "\n".join(f"{k}: {v}" for k in _EMAIL_FIELDS if (v := _header(msg, k)))]
-    part = msg.get_body(preferencelist=("plain", "html"))
+    content_part = msg
+    while content_part.get_content_type() == "multipart/signed" and content_part.is_multipart():
+        content_part = next(content_part.iter_parts(), content_part)  # S/MIME, PGP/MIME: the part signed
+        if content_part.get_content_type() == "multipart/signed":
+            continue
+        break
+    single_file = not content_part.is_multipart() and bool(content_part.get_filename())  # a scanner's mail
+    part = None if single_file else content_part.get_body(preferencelist=("plain", "html"))
     if part is not None:
-        try:
-            content = part.get_content()
-        except LookupError:  # a charset Python does not know: its bytes as any file's are read
-            content = decode_text(part.get_payload(decode=True) or b"")[0]
-        if part.get_content_type() == "text/html":
-            content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
-        blocks.append(_close_fence(content) if isinstance(content, str) else "")  # hides no later heading
+        blocks.append(_body_text(part))
+    if single_file:
+        others = [content_part]
+    elif content_part.is_multipart():
+        others = list(content_part.iter_attachments())
+    else:
+        others = []
     listed, read = [], []
-    for attachment in msg.iter_attachments():
+    for attachment in others:
         if not attachment.get_filename():
+            # more of the body: Apple Mail splits a message's text around an inline file (text, file, text)
+            inner = attachment.get_body(preferencelist=("plain", "html")) if attachment.is_multipart() else None
+            if attachment.get_content_type() in ("text/plain", "text/html"):
+                blocks.append(_body_text(attachment))
+            elif inner is not None:
+                blocks.append(_body_text(inner))
             continue
         name = " ".join(str(attachment.get_filename()).split())
         if time.monotonic() - started > MAX_CONVERT_SECONDS:  # the message's budget, its attachments' too
@@ -1667,6 +1680,17 @@ def _message_text(msg, started: float) -> str:
     if listed:
         blocks.append("Attachments: " + ", ".join(listed))
     return _tidy("\n\n".join(b for b in [*blocks, *read] if b.strip()))
+
+
+def _body_text(part) -> str:
+    """A message's text part as text: HTML as Markdown, a fence left open closed (it hides no later heading)."""
+    try:
+        content = part.get_content()
+    except LookupError:  # a charset Python does not know: its bytes as any file's are read
+        content = decode_text(part.get_payload(decode=True) or b"")[0]
+    if part.get_content_type() == "text/html":
+        content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
+    return _close_fence(content) if isinstance(content, str) else ""
 
 
 def _header(msg, name: str) -> str:

@@ -1039,6 +1039,48 @@ def plain_message(subject: str, body: str, attachment: tuple[str, bytes] | None 
     return msg
 
 
+def test_signed_single_part_and_split_messages_keep_their_text_and_attachments(tmp_path):
+    """Three shapes mail clients send that lost text: an S/MIME-signed message (its attachment sat one level
+    down, inside the part signed), a scanner's message that is one attached file, and Apple Mail's body split
+    around an inline file (the text after the file was dropped)."""
+    from email.message import EmailMessage
+    from email.mime.application import MIMEApplication
+    from email.mime.multipart import MIMEMultipart
+    from email.mime.text import MIMEText
+
+    def headed(msg, subject):
+        msg["Subject"], msg["From"], msg["To"] = subject, "a@example.com", "b@example.com"
+        return msg
+
+    signed_part = MIMEMultipart("mixed")
+    signed_part.attach(MIMEText("See the attached parts list.", "plain"))
+    parts = MIMEText("Seal kit part number 4711 costs 11.75 EUR.", "plain")
+    parts.add_header("Content-Disposition", "attachment", filename="parts.txt")
+    signed_part.attach(parts)
+    signed = headed(MIMEMultipart("signed", protocol="application/pkcs7-signature"), "Signed")
+    signed.attach(signed_part)
+    signature = MIMEApplication(b"\x30\x80signature", "pkcs7-signature")
+    signature.add_header("Content-Disposition", "attachment", filename="smime.p7s")
+    signed.attach(signature)
+    single = headed(EmailMessage(), "Scan")
+    single.set_content("Pump 7 inspection: passed.", disposition="attachment", filename="scan.txt")
+    split = headed(MIMEMultipart("mixed"), "Split")
+    split.attach(MIMEText("First part before the file.", "plain"))
+    notes = MIMEText("Torque 40 Nm.", "plain")
+    notes.add_header("Content-Disposition", "inline", filename="notes.txt")
+    split.attach(notes)
+    split.attach(MIMEText("Second part after the file: replace the seal yearly.", "plain"))
+    for name, msg in (("signed", signed), ("single", single), ("split", split)):
+        (tmp_path / f"{name}.eml").write_bytes(msg.as_bytes())
+    text = read_one(tmp_path / "signed.eml").text
+    in_order(text, "# Signed", "See the attached parts list.", "Attachments: parts.txt",
+             "## Attachment: parts.txt", "Seal kit part number 4711")
+    assert "smime.p7s" not in text  # the signature is no content
+    in_order(read_one(tmp_path / "single.eml").text, "# Scan", "Attachments: scan.txt", "Pump 7 inspection: passed.")
+    in_order(read_one(tmp_path / "split.eml").text, "First part before the file.",
+             "Second part after the file: replace the seal yearly.", "Attachments: notes.txt", "Torque 40 Nm.")
+
+
 def test_a_mailbox_is_each_message_under_its_subject_with_attachments_read(tmp_path):
     """An mbox (Thunderbird's folders, Google Takeout, Mailman's archives) was ingested as text: its headers, the
     encoded parts and base64 attachments became KV. Now each message is read as an .eml is, under its subject."""
