@@ -1838,11 +1838,17 @@ def _convert_ipynb(data: bytes, started: float) -> Converted:
             depth = min(max(level, 1), 6) if isinstance(level, int) else 1
             blocks.append("#" * depth + " " + " ".join(source.split()))
         else:  # markdown and raw cells, each rendered alone: a fence one leaves open closes with it
-            blocks.append(_close_fence(source))
+            blocks.append(_close_fence(_DATA_URI_IMAGE.sub(lambda m: m.group(1) or "", source)))
     text = _tidy("\n\n".join(blocks))
     if not text:
         raise ConversionError("empty (the notebook has no cells with text)")
     return Converted(block_tables(text), "ipynb")
+
+
+# An image pasted into a Markdown cell (Colab, VS Code write it inline as base64): its alt text, not its bytes
+_DATA_URI_IMAGE = re.compile(
+    r"!\[([^\]]*)\]\(\s*<?data:[^)]*\)|<img\b[^>]*\bsrc\s*=\s*[\"']data:[^\"']*[\"'][^>]*>", re.I
+)
 
 
 def _notebook_language(meta: dict) -> str:
@@ -1887,7 +1893,8 @@ def _notebook_outputs(outputs: object) -> list[str]:
             bundle = _mapping(out.get("data")) or out
             if any(key.startswith("image/") or key in ("png", "jpeg", "svg") for key in bundle):
                 continue  # a plot: its text is the figure object's repr ("<Figure size 640x480 with 1 Axes>")
-            text = _notebook_text(bundle.get("text/plain", bundle.get("text")))
+            # IPython's Markdown display: its text/plain is the object's repr, its Markdown the content
+            text = _notebook_text(bundle.get("text/markdown", bundle.get("text/plain", bundle.get("text"))))
         text = _ANSI.sub("", text).replace("\r\n", "\n")  # Windows' line ends are not a progress bar's updates
         text = "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")).strip("\n")
         if not text.strip():
@@ -2082,6 +2089,7 @@ def text_document(text: str, fmt: str) -> Converted:
     return Converted(text, fmt)
 
 
+_CSV_SEP_LINE = re.compile(r"sep=([^\r\n])\r?\n")  # Excel's first line naming the delimiter
 #: Delimiters a CSV export uses: Excel writes ";" where the decimal mark is a comma (most of Europe).
 _CSV_DELIMITERS = ",;\t|"
 
@@ -2100,7 +2108,9 @@ def delimited_table(text: str, fmt: str) -> Converted:
     import csv
 
     delimiter = "\t"
-    if fmt == "csv":
+    if fmt == "csv" and (declared := _CSV_SEP_LINE.match(text)):  # Excel's "sep=;" line: a setting, no row
+        delimiter, text = declared.group(1), text[declared.end() :]
+    elif fmt == "csv":
         try:
             # 8 KiB: the sniffer's time grows with the square of its sample (64 KiB of odd quoting took 7.7 s)
             delimiter = csv.Sniffer().sniff(text[: 8 * 1024], delimiters=_CSV_DELIMITERS).delimiter

@@ -768,6 +768,14 @@ def test_a_european_excel_csv_and_a_tsv_are_tables_too(tmp_path):
     assert by_name["names.csv"].text == "Ada Lovelace\nGrace Hopper"
 
 
+def test_an_excel_csv_that_names_its_delimiter_on_a_sep_line_is_read_by_it(tmp_path):
+    """Excel's first line `sep=;` is a setting, not the header (it became `| sep= |  |` over the real one)."""
+    (tmp_path / "k.csv").write_bytes(b"sep=;\r\nPart;Price\r\nSeal;11,75\r\nPump;412,00\r\n")
+    doc = read_one(tmp_path / "k.csv")
+    assert doc.text == "| Part | Price |\n|---|---|\n| Seal | 11,75 |\n| Pump | 412,00 |"
+    assert [row for _, row in doc.row_marks] == [2, 3]  # as Excel numbers them, the sep line not shown
+
+
 def test_a_csv_too_large_or_with_a_field_csv_cannot_hold_is_skipped_in_one_line(tmp_path, monkeypatch):
     (tmp_path / "huge_field.csv").write_text('a,b\n1,"' + "x" * 200_000 + '"\n')
     (tmp_path / "many.csv").write_text("a,b\n" + "1,2\n" * 60)
@@ -1471,6 +1479,21 @@ def test_a_notebook_is_its_cells_with_code_fenced_and_text_outputs_without_image
     text = read_one(tmp_path / "fences.ipynb").text
     assert [h.title for h in find_headings(text)] == ["Intro", "Results"], text
     in_order(text, "```\nfoo\n```", "```\nCollecting x\nSuccessfully installed x\n```", "```\nKeyboardInterrupt\n```")
+
+
+def test_a_notebook_keeps_a_pasted_images_alt_text_not_its_base64_and_a_markdown_displays_text(tmp_path):
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+    notebook = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": [f"Pump diagram: ![the seal housing](data:image/png;base64,{png})\n",
+                                                             f'<img src="data:image/png;base64,{png}" width=40>']},
+        {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": "Markdown('**Seal**: ok')", "outputs": [
+            {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+             "data": {"text/plain": ["<IPython.core.display.Markdown object>"], "text/markdown": ["**Seal**: ok"]}}]},
+    ]}
+    (tmp_path / "n.ipynb").write_text(json.dumps(notebook))
+    text = read_one(tmp_path / "n.ipynb").text
+    assert "Pump diagram: the seal housing" in text and "base64" not in text and "iVBOR" not in text
+    assert "**Seal**: ok" in text and "IPython.core.display.Markdown object" not in text
 
 
 def test_a_bad_notebook_is_skipped_in_one_line(tmp_path):
