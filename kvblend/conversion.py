@@ -2322,11 +2322,14 @@ def _pptx_chart(chart) -> str:
     """A chart as what it says: its title, then its data as pipe rows (a row per category, a column per series),
     from the numbers the deck stores with it. Text a picture of the chart would not give a retriever."""
     title = " ".join(chart.chart_title.text_frame.text.split()) if chart.has_title else ""
-    tables = []
+    tables: list[str] = []
     for plot in chart.plots:
         series = list(plot.series)
         categories = [str(c) for c in plot.categories]
-        if not series or not categories:
+        if series and not categories:  # an XY (scatter) or bubble chart: each series its own x and y
+            tables.extend(t for i, s in enumerate(series, 1) if (t := _pptx_xy_table(s, i)))
+            continue
+        if not series:
             continue
         values = [list(s.values) for s in series]
         rows = [["", *[s.name or f"Series {i}" for i, s in enumerate(series, 1)]]]  # as PowerPoint names them
@@ -2336,17 +2339,60 @@ def _pptx_chart(chart) -> str:
     return "\n\n".join(t for t in [f"Chart: {title}" if title else "", *tables] if t)
 
 
+def _pptx_xy_table(series, index: int) -> str:
+    """An XY series as `| x | name |` rows, from the x and y values the deck stores (python-pptx reads only y)."""
+    xs = [str(v.text) for v in series._element.xpath("./c:xVal//c:pt/c:v")]
+    ys = list(series.values)
+    if not xs or not ys:
+        return ""
+    return _table_text([["x", series.name or f"Series {index}"], *([x, _cell(y)] for x, y in zip(xs, ys))])
+
+
+_MC_ALTERNATE = "{http://schemas.openxmlformats.org/markup-compatibility/2006}AlternateContent"
+
+
+def _alternate_shapes(shapes) -> list:
+    """The shapes PowerPoint wraps in `mc:AlternateContent` (a text box holding an equation, newer shape kinds),
+    which python-pptx's shape tree does not list: the first choice's shapes, else the fallback's."""
+    from pptx.shapes.shapetree import SlideShapeFactory
+
+    found: list = []
+    for alternate in shapes._spTree.iterchildren(_MC_ALTERNATE):
+        options = [option for option in alternate if len(option)]
+        if options:  # mc:Choice first, mc:Fallback last, as the schema orders them
+            found.extend(SlideShapeFactory(element, shapes) for element in options[0])
+    return found
+
+
 def _reading_order(shapes) -> list:
     """The shapes top to bottom, then left to right (a group's shapes in their place), not in z-order."""
+    return [shape for _, _, shape in sorted(_placed(shapes), key=lambda placed: placed[:2])]
+
+
+def _placed(shapes, to_slide=lambda y, x: (y, x)) -> list:
+    """Each shape (groups opened) as (top, left, shape) on the slide. A group's shapes are placed in its own
+    child coordinates, which PowerPoint maps onto the slide by the group's offset and scale (a group dragged
+    up moves its `off`, not its shapes): mapped so, a moved group sorts where it is shown."""
     from pptx.enum.shapes import MSO_SHAPE_TYPE
 
-    flat = []
-    for shape in shapes:
+    placed = []
+    for shape in [*shapes, *_alternate_shapes(shapes)]:
         if shape.shape_type == MSO_SHAPE_TYPE.GROUP:
-            flat.extend(_reading_order(shape.shapes))
+            placed.extend(_placed(shape.shapes, _group_mapping(shape, to_slide)))
         else:
-            flat.append(shape)
-    return sorted(flat, key=lambda s: (s.top or 0, s.left or 0))
+            placed.append((*to_slide(shape.top or 0, shape.left or 0), shape))
+    return placed
+
+
+def _group_mapping(group, outer):
+    """A group's child coordinates (y, x) to the slide's, through the group's `a:xfrm` and the mapping above it."""
+    xfrm = group._element.grpSpPr.find("{http://schemas.openxmlformats.org/drawingml/2006/main}xfrm")
+    if xfrm is None or xfrm.off is None or xfrm.chOff is None:
+        return outer
+    scale_y = (xfrm.ext.cy / xfrm.chExt.cy) if xfrm.ext is not None and xfrm.chExt is not None and xfrm.chExt.cy else 1
+    scale_x = (xfrm.ext.cx / xfrm.chExt.cx) if xfrm.ext is not None and xfrm.chExt is not None and xfrm.chExt.cx else 1
+    off, child = xfrm.off, xfrm.chOff
+    return lambda y, x: outer(off.y + (y - child.y) * scale_y, off.x + (x - child.x) * scale_x)
 
 
 def _pptx_text(frame, bullets: bool) -> str:

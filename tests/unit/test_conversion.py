@@ -240,6 +240,48 @@ def test_docx_text_in_content_controls_nested_tables_and_text_boxes_is_read(tmp_
     assert text.count("Torque the bolts") == 1
 
 
+def test_pptx_alternate_content_xy_charts_and_moved_groups_are_read_in_place(tmp_path):
+    """A text box PowerPoint wraps in mc:AlternateContent (one holding an equation) was dropped, an XY chart's
+    data too (python-pptx gives it no categories), and a group dragged up sorted where its shapes were drawn."""
+    import copy
+
+    from lxml import etree
+    from pptx import Presentation
+    from pptx.chart.data import XyChartData
+    from pptx.enum.chart import XL_CHART_TYPE
+    from pptx.util import Inches
+
+    deck = Presentation()
+    slide = deck.slides.add_slide(deck.slide_layouts[6])
+    slide.shapes.add_textbox(Inches(1), Inches(2), Inches(4), Inches(1)).text_frame.text = "Second on the slide"
+    group = slide.shapes.add_group_shape()
+    group.shapes.add_textbox(Inches(1), Inches(5), Inches(4), Inches(1)).text_frame.text = "First on the slide"
+    xfrm = group._element.grpSpPr.find("{http://schemas.openxmlformats.org/drawingml/2006/main}xfrm")
+    xfrm.find("{http://schemas.openxmlformats.org/drawingml/2006/main}off").set("y", str(Inches(0.5)))
+    box = slide.shapes.add_textbox(Inches(1), Inches(6), Inches(4), Inches(1))
+    box.text_frame.text = "Flow rate Q equals v times A"
+    mc = "http://schemas.openxmlformats.org/markup-compatibility/2006"
+    tree, element = box._element.getparent(), box._element
+    alternate = etree.SubElement(tree, f"{{{mc}}}AlternateContent", nsmap={"mc": mc})
+    choice = etree.SubElement(alternate, f"{{{mc}}}Choice", Requires="a14")
+    tree.remove(element)
+    choice.append(element)
+    etree.SubElement(alternate, f"{{{mc}}}Fallback").append(copy.deepcopy(element))
+    data = XyChartData()
+    series = data.add_series("Pressure")
+    series.add_data_point(1, 10.5)
+    series.add_data_point(2, 20.25)
+    chart = deck.slides.add_slide(deck.slide_layouts[6]).shapes.add_chart(
+        XL_CHART_TYPE.XY_SCATTER, Inches(1), Inches(1), Inches(6), Inches(4), data).chart
+    chart.has_title = True
+    chart.chart_title.text_frame.text = "Seal pressure"
+    deck.save(str(tmp_path / "deck.pptx"))
+    text = read_one(tmp_path / "deck.pptx").text
+    in_order(text, "First on the slide", "Second on the slide", "Flow rate Q equals v times A",
+             "Chart: Seal pressure", "| x | Pressure |\n|---|---|\n| 1 | 10.5 |\n| 2 | 20.25 |")
+    assert text.count("Flow rate Q") == 1  # the choice, not its fallback copy too
+
+
 def test_pptx_is_a_page_per_slide_with_titles_bullets_tables_charts_and_notes_in_reading_order():
     doc = read_one(DOCS / "briefing.pptx")
     assert doc.format == "pptx"
