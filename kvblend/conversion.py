@@ -1577,9 +1577,21 @@ def _convert_xml(data: bytes, started: float) -> Converted:
     return Converted(text, "xml")
 
 
+# HTML carried as text (escaped or in CDATA): what a feed's <description> and <content:encoded> hold
+_ESCAPED_HTML = re.compile(r"<(?:p|a|b|i|em|strong|br|img|div|span|ul|ol|li|h[1-6]|table|tr|td)\b[^>]*>", re.I)
+
+
 def _xml_text(element) -> str:
-    """An element's text with its inline children's, whitespace collapsed."""
-    return " ".join("".join(element.itertext()).split())
+    """An element's text with its inline children's, whitespace collapsed; HTML it carries as text (a feed's
+    description) read as HTML, so its tags do not reach the KV."""
+    text = "".join(element.itertext())
+    if _ESCAPED_HTML.search(text):
+        from lxml import etree
+        from lxml import html as lxml_html
+
+        with suppress(etree.ParserError, ValueError):
+            text = lxml_html.fragment_fromstring(text, create_parent="div").text_content()
+    return " ".join(text.split())
 
 
 def _xml_blocks(element, level: int, blocks: list[str], started: float) -> None:

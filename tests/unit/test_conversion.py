@@ -712,6 +712,21 @@ def test_a_short_unlabelled_latin1_page_is_not_read_as_central_european(tmp_path
     assert read_one(tmp_path / "p.html").text == text
 
 
+def test_a_feeds_html_descriptions_are_read_as_html_not_as_tags(tmp_path):
+    """RSS carries each item's HTML as text (escaped, or in CDATA): its tags came out in the text."""
+    feed = (
+        '<?xml version="1.0" encoding="UTF-8"?><rss version="2.0" xmlns:content="http://purl.org/rss/1.0/modules/'
+        'content/"><channel><title>Orca blog</title><item><title>Seal kits</title><description>&lt;p&gt;Seal kits '
+        'now ship &lt;b&gt;boxed&lt;/b&gt;.&lt;/p&gt;&lt;img src="a.png"/&gt;</description><content:encoded>'
+        '<![CDATA[<p>Full article: <a href="https://x">kits</a> are <em>here</em>.</p>]]></content:encoded>'
+        "</item></channel></rss>"
+    )
+    (tmp_path / "feed.xml").write_text(feed)
+    text = read_one(tmp_path / "feed.xml").text
+    in_order(text, "# Orca blog", "## Seal kits", "Seal kits now ship boxed.", "Full article: kits are here.")
+    assert "<" not in text and "&lt;" not in text
+
+
 def test_review_cases_wide_tables_xml_siblings_and_entities_an_odt_bomb_and_fences(tmp_path):
     # a header too wide for a block's budget: blocks of 25 rows, not the header over every row
     header = ",".join(f"column name number {i}" for i in range(30))
