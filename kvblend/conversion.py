@@ -1701,7 +1701,7 @@ def _body_text(part) -> str:
     except LookupError:  # a charset Python does not know: its bytes as any file's are read
         content = decode_text(part.get_payload(decode=True) or b"")[0]
     if part.get_content_type() == "text/html":
-        content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content)
+        content = _xhtml_markdown(content.encode("utf-8") if isinstance(content, str) else content, layout_tables=True)
     return _close_fence(content) if isinstance(content, str) else ""
 
 
@@ -2493,13 +2493,37 @@ def _epub_spine(book: zipfile.ZipFile) -> list[str]:
     return names
 
 
-def _xhtml_markdown(data: bytes) -> str:
+def _is_layout_table(table) -> bool:
+    """Whether an HTML table lays a message out rather than holding data: newsletters and notification mail
+    are built of nested tables whose cells hold headings and paragraphs (as pipe rows they were `|  |  |`
+    noise and lost their headings). A data table has header cells or plain text in its cells."""
+    if table.get("role") == "presentation" or table.find("table") is not None or table.find_parent("table"):
+        return True
+    if table.find("th") is not None:
+        return False
+    if max((len(row.find_all(["td", "th"], recursive=False)) for row in table.find_all("tr")), default=0) <= 1:
+        return True  # one column: a frame around the text
+    return table.find(["p", "div", "h1", "h2", "h3", "h4", "h5", "h6", "ul", "ol", "img"]) is not None
+
+
+def _xhtml_markdown(data: bytes, layout_tables: bool = False) -> str:
     """A chapter's body as Markdown: ATX headings, '-' list items, tables as pipe rows; links and images as
-    their text only."""
+    their text only. `layout_tables` (an e-mail's HTML): tables used for layout (:func:`_is_layout_table`)
+    are read as the blocks they hold, not as pipe rows."""
     from bs4 import BeautifulSoup  # lazy: markdownify's parser
     from markdownify import MarkdownConverter
 
     soup = BeautifulSoup(data, "lxml")
     body = soup.body or soup
+    if layout_tables:
+        layout = [t for t in body.find_all("table") if _is_layout_table(t)]
+        own = [
+            p
+            for t in layout
+            for p in t.find_all(["thead", "tbody", "tfoot", "tr", "td", "th"])
+            if p.find_parent("table") is t
+        ]
+        for part in [*layout, *own]:
+            part.name = "div"
     converter = MarkdownConverter(heading_style="ATX", bullets="-", strip=["a", "img"], escape_misc=False)
     return converter.convert_soup(body)

@@ -1146,6 +1146,24 @@ def test_signed_single_part_and_split_messages_keep_their_text_and_attachments(t
              "Second part after the file: replace the seal yearly.", "Attachments: notes.txt", "Torque 40 Nm.")
 
 
+def test_an_html_only_messages_layout_tables_are_its_blocks_and_a_data_table_stays_a_table(tmp_path):
+    """Newsletters and notification mail are laid out in nested tables: as pipe rows they were `|  |  |` noise
+    and lost their headings. A table with header cells in the same message is data and stays pipe rows."""
+    html = (
+        '<html><body><table width="100%"><tr><td><table><tr><td><h1>Quarterly news</h1></td></tr><tr><td>'
+        "<p>Pump seals now ship in kits.</p><p>Second paragraph.</p></td><td><img src='x.png'></td></tr></table>"
+        "</td></tr></table><table><tr><th>Part</th><th>Price</th></tr><tr><td>Seal</td><td>11.75</td></tr></table>"
+        "</body></html>"
+    )
+    (tmp_path / "news.eml").write_text(
+        "From: news@example.com\nSubject: News\nMIME-Version: 1.0\nContent-Type: text/html; charset=utf-8\n\n" + html
+    )
+    text = read_one(tmp_path / "news.eml").text
+    in_order(text, "# News", "# Quarterly news\n\nPump seals now ship in kits.\n\nSecond paragraph.",
+             "| Part | Price |", "| Seal | 11.75 |")
+    assert "|  |" not in text
+
+
 def test_a_mailbox_is_each_message_under_its_subject_with_attachments_read(tmp_path):
     """An mbox (Thunderbird's folders, Google Takeout, Mailman's archives) was ingested as text: its headers, the
     encoded parts and base64 attachments became KV. Now each message is read as an .eml is, under its subject."""
