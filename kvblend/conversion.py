@@ -2279,6 +2279,12 @@ def _cell(value: object) -> str:
         return value.date().isoformat() if value.time() == dt.time(0) else value.isoformat(sep=" ")
     if isinstance(value, (dt.date, dt.time)):
         return value.isoformat()
+    if isinstance(value, dt.timedelta):  # a duration cell ([h]:mm): 26:00, as the sheet shows it, not "1 day, 2:00:00"
+        seconds = round(value.total_seconds())
+        sign, seconds = ("-" if seconds < 0 else ""), abs(seconds)
+        hours, rest = divmod(seconds, 3600)
+        minutes, secs = divmod(rest, 60)
+        return f"{sign}{hours}:{minutes:02d}" + (f":{secs:02d}" if secs else "")
     return " ".join(str(value).split())
 
 
@@ -2433,8 +2439,11 @@ def _convert_epub(data: bytes, started: float) -> Converted:
     with _damage_named("EPUB"), zipfile.ZipFile(io.BytesIO(data)) as book:
         _check_epub_drm(book)
         chapters = []
+        present = set(book.namelist())
         for name in _epub_spine(book):
             _check_time(started)
+            if name not in present:  # a chapter the spine lists but the ZIP lacks: the rest of the book is read
+                continue
             if book.getinfo(name).file_size > MAX_HTML_BYTES:  # as for a web page: the parse grows with it
                 raise ConversionError(
                     f"EPUB chapter {name} is too large ({book.getinfo(name).file_size // _MIB} MiB; "
@@ -2475,7 +2484,7 @@ def _epub_spine(book: zipfile.ZipFile) -> list[str]:
     rootfiles = container.xpath("//c:rootfile/@full-path", namespaces=_CONTAINER_NS)
     if not rootfiles:
         raise ConversionError("corrupt EPUB (META-INF/container.xml names no package file)")
-    opf_name = str(rootfiles[0])
+    opf_name = unquote(str(rootfiles[0]))  # a URL path: "OEBPS%20files/content.opf" names a space
     package = etree.fromstring(book.read(opf_name))
     base = posixpath.dirname(opf_name)
     items = {item.get("id"): item for item in package.xpath("/opf:package/opf:manifest/opf:item", namespaces=_OPF_NS)}

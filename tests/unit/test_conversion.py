@@ -8,6 +8,7 @@ The bad ones are made here from them: cut short, bytes flipped, a ZIP bomb, a 50
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -238,6 +239,38 @@ def test_docx_text_in_content_controls_nested_tables_and_text_boxes_is_read(tmp_
     in_order(text, "Body text before.", "Warranty: seven years on the Skua-7.", "| Part | Note |",
              "| Seal kit; code SK-42 | outer |", "Callout:", "Torque the bolts to 40 Nm.", "Body text after.")
     assert text.count("Torque the bolts") == 1
+
+
+def test_an_epub_missing_a_chapter_keeps_the_rest_and_a_percent_encoded_package_path_is_read(tmp_path):
+    import zipfile
+
+    book = (DOCS / "handbook.epub").read_bytes()
+    whole = read_one(DOCS / "handbook.epub").text
+    with zipfile.ZipFile(io.BytesIO(book)) as src:
+        names = src.namelist()
+        members = {n: src.read(n) for n in names}
+    gap = io.BytesIO()  # the spine names EPUB/maintenance.xhtml; the ZIP lost it
+    with zipfile.ZipFile(gap, "w") as dst:
+        for n in names:
+            if n != "EPUB/maintenance.xhtml":
+                dst.writestr(n, members[n])
+    (tmp_path / "gap.epub").write_bytes(gap.getvalue())
+    text = read_one(tmp_path / "gap.epub").text  # the whole book was "corrupt EPUB (KeyError ...)"
+    assert text == whole[: whole.index("# Maintenance")].strip()
+    spaced = io.BytesIO()  # EPUB 3.3: full-path is a URL path, so a space in it is "%20"
+    with zipfile.ZipFile(spaced, "w") as dst:
+        for n in names:
+            data = members[n].replace(b'full-path="EPUB/content.opf"', b'full-path="EPUB%20files/content.opf"')
+            dst.writestr(n.replace("EPUB/", "EPUB files/"), data)
+    (tmp_path / "spaced.epub").write_bytes(spaced.getvalue())
+    assert read_one(tmp_path / "spaced.epub").text == whole
+
+
+def test_a_duration_cell_reads_as_the_sheet_shows_it():
+    import datetime as dt
+
+    assert [conversion._cell(dt.timedelta(hours=h, minutes=m, seconds=s)) for h, m, s in
+            [(26, 0, 0), (1, 30, 5), (0, -90, 0)]] == ["26:00", "1:30:05", "-1:30"]
 
 
 def test_pptx_alternate_content_xy_charts_and_moved_groups_are_read_in_place(tmp_path):
