@@ -244,7 +244,7 @@ def classify(suffix: str, data: bytes) -> str:
             raise ConversionError(f"not {named} (content looks like {_describe(data)})")
         return fmt
     if suffix == ".eml":
-        if not _EMAIL_HEADER.match(data[:1024].lstrip()):
+        if not _EMAIL_HEADER.match(_eml_headers(data[:2048])):
             raise ConversionError(f"not an email (content looks like {_describe(data)})")
         return "eml"
     if suffix in _MBOX_EXTENSIONS:
@@ -1636,10 +1636,19 @@ def _convert_eml(data: bytes, started: float) -> Converted:
     under a ``## Attachment: name`` heading, since in a mailbox the attachment often holds what the message
     only points to. An attachment that cannot be read is named with its reason; the message is kept. Headers
     in other charsets (RFC 2047) are decoded."""
-    msg = _parse_message(data)
+    msg = _parse_message(_eml_headers(data))
     if msg is None:
         raise ConversionError("not an email (no From, Subject or Date header)")
     return Converted(_message_text(msg, started), "eml")
+
+
+def _eml_headers(data: bytes) -> bytes:
+    """A saved message from its first header on: without a byte-order mark, leading blank lines, or the
+    mbox envelope line (`From - Wed Mar 30 10:27:45 2016`) Thunderbird writes atop the messages it saves."""
+    data = data.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if data.startswith(b"From ") and b"\n" in data[:1024]:
+        data = data[data.index(b"\n") + 1 :]
+    return data
 
 
 def _parse_message(data: bytes):

@@ -1179,6 +1179,15 @@ def test_signed_single_part_and_split_messages_keep_their_text_and_attachments(t
              "Second part after the file: replace the seal yearly.", "Attachments: notes.txt", "Torque 40 Nm.")
 
 
+@pytest.mark.parametrize("lead", [b"From - Wed Mar 30 10:27:45 2016\r\n", b"\xef\xbb\xbf"], ids=["thunderbird", "bom"])
+def test_a_saved_message_with_an_envelope_line_or_a_bom_is_read(tmp_path, lead):
+    """Thunderbird writes the mbox envelope line atop a saved .eml; some tools a byte-order mark. Both were
+    refused as "not an email (content looks like text)"."""
+    message = b"From: a@example.com\r\nSubject: Saved\r\nDate: Wed, 30 Mar 2016 10:27:45 +0000\r\n\r\nThe body.\r\n"
+    (tmp_path / "m.eml").write_bytes(lead + message)
+    assert read_one(tmp_path / "m.eml").text.startswith("# Saved\n\nFrom: a@example.com")
+
+
 def test_an_html_only_messages_layout_tables_are_its_blocks_and_a_data_table_stays_a_table(tmp_path):
     """Newsletters and notification mail are laid out in nested tables: as pipe rows they were `|  |  |` noise
     and lost their headings. A table with header cells in the same message is data and stays pipe rows."""
