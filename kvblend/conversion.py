@@ -1815,7 +1815,9 @@ _VISIBLE = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\
 def has_visible_text(text: str) -> bool:
     """Whether `text` shows anything once terminal escape codes are left out: a file of zero-width spaces or of
     colour codes alone is empty to a reader, and would be KV of nothing."""
-    return _VISIBLE.search(_ANSI.sub("", text)) is not None
+    if _VISIBLE.search(text) is None:
+        return False
+    return "\x1b" not in text or _VISIBLE.search(_ANSI.sub("", text)) is not None  # no rewrite of a plain text
 
 
 def _convert_ipynb(data: bytes, started: float) -> Converted:
