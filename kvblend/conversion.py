@@ -700,8 +700,20 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
         raise ConversionError("PDF has no pages")
     if not any(p.strip() for p in pages):
         raise ConversionError("no text layer (a scanned or image-only PDF; run OCR on it first)")
-    pages = _drop_running_lines(pages)
-    return _paged([_mark_headings(text, headings.get(i, [])) for i, text in enumerate(pages)], "pdf")
+    titles = [{" ".join(t.split()).casefold() for t, _ in headings.get(i, [])} for i in range(len(pages))]
+    pages, running = _drop_running_lines(pages, titles)
+    pages = [_escape_markup(text) for text in pages]  # a PDF's headings are its outline's, never its '#' lines
+    return _paged([_mark_headings(text, headings.get(i, []), running) for i, text in enumerate(pages)], "pdf")
+
+
+_MARKUP_LINE = re.compile(r"^( {0,3})(#{1,6}(?:[ \t]|$)|(?:={3}|-{3}|~{3}|\^{3}|\*{3}|\+{3}))", re.MULTILINE)
+
+
+def _escape_markup(text: str) -> str:
+    """A PDF page's text with what Markdown would read as a heading escaped: a line that starts with '#' (a
+    shell comment in a listing, "# of cycles") and a rule of '=', '-', '~', ... (which underlines the line above
+    it). The segmenter reads section headings from Markdown; a PDF's are marked from its outline alone."""
+    return _MARKUP_LINE.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
 
 
 _EDGE_LINES = 2  # a page's first and last lines: where running headers, footers and page numbers sit
@@ -712,7 +724,7 @@ _RUNNING_MAX_WORDS = 12  # a header or footer is a title, a name, a notice; a fu
 _NUMBER = re.compile(r"\d+")
 
 
-def _drop_running_lines(pages: list[str]) -> list[str]:
+def _drop_running_lines(pages: list[str], keep: list[set[str]] | None = None) -> tuple[list[str], set[str]]:
     """The pages without their running headers and footers, and without printed page numbers.
 
     Every page of a real PDF repeats its header and footer ("Kestrel Pumps Ltd - Orca service manual",
@@ -729,9 +741,12 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
       itself.
 
     A PDF of fewer pages has nothing to tell a running line from content by, and is returned as it is.
+    ``keep``: per page, the outline's titles there (whitespace collapsed, case folded), never dropped: a
+    catalogue's "Specifications" atop every page is each page's heading. Returns the pages and the running
+    lines' texts (as compared), where a title that is also a running header must not be taken for the heading.
     """
     if len(pages) < _RUNNING_MIN_PAGES:
-        return pages
+        return pages, set()
     lines = [page.split("\n") for page in pages]
     # each page's edge lines, by index, as compared: whitespace collapsed, case folded
     edges = [{i: " ".join(page_lines[i].split()).casefold() for i in _edge_indices(page_lines)} for page_lines in lines]
@@ -747,23 +762,28 @@ def _drop_running_lines(pages: list[str]) -> list[str]:
                 numbered.setdefault(_NUMBER.sub("#", text), []).append((index, numbers))
     running = {text for text, on in pages_with.items() if len(on) >= enough and len(text.split()) <= _RUNNING_MAX_WORDS}
     page_numbers = {
-        shape for shape, seen in numbered.items() if _page_number_form(shape) and _counts_pages(seen, enough)
+        shape: found
+        for shape, seen in numbered.items()
+        if _page_number_form(shape) and (found := _counts_pages(seen, enough)) is not None
     }
 
     out: list[str] = []
     seen_running: set[str] = set()
-    for page_lines, edge in zip(lines, edges):
+    for index, (page_lines, edge) in enumerate(zip(lines, edges)):
         drop = set()
+        titles = keep[index] if keep is not None else set()
         for i, text in edge.items():
-            if _NUMBER.sub("#", text) in page_numbers and _NUMBER.search(text):
-                drop.add(i)
-            elif text in running:
+            found = page_numbers.get(_NUMBER.sub("#", text))
+            numbers = [int(n) for n in _NUMBER.findall(text)]
+            if found is not None and len(numbers) > found[0] and numbers[found[0]] - index == found[1]:
+                drop.add(i)  # this page's own number: "42" at the foot of page 7 is a value, not one
+            elif text in running and text not in titles:
                 if text in seen_running:
                     drop.add(i)
                 seen_running.add(text)
         kept = [line for i, line in enumerate(page_lines) if i not in drop]
         out.append("\n".join(kept).strip())
-    return out
+    return out, running
 
 
 def _edge_indices(page_lines: list[str]) -> list[int]:
@@ -794,17 +814,20 @@ def _page_number_form(shape: str) -> bool:
     )
 
 
-def _counts_pages(seen: list[tuple[int, list[int]]], enough: float) -> bool:
-    """Whether lines of one shape, seen on these (page index, numbers in the line), number the pages: on
-    enough pages, one number position minus the page index is the same constant on nearly all of them."""
+def _counts_pages(seen: list[tuple[int, list[int]]], enough: float) -> tuple[int, int] | None:
+    """Whether lines of one shape, seen on these (page index, numbers in the line), number the pages, and how:
+    the (number's position in the line, offset from the page index) that enough pages, and 80% of the pages
+    the shape is on, agree on. Counted by page, not by line: a value line of the same shape ("42" under a
+    table) on some pages neither dilutes the pages' own numbers nor is taken for one."""
     pages = {index for index, _ in seen}
     if len(pages) < enough:
-        return False
-    offsets: dict[tuple[int, int], int] = {}
+        return None
+    agreeing: dict[tuple[int, int], set[int]] = {}
     for index, numbers in seen:
         for position, n in enumerate(numbers):
-            offsets[(position, n - index)] = offsets.get((position, n - index), 0) + 1
-    return max(offsets.values()) >= 0.8 * len(seen)
+            agreeing.setdefault((position, n - index), set()).add(index)
+    best, on = max(agreeing.items(), key=lambda item: len(item[1]))
+    return best if len(on) >= max(enough, 0.8 * len(pages)) else None
 
 
 def _paged(pages: list[str], fmt: str) -> Converted:
@@ -832,31 +855,47 @@ def _pdf_headings(pdf) -> dict[int, list[tuple[str, int]]]:
     return out
 
 
-def _mark_headings(text: str, headings: list[tuple[str, int]]) -> str:
-    """Turn the lines of a page that are its outline entries' titles into ATX headings, in order, each its own
-    paragraph. A title wrapped over two lines is matched too; a title not found on its page is left out."""
+def _mark_headings(text: str, headings: list[tuple[str, int]], running: set[str] | frozenset[str] = frozenset()) -> str:
+    """Turn the lines of a page that are its outline entries' titles into ATX headings, each its own paragraph.
+    A title wrapped over two lines is matched too; a title not found on its page is left out, and the others
+    are still looked for (one unmatched title hid every later one). Titles are found in outline order where
+    the text allows it. A title that is also a running header (`running`: "Safety" atop each page of its
+    section) is the line that is not at the page's edge, where there is one: the header is no heading."""
     if not headings:
         return text
     lines = text.split("\n")
+    flat = [" ".join(line.split()).casefold() for line in lines]
+    edges = set(_edge_indices(lines))
+    marked: dict[int, tuple[int, int]] = {}  # first line -> (level, lines it spans)
+    used: set[int] = set()
+    after = -1
+    for title, level in headings:
+        wanted = " ".join(title.split()).casefold()
+        found = [
+            (i, span)
+            for i in range(len(lines))
+            for span in (1, 2)
+            if i + span <= len(lines) and not used & set(range(i, i + span)) and " ".join(flat[i : i + span]) == wanted
+        ]
+        if not found:
+            continue
+        if wanted in running and len(found) > 1:
+            inner = [f for f in found if f[0] not in edges]
+            pick = inner[0] if inner else found[-1]
+        else:
+            pick = next((f for f in found if f[0] > after), found[0])
+        marked[pick[0]] = (level, pick[1])
+        used.update(range(pick[0], pick[0] + pick[1]))
+        after = pick[0]
     out: list[str] = []
-    pending = list(headings)
     i = 0
     while i < len(lines):
-        line = " ".join(lines[i].split())
-        matched = 0
-        if pending:
-            title, level = pending[0]
-            if line.casefold() == title.casefold():
-                matched = 1
-            elif i + 1 < len(lines) and f"{line} {' '.join(lines[i + 1].split())}".casefold() == title.casefold():
-                matched = 2
-        if matched:
-            pending.pop(0)
-            text_of = " ".join(" ".join(lines[i + k].split()) for k in range(matched))
+        if i in marked:
+            level, span = marked[i]
             if out and out[-1] != "":
                 out.append("")
-            out.extend(("#" * level + " " + text_of, ""))
-            i += matched
+            out.extend(("#" * level + " " + " ".join(" ".join(lines[i + k].split()) for k in range(span)), ""))
+            i += span
         else:
             out.append(lines[i])
             i += 1

@@ -21,7 +21,7 @@ def main(paths: list[str]) -> None:
     keep_all = conversion._drop_running_lines
     for path in paths:
         data = Path(path).read_bytes()
-        conversion._drop_running_lines = lambda pages: pages  # type: ignore[assignment]
+        conversion._drop_running_lines = lambda pages, keep=None: (pages, set())  # type: ignore[assignment]
         try:
             before = conversion.convert("pdf", data)
         finally:

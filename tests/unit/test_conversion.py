@@ -151,10 +151,53 @@ def test_numbered_headings_that_climb_with_the_pages_are_content_not_page_number
     assert all(doc.text[start:].startswith(f"Question {i + 1}\n") for i, start in enumerate(doc.page_starts))
 
 
+def _placed_pdf(path: Path, pages: list[list[tuple[str, str | None]]]) -> Path:
+    """A PDF whose pages hold these lines top to bottom, each with the outline entry (bookmark) it starts, if any,
+    and its page number at the foot."""
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    pdf.set_auto_page_break(False)
+    for number, lines in enumerate(pages, 1):
+        pdf.add_page()
+        pdf.set_font("helvetica", size=11)
+        for row, (text, bookmark) in enumerate(lines):
+            if bookmark is not None:
+                pdf.start_section(bookmark)
+            pdf.set_xy(15, 20 + 8 * row)
+            pdf.cell(0, 6, text)
+        pdf.set_xy(15, 280)
+        pdf.cell(0, 6, str(number))
+    pdf.output(str(path))
+    return path
+
+
+def test_pdf_sections_come_from_the_outline_only_and_a_pages_values_stay(tmp_path):
+    """A review's cases, each of which made answers cite the wrong section or lose a value: a bookmark whose
+    title the page does not print ("Introduction" printed "1 Introduction") hid the next one ("Safety"); a
+    heading every page repeats ("Specifications") was dropped as a running line; a listing's "# then install"
+    became a section; and once bare numbers were known to be page numbers, a value ("42") at a page's foot
+    went too."""
+    from kvblend.segmenter import find_headings
+
+    pages = [
+        [("1 Introduction", "Introduction"), ("Intro body text.", None), ("Safety", "Safety"),
+         ("Never open it under pressure.", None)],
+        *([(f"Pump {n}", None), ("Specifications", "Specifications"), (f"Max pressure {n} bar.", None),
+           ("# then install", None), ("apt-get install orca", None), ("Torque", None), (str(40 + n), None)]
+          for n in range(2, 6)),
+    ]
+    doc = read_one(_placed_pdf(tmp_path / "catalogue.pdf", pages))
+    titles = [h.title for h in find_headings(doc.text)]
+    assert titles == ["Safety", *["Specifications"] * 4]
+    assert [int(n) for n in re.findall(r"^(\d+)$", doc.text, re.M)] == [42, 43, 44, 45]  # values; no page number
+    assert doc.text.count("then install") == 4
+
+
 def test_a_short_pdf_keeps_every_line():
     """Two pages are too few to tell a running line from content: nothing is dropped."""
     pages = ["Orca manual\nFirst page text.\nPage 1", "Orca manual\nSecond page text.\nPage 2"]
-    assert conversion._drop_running_lines(pages) == pages
+    assert conversion._drop_running_lines(pages) == (pages, set())
 
 
 def test_web_page_keeps_the_article_and_drops_the_boilerplate():
@@ -1754,3 +1797,11 @@ def test_impress_shapes_are_read_and_every_table_counts_against_the_cell_cap(tmp
     deck.save(tmp_path / "crafted.odp")
     _, skipped = iter_documents([tmp_path / "crafted.odp"])
     assert [s.reason for s in skipped] == ["too large for ODP (over 1,000,000 cells)"]
+
+
+def test_a_title_that_is_also_the_running_header_marks_the_heading_not_the_header():
+    page = "Safety\nThe overview ends here.\nSafety\nAlways depressurise first.\nOrca manual"
+    marked = conversion._mark_headings(page, [("Safety", 1)], running={"safety"})
+    assert marked == "Safety\nThe overview ends here.\n\n# Safety\n\nAlways depressurise first.\nOrca manual"
+    # not a running line: the first line of the title is the heading, as before
+    assert conversion._mark_headings(page, [("Safety", 1)]).startswith("# Safety\n\nThe overview ends here.")
