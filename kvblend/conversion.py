@@ -649,7 +649,8 @@ def _check_time(started: float) -> None:
 # in a page's text: U+0002 where it joined a word hyphenated over a line end ("back\x02ground": the hyphen and the
 # line break already gone), other C0 codes for glyphs a font maps to no character (a math font's symbols), and
 # U+FFFE, older PDFium's hyphen mark. Justified PDFs hyphenate: 9-80 per manual in /usr/share/doc's.
-_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\ufffe\uffff]")
+# U+00AD, a soft hyphen, is a break hint that splits its word.
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\u00ad\ufffe\uffff]")
 
 
 def _tidy(text: str) -> str:

@@ -1805,3 +1805,8 @@ def test_a_title_that_is_also_the_running_header_marks_the_heading_not_the_heade
     assert marked == "Safety\nThe overview ends here.\n\n# Safety\n\nAlways depressurise first.\nOrca manual"
     # not a running line: the first line of the title is the heading, as before
     assert conversion._mark_headings(page, [("Safety", 1)]).startswith("# Safety\n\nThe overview ends here.")
+
+
+def test_a_soft_hyphen_inside_a_word_is_dropped():
+    """U+00AD is a hint where a word may break; left in, it split the word in the KV ("Hy\u00adphen\u00adated")."""
+    assert conversion._tidy("Hy\u00adphen\u00adated word") == "Hyphenated word"
