@@ -193,7 +193,7 @@ def remove(
         print_json({"removed": removed})
     else:
         for r in removed:
-            out.print(f"removed {r}")
+            out.print(f"removed {escape(printable(r))}")
 
 
 def verify(
@@ -286,18 +286,18 @@ def _print_rebuild(report: RebuildReport, as_json: bool) -> None:
         f"({report.segments_from_old_index} as the old index had them), {report.documents_restored} documents"
     )
     for path in report.incomplete_documents:
-        err.print(f"warning: document {path} lost segments; ingest it again to recompute them")
+        err.print(f"warning: document {escape(printable(path))} lost segments; ingest it again to recompute them")
     if report.unlinked_segments:
         err.print(
             f"warning: {report.unlinked_segments} segments belong to no known document; ingesting their "
             "documents again relinks them without recomputing"
         )
     for entry in report.lost_blobs:
-        err.print(f"warning: could not restore {entry}; moved to lost+found/")
+        err.print(f"warning: could not restore {escape(printable(str(entry)))}; moved to lost+found/")
     for rel in report.unreadable_manifests:
-        err.print(f"warning: unreadable document manifest {rel}")
+        err.print(f"warning: unreadable document manifest {escape(printable(str(rel)))}")
     for problem in report.problems:
-        err.print(f"note: {problem}")
+        err.print(f"note: {escape(printable(str(problem)))}")
     if report.old_index:
         err.print(f"the replaced index was kept at {report.old_index}; delete it once the archive works")
 

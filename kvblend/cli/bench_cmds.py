@@ -41,6 +41,7 @@ from kvblend.cli.common import (
     err,
     out,
     print_json,
+    printable,
     progress_enabled,
 )
 from kvblend.defaults import DEFAULT_SELECT, DEFAULT_SINK
@@ -234,7 +235,7 @@ def bench(
         data["settings"]["archive"] = "scratch (temporary)"
     written = write_outputs(data, out_file, plot)
     for w in data.get("warnings", []):
-        err.print(f"[yellow]warning:[/] {escape(w)}")
+        err.print(f"[yellow]warning:[/] {escape(printable(w))}")
     if as_json:
         print_json(data)
     else:

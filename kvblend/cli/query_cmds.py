@@ -368,7 +368,7 @@ def query(
             question,
             opts,
             on_token=None if as_json else stream,
-            on_warning=lambda m: err.print(f"[yellow]warning:[/] {m}"),
+            on_warning=lambda m: err.print(f"[yellow]warning:[/] {escape(printable(m))}"),
         )
     if as_json:
         print_json(result.to_dict())
@@ -376,7 +376,7 @@ def query(
         sys.stdout.write("\n")
         sources = cite(result.segments)
         if sources:  # what the answer was drawn from: document, pages, section (none for --context-file passages)
-            sys.stdout.write(f"Sources: {sources}\n")
+            sys.stdout.write(f"Sources: {printable(sources)}\n")
         sys.stdout.flush()
     if verbose:
         err.print(timing_table(result))
