@@ -8,7 +8,7 @@ fuse.py       the layer loop shared by full / prefix / reuse / blend
 
 from kvblend.fusion.config import BlendConfig
 from kvblend.fusion.fuse import CachedKVFeed, FusionResult, fuse, fuse_steps
-from kvblend.fusion.plan import Plan, feed_schedule, plan_prompt
+from kvblend.fusion.plan import Plan, effective_cached, feed_schedule, plan_prompt
 from kvblend.options import MODES
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CachedKVFeed",
     "FusionResult",
     "Plan",
+    "effective_cached",
     "feed_schedule",
     "fuse",
     "fuse_steps",

@@ -25,7 +25,7 @@ from kvblend.archive import SegmentRecord
 from kvblend.archive.codec import is_lossless
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, RecoveringFeed, SegmentUnavailable
-from kvblend.fusion import BlendConfig, FusionResult, feed_schedule, fuse_steps, plan_prompt
+from kvblend.fusion import BlendConfig, FusionResult, effective_cached, feed_schedule, fuse_steps, plan_prompt
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import precompute_kv, storage_dtype
 from kvblend.model.runner import ModelRunner
@@ -129,7 +129,8 @@ def prepare_steps(
     fused, unreadable = yield from fuse_streaming(
         res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step, recovered
     )
-    cached_flags = {s.key: bool(s.cached) for s in prompt}
+    # whether the mode reused the passage's KV: `full` reuses none, `prefix` only an exact first segment
+    cached_flags = {s.key: used for s, used in zip(prompt, effective_cached(prompt, opts.mode))}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
     return Prepared(

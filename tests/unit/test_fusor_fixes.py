@@ -163,3 +163,13 @@ def test_length_dependent_rope_is_refused_from_the_config(rope):
     config = tf.LlamaConfig(**TINY, rope_parameters=rope, architectures=["LlamaForCausalLM"])
     with pytest.raises(UnsupportedModelError, match="sequence length"):
         ModelConfig.from_dict(config.to_dict())
+
+
+def test_a_passage_is_reported_cached_only_where_its_mode_reused_its_kv(tmp_path):
+    """`full` recomputes every passage and `prefix` all but an exact first one: their answers said `cached: true`
+    for every archived passage (and a server's `source: "hit"`), where `-v` said 100% of full's compute."""
+    with engine_for(tmp_path, "plain") as engine:
+        keys = [r.key for r in engine.store_texts(PASSAGES)]
+        reported = {mode: [s.cached for s in ask(engine, keys, mode=mode).segments] for mode in
+                    ("full", "prefix", "reuse", "blend")}
+    assert reported == {"full": [False] * 3, "prefix": [False] * 3, "reuse": [True] * 3, "blend": [True] * 3}
