@@ -263,6 +263,34 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
+def _ignored_options(ctx: typer.Context, opts) -> list[str]:
+    """The options given on the command line that this query's other choices leave without effect, each a
+    warning (it runs as asked, but a user who typed `--ratio 0.5 --mode prefix` should know the ratio did
+    nothing)."""
+
+    def given(*names: str) -> list[str]:  # typer vendors click: its ParameterSource is known by name
+        sources = {name: ctx.get_parameter_source(name) for name in names}
+        return [
+            "--" + name.replace("_", "-")
+            for name, source in sources.items()
+            if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+        ]
+
+    notes = []
+    if opts.mode != "blend" and (flags := given("ratio", "check_layers", "select", "deviation")):
+        notes.append(
+            f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect with --mode "
+            f"{opts.mode}: only blend selects tokens to recompute"
+        )
+    if (opts.docs or opts.segment_keys) and given("top_k"):
+        notes.append("--top-k has no effect with --doc or --segment: nothing is retrieved")
+    if opts.store_context and not opts.context_texts:
+        notes.append("--store has no effect without --context-file: it archives those passages")
+    if opts.sampling.temperature == 0 and (flags := given("top_p", "seed")):
+        notes.append(f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect at --temperature 0 (greedy)")
+    return notes
+
+
 def _read_context_files(files: list[Path]) -> list[str]:
     texts = []
     for f in files:
@@ -274,6 +302,7 @@ def _read_context_files(files: list[Path]) -> list[str]:
 
 
 def query(
+    ctx: typer.Context,
     question: str = typer.Argument(..., help="The question."),
     mode: Mode = typer.Option(
         Mode(DEFAULT_MODE),
@@ -353,6 +382,8 @@ def query(
             ar.find_document(name)
         for key in opts.segment_keys:
             ar.find_segment(key)
+    for note in _ignored_options(ctx, opts):  # once the query will run: an error stays one line
+        err.print(f"[yellow]warning:[/] {note}")
     from kvblend.pipeline import Engine
 
     chosen = compute_dtype(dtype, archive, model, compute)

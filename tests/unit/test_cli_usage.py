@@ -171,3 +171,23 @@ def test_a_file_name_with_a_newline_keeps_the_error_on_one_line(tmp_path):
     (tmp_path / "d" / "bad\nname.txt").write_bytes(b"\x00\x01 binary")
     line = one_line_error(run_cli("ingest", tmp_path / "d", "--archive", tmp_path / "arc"))
     assert line.endswith("bad\\nname.txt (binary)")
+
+
+@pytest.mark.parametrize("given,options,warned", [
+    ({"ratio", "select"}, {"mode": "prefix"}, "--ratio, --select have no effect with --mode prefix"),
+    ({"top_k"}, {"docs": ("a.md",)}, "--top-k has no effect with --doc or --segment"),
+    (set(), {"store_context": True}, "--store has no effect without --context-file"),
+    ({"seed"}, {}, "--seed has no effect at --temperature 0"),
+])
+def test_options_a_query_leaves_without_effect_are_named(given, options, warned):
+    """`--mode prefix --ratio 0.5` ran as if no ratio was given, and said nothing."""
+    from types import SimpleNamespace
+
+    from kvblend.cli.query_cmds import _ignored_options
+    from kvblend.pipeline import QueryOptions
+
+    source = {True: SimpleNamespace(name="COMMANDLINE"), False: SimpleNamespace(name="DEFAULT")}
+    ctx = SimpleNamespace(get_parameter_source=lambda name: source[name in given])
+    assert [n for n in _ignored_options(ctx, QueryOptions(**options)) if n.startswith(warned)]
+    defaults = SimpleNamespace(get_parameter_source=lambda name: source[False])
+    assert _ignored_options(defaults, QueryOptions()) == []  # nothing given: nothing said
