@@ -336,6 +336,8 @@ class DocumentSummary:
     format: str = "text"  # what the file was read as ("text", "markdown", "pdf", ...)
     pages: int = 0  # page count; 0 for formats without pages
     encoding: str = ""  # a plain-text file's encoding when not UTF-8 ("cp1252", ...); else ""
+    # segments were dropped from its list (evicted by gc, or damaged and repaired): ingest it again to restore them
+    incomplete: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -625,6 +627,7 @@ class ArchiveCore:
                     format=doc.format,
                     pages=doc.pages,
                     encoding=doc.encoding,
+                    incomplete=bool(doc.incomplete),
                 )
             )
         return out

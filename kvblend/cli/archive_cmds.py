@@ -87,6 +87,8 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
         table.add_column(col, justify="right", no_wrap=True)
     for d in docs:
         segs = f"{d.segments}" + (f" ({d.missing_segments} missing)" if d.missing_segments else "")
+        if d.incomplete and not d.missing_segments:  # gc evicted some: their keys left its list
+            segs += " (incomplete: ingest it again)"
         fmt = (
             escape(d.format)
             + (f", {d.pages} p." if d.pages else "")

@@ -356,6 +356,8 @@ def test_gc_max_size_evicts_least_recently_used_first(ar):
     doc = ar.get_document("/d.txt")
     assert doc.segment_keys == ["ll0", "ll4"] and doc.incomplete
     assert report.incomplete_documents == ["/d.txt"]
+    summary = next(s for s in ar.document_summaries() if s.path == "/d.txt")  # `ls` says so (it showed nothing)
+    assert summary.incomplete and summary.to_dict()["incomplete"] is True
     assert ar.size_bytes(include_index=False) <= budget
     with pytest.raises(ArchiveError, match=">= 0"):
         ar.gc(max_size_bytes=-1)
