@@ -965,7 +965,7 @@ def _html_as_utf8(data: bytes) -> bytes:
                 raise
             return data
     encoded = text.encode("utf-8", "surrogatepass")
-    return _CHARSET_DECLARATION.sub(b"", encoded[:4096]) + encoded[4096:]
+    return _CHARSET_DECLARATION.sub(b"", encoded)  # anywhere: lxml believes a late <meta> too
 
 
 def _decoded_as(data: bytes, label: str) -> str | None:
