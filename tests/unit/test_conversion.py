@@ -767,7 +767,8 @@ def test_a_utf16_web_page_is_read_and_a_damaged_one_named(tmp_path):
     ('<meta charset="utf-8">', "latin-1"),  # a label its bytes are not: read as if unlabelled
     ('<meta http-equiv="Content-Type" content="text/html; charset=iso-8859-1">', "cp1252"),  # WHATWG: cp1252
     ('<meta charset="koi8-r">', "koi8-r"),  # a label its bytes are: believed
-], ids=["unlabelled", "mislabelled-utf8", "latin1-label", "koi8r-label"])
+    ("<!-- x -->" * 500 + '<meta charset="windows-1252">', "cp1252"),  # a label past 4 KiB: lxml read it too
+], ids=["unlabelled", "mislabelled-utf8", "latin1-label", "koi8r-label", "late-label"])
 def test_a_web_page_is_decoded_as_a_browser_decodes_it(tmp_path, head, encoding):
     body = "Le café naïve de ma grand-mère était très célèbre à Paris, “disait-on” – et ses crêpes aussi."
     if encoding == "koi8-r":
