@@ -231,8 +231,10 @@ def verify(
                 "ok": report.ok,
                 "segments_checked": report.segments_checked,
                 "problems": problems,
-                "repaired": bool(repair and report.repaired_segments),
+                "structure": report.structure,  # damage to the index itself: --rebuild-index
+                "repaired": bool(repair and (report.repaired_segments or report.repaired_documents)),
                 "repaired_segments": report.repaired_segments if repair else [],
+                "repaired_documents": report.repaired_documents if repair else [],
                 "codecs": report.codecs,
             }
         )
@@ -240,12 +242,18 @@ def verify(
         for key, line in bad.items():
             label = "unreadable" if key in unreadable else "corrupt"
             err.print(f"[red]{label}[/] segment {escape(key)}: {escape(line)}")
+        for damage in report.structure:  # said nothing, exit 0, where this was the only problem
+            err.print(f"[red]damaged index[/]: {escape(damage)} (`kvblend verify --rebuild-index` rebuilds it)")
         if report.ok:
             codecs = ", ".join(f"{n} {c}" for c, n in sorted(report.codecs.items()))
             out.print(f"ok: {report.segments_checked} segments verified" + (f" ({codecs})" if codecs else ""))
         elif repair:
-            out.print(f"repaired: dropped {len(report.repaired_segments)} segments from the index")
-    if bad and (not repair or unreadable):
+            marked = len(report.repaired_documents)
+            out.print(
+                f"repaired: dropped {len(report.repaired_segments)} segments from the index"
+                + (f", marked {marked} documents incomplete (ingest them again)" if marked else "")
+            )
+    if (bad and (not repair or unreadable)) or report.structure:
         raise typer.Exit(1)
 
 

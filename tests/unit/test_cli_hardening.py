@@ -109,6 +109,27 @@ def test_verify_prints_one_line_per_bad_segment(tmp_path):
     assert len(report["problems"]) == 23  # the JSON keeps every finding
 
 
+def test_verify_names_damage_to_the_index_alone_and_fails(tmp_path, monkeypatch, capsys):
+    """Where the index's own structure was the only problem, verify printed nothing and exited 0 (its JSON said
+    `ok: false` with no problem listed). In process: such damage is refused at open before verify runs, so the
+    store's structure check is made to report it."""
+    from kvblend.archive.maintenance import VerifyReport
+    from kvblend.archive.facade import Archive as Facade
+    from kvblend.cli.main import main
+
+    arc = build_archive(tmp_path / "arc")
+    damage = VerifyReport(segments_checked=3, structure=["page 7 (branch): its keys are out of order"])
+    monkeypatch.setattr(Facade, "verify", lambda self, repair=False, deep=False: damage)
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--archive", str(arc)])
+    assert done.value.code == 1
+    assert "damaged index" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["verify", "--archive", str(arc), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["structure"] == damage.structure
+
+
 @pytest.mark.parametrize("command", ["ls", "show", "stats", "rm", "verify", "gc", "path", "ingest", "query"])
 def test_help_shows_no_type_placeholders_for_flags(command):
     text = run_cli(command, "--help", check=True).stdout
