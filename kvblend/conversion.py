@@ -707,7 +707,10 @@ def _convert_pdf(data: bytes, started: float) -> Converted:
     return _paged([_mark_headings(text, headings.get(i, []), running) for i, text in enumerate(pages)], "pdf")
 
 
-_MARKUP_LINE = re.compile(r"^( {0,3})(#{1,6}(?:[ \t]|$)|(?:={3}|-{3}|~{3}|\^{3}|\*{3}|\+{3}))", re.MULTILINE)
+#: What starts a rule that underlines a title in Markdown (= -) or reStructuredText (~ ^ * +): the segmenter's
+#: underlined headings, and what a PDF's text must not be read as.
+UNDERLINE_RULE = r"(?:={3}|-{3}|~{3}|\^{3}|\*{3}|\+{3})"
+_MARKUP_LINE = re.compile(r"^( {0,3})(#{1,6}(?:[ \t]|$)|" + UNDERLINE_RULE + ")", re.MULTILINE)
 
 
 def _escape_markup(text: str) -> str:
@@ -1323,7 +1326,9 @@ def _docx_blocks(element, parent) -> Iterator:
                 yield from _docx_blocks(content, parent)
 
 
-_MC_FALLBACK = "{http://schemas.openxmlformats.org/markup-compatibility/2006}Fallback"
+# Office's markup compatibility (mc:AlternateContent, mc:Choice, mc:Fallback), in DOCX and PPTX alike
+_MC = "{http://schemas.openxmlformats.org/markup-compatibility/2006}"
+_MC_FALLBACK = _MC + "Fallback"
 
 
 def _docx_table(table) -> str:
@@ -1705,11 +1710,11 @@ def _message_text(msg, started: float) -> str:
     subject = _header(msg, "Subject") or "(no subject)"
     blocks = ["# " + subject, "\n".join(f"{k}: {v}" for k in _EMAIL_FIELDS if (v := _header(msg, k)))]
     content_part = msg
-    while content_part.get_content_type() == "multipart/signed" and content_part.is_multipart():
-        content_part = next(content_part.iter_parts(), content_part)  # S/MIME, PGP/MIME: the part signed
-        if content_part.get_content_type() == "multipart/signed":
-            continue
-        break
+    while content_part.get_content_type() == "multipart/signed":  # S/MIME, PGP/MIME: read the part signed
+        signed = next(content_part.iter_parts(), None) if content_part.is_multipart() else None
+        if signed is None:  # a signed container with nothing in it: read as it is
+            break
+        content_part = signed
     single_file = not content_part.is_multipart() and bool(content_part.get_filename())  # a scanner's mail
     part = None if single_file else content_part.get_body(preferencelist=("plain", "html"))
     if part is not None:
@@ -1724,10 +1729,9 @@ def _message_text(msg, started: float) -> str:
     for attachment in others:
         if not attachment.get_filename():
             # more of the body: Apple Mail splits a message's text around an inline file (text, file, text)
-            inner = attachment.get_body(preferencelist=("plain", "html")) if attachment.is_multipart() else None
             if attachment.get_content_type() in ("text/plain", "text/html"):
                 blocks.append(_body_text(attachment))
-            elif inner is not None:
+            elif attachment.is_multipart() and (inner := attachment.get_body(preferencelist=("plain", "html"))):
                 blocks.append(_body_text(inner))
             continue
         name = " ".join(str(attachment.get_filename()).split())
@@ -2417,7 +2421,7 @@ def _pptx_xy_table(series, index: int) -> str:
     return _table_text([["x", series.name or f"Series {index}"], *([x, _cell(y)] for x, y in zip(xs, ys))])
 
 
-_MC_ALTERNATE = "{http://schemas.openxmlformats.org/markup-compatibility/2006}AlternateContent"
+_MC_ALTERNATE = _MC + "AlternateContent"
 
 
 def _alternate_shapes(shapes) -> list:

@@ -103,7 +103,7 @@ from dataclasses import dataclass
 
 import regex
 
-from kvblend.conversion import FENCE_LINE, fence_after
+from kvblend.conversion import FENCE_LINE, UNDERLINE_RULE, fence_after
 from kvblend.errors import UsageError
 
 __all__ = [
@@ -144,7 +144,7 @@ _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+([^\n]*?)[ \t]*$", re.MULTILINE)
 _CLOSING_HASHES = re.compile(r"(?:^|[ \t]+)#+$")
 # A rule line under a title (an underlined heading, _underlined_headings): 3 or more of one character.
 _UNDERLINE = re.compile(r"^ {0,3}([=\-~^*+])\1{2,}[ \t]*$", re.MULTILINE)
-_UNDERLINE_HINT = re.compile(r"^ {0,3}(?:={3}|-{3}|~{3}|\^{3}|\*{3}|\+{3})", re.MULTILINE)
+_UNDERLINE_HINT = re.compile(r"^ {0,3}" + UNDERLINE_RULE, re.MULTILINE)
 _UNDERLINE_LEVELS = {"=": 1, "-": 2}  # reStructuredText's other rules: 3
 _MAX_TITLE = 100
 _WORD_CHAR = re.compile(r"\w")
