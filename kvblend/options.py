@@ -194,7 +194,7 @@ class SamplingConfig:
         for it; inf would make the softmax all NaN (a traceback mid-decode).
         """
         if self.max_new_tokens < 1:
-            raise UsageError("max new tokens must be at least 1")
+            raise UsageError(f"--max-tokens must be at least 1, not {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), not {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

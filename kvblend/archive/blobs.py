@@ -146,7 +146,8 @@ def unlink_quiet(path: Path) -> None:
 
 
 def unlink_blob(root: Path, relpath: str) -> int:
-    """Delete a blob if present; return the bytes freed (0 if it was already gone)."""
+    """Delete a blob if present; return the bytes freed (0 if it was already gone). A blob this user may not
+    delete (a folder another user made, say by one `sudo kvblend ingest`) is one line, not a traceback."""
     path = root / relpath
     try:
         size = path.stat().st_size
@@ -154,6 +155,8 @@ def unlink_blob(root: Path, relpath: str) -> int:
         return size
     except FileNotFoundError:
         return 0
+    except OSError as e:
+        raise ArchiveError(f"cannot delete {path}: {e.strerror} (check the archive's owner and permissions)") from None
 
 
 def scan_blob_dir(root: Path) -> Iterator[tuple[str, int, bool]]:
@@ -161,10 +164,18 @@ def scan_blob_dir(root: Path) -> Iterator[tuple[str, int, bool]]:
     base = root / BLOB_DIR
     if not base.is_dir():
         return
-    for sub in sorted(base.iterdir()):
+    try:
+        subs = sorted(base.iterdir())
+    except OSError as e:
+        raise ArchiveError(f"cannot list {base}: {e.strerror} (check the archive's owner and permissions)") from None
+    for sub in subs:
         if not sub.is_dir():
             continue
-        for entry in os.scandir(sub):
+        try:
+            entries = list(os.scandir(sub))
+        except OSError as e:
+            raise ArchiveError(f"cannot list {sub}: {e.strerror} (check the archive's owner and permissions)") from None
+        for entry in entries:
             if entry.is_file(follow_symlinks=False):
                 try:
                     size = entry.stat(follow_symlinks=False).st_size
@@ -426,7 +437,8 @@ def write_segment_blobs(
             fsync_dir(d)
     except BaseException:
         for rel in written:
-            unlink_blob(root, rel)
+            with suppress(ArchiveError):  # the first failure is the one to tell
+                unlink_blob(root, rel)
         raise
 
 

@@ -147,7 +147,7 @@ class _Flock:
         self._fd: int | None = None
 
     def acquire(self, wait: bool | float) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = self._open()
         try:
             if wait is True:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -158,6 +158,21 @@ class _Flock:
             raise
         self._fd = fd
         _note_pid(fd)
+
+    def _open(self) -> int:
+        """The lock file, for writing where we may (the pid note), else for reading: flock needs no write
+        access, and in an archive a group shares, the member who made the file owns it. Created as the umask
+        allows (0666 minus it), so a shared umask shares it."""
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | cloexec, 0o666)
+        except PermissionError:
+            try:
+                return os.open(self.path, os.O_RDONLY | cloexec)
+            except OSError as e:
+                raise ArchiveError(f"cannot take the archive's writer lock {self.path}: {e.strerror}") from None
+        except OSError as e:
+            raise ArchiveError(f"cannot take the archive's writer lock {self.path}: {e.strerror}") from None
 
     def _poll(self, fd: int, deadline: float) -> None:
         while True:
@@ -420,11 +435,7 @@ class LocalStore(Store):
         """One index write transaction, into the index the archive has now (see :meth:`_index_identity`);
         manifests of documents it deleted are removed after the commit."""
         self.check_writable()
-        if self._index_identity() != self._index_file:
-            raise ArchiveError(
-                f"the index of {self.root} was replaced since this command opened it (`verify --rebuild-index` "
-                "in another process); run the command again"
-            )
+        self._check_index_current()
         last: list[_LmdbTxn] = []
 
         def run(txn: lmdb.Transaction) -> T:
@@ -435,6 +446,13 @@ class LocalStore(Store):
         for path in last[0].removed_documents if last else []:
             remove_manifest(self.root, path)
         return result
+
+    def _check_index_current(self) -> None:
+        if self._index_identity() != self._index_file:
+            raise ArchiveError(
+                f"the index of {self.root} was replaced since this command opened it (`verify --rebuild-index` "
+                "in another process); run the command again"
+            )
 
     def _index_identity(self) -> tuple[int, int] | None:
         """(device, inode) of ``index/data.mdb``. A rebuild in another process renames the index directory away
@@ -496,7 +514,7 @@ class LocalStore(Store):
         for rec in recs:
             if rec.blob:
                 self.blobs.invalidate(rec.blob)
-                with suppress(OSError):
+                with suppress(OSError, ArchiveError):  # what stays is a leftover that gc names
                     unlink_blob(self.root, rec.blob)
 
     def payload_intact(self, rec: SegmentRecord) -> bool:
@@ -516,6 +534,9 @@ class LocalStore(Store):
         self.check_writable()
         with self._lock.hold(wait):
             if self._lock.depth == 1:
+                # a rebuild that ran while this one waited for the lock left this store reading the old index:
+                # gc would take the blobs the new index restored for orphans
+                self._check_index_current()
                 ensure_reserve(self.root)  # room for gc/rm on a disk this writer may fill
             yield self
 

@@ -121,6 +121,8 @@ def resolve_location(value: str | os.PathLike[str] | Location | None) -> Locatio
     """Where the archive is: ``--archive``, else ``$KVBLEND_ARCHIVE``, else the XDG cache directory."""
     if isinstance(value, Location):
         return value
+    if value is not None and not os.fspath(value).strip():  # `--archive "$UNSET"` must not mean the default
+        raise UsageError("--archive is empty (an unset shell variable?)")
     chosen = value or os.environ.get("KVBLEND_ARCHIVE")
     if chosen:
         if is_redis_url(os.fspath(chosen)):

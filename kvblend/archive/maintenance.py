@@ -153,8 +153,10 @@ def verify(archive: ArchiveCore, repair: bool = False, deep: bool = False) -> Ve
             report.codecs[rec.codec] = report.codecs.get(rec.codec, 0) + 1
             present.add(rec.key)
             problems = _verify_segment(archive, rec, report, deep)
-            if problems and not repair and _replaced_meanwhile(archive, rec):
-                continue  # a concurrent writer replaced or removed it: not corruption
+            # a concurrent writer replaced or removed it: not corruption (under --repair too: a store with no
+            # writer lock, Redis, has other nodes storing while this one reads)
+            if problems and _replaced_meanwhile(archive, rec):
+                continue
             report.problems.extend(problems)
             bad.update(p.key for p in problems if p.damaged)
         for key in store.lost_segments():  # a cache evicted the record: the segment is gone
@@ -167,7 +169,7 @@ def verify(archive: ArchiveCore, repair: bool = False, deep: bool = False) -> Ve
                 )
             )
             bad.add(key)
-        dangling = _dangling_references(archive, present, repair, report)
+        dangling = _dangling_references(archive, present, report)
         for table in JSON_TABLES:
             for _, raw in store.scan(table):
                 load_json(raw)
@@ -217,15 +219,13 @@ def _replaced_meanwhile(archive: ArchiveCore, rec: SegmentRecord) -> bool:
     return now is None or now.blob != rec.blob or now.layers != rec.layers
 
 
-def _dangling_references(
-    archive: ArchiveCore, present: set[str], repair: bool, report: VerifyReport
-) -> dict[str, list[str]]:
+def _dangling_references(archive: ArchiveCore, present: set[str], report: VerifyReport) -> dict[str, list[str]]:
     """Document path -> its segment keys that are not in the archive (each also reported as a problem)."""
     dangling: dict[str, list[str]] = {}
     for doc in archive.iter_documents():
         report.documents_checked += 1
         missing = [k for k in doc.segment_keys if k not in present]
-        if missing and not repair:  # without the lock a writer may have added it since the scan
+        if missing:  # a writer may have added it since the scan (on Redis, even under --repair)
             missing = [k for k in missing if not archive.has_segment(k)]
         for k in missing:
             report.problems.append(
@@ -271,6 +271,11 @@ def gc(archive: ArchiveCore, max_size_bytes: int | None = None, dry_run: bool = 
                 report.freed_bytes += sizes[rec.key]
             if report.evicted and not dry_run:
                 report.incomplete_documents = sorted(set(archive.drop_segments(report.evicted)))
+            elif report.evicted:  # what the real run would mark incomplete
+                evicted = set(report.evicted)
+                report.incomplete_documents = sorted(
+                    d.path for d in archive.iter_documents() if evicted.intersection(d.segment_keys)
+                )
         report.blob_bytes_after = total
         report.orphan_manifests = store.after_gc(dry_run)
     return report

@@ -20,6 +20,7 @@ Keys (``ns`` is ``kvblend``; data keys carry the format version)::
     {ns:<key>}:v1:rec             the segment record (JSON), written LAST
     {ns:<key>}:v1:L<i>:<gen>      layer i's payload, of the write generation <gen> the record names
     {ns:<key>}:v1:claim           who is computing the segment now (expires)
+    {ns:<key>}:v1:W:<gen>         a write of generation <gen> under way (expires; its record not yet written)
 
 A segment's keys share a hash tag, so in a cluster they live on one slot,
 while different segments spread over the masters. The record is written only
@@ -96,6 +97,9 @@ class Keys:
     def claim(self, key: str) -> str:
         return f"{{{self._ns}:{key}}}:{self._v}:claim"
 
+    def writing(self, key: str, gen: str) -> str:
+        return f"{{{self._ns}:{key}}}:{self._v}:W:{gen}"
+
     @property
     def layer_pattern(self) -> str:
         return f"{{{self._ns}:*}}:{self._v}:L*"
@@ -162,6 +166,17 @@ def unavailable(where: str) -> Iterator[None]:
         raise ArchiveUnavailableError(f"cannot reach Redis at {where} ({reason})") from None
     except redis.exceptions.RedisError as e:
         raise ArchiveUnavailableError(f"Redis at {where} failed ({type(e).__name__}: {e})") from None
+
+
+def _names_generation(raw: bytes | None, gen: str) -> bool:
+    """Whether a segment's record (None: none) names write generation `gen` (a damaged one names none)."""
+    if raw is None:
+        return False
+    try:
+        rec = load_record(raw)
+    except ArchiveError:
+        return False
+    return isinstance(rec, dict) and str(rec.get("blob")) == gen
 
 
 def _text(value: Any) -> str:
@@ -295,6 +310,9 @@ class RedisStore(Store):
             pipe.sadd(self.keys.segs, name)
             pipe.zadd(self.keys.lru, {name: time.time()})
             pipe.hincrby(self.keys.stats, "stores", 1)
+            gen = load_record(value).get("blob")
+            if gen:  # its layers are named by a record now: the write is over
+                pipe.unlink(self.keys.writing(name, str(gen)))
             pipe.execute()
 
     def _delete(self, table: str, name: str) -> None:
@@ -385,6 +403,9 @@ class RedisStore(Store):
             rec.layers = []
             with self._errors():
                 pipe = self.client.pipeline(transaction=False)
+                # Redis has no writer lock: this marks the generation as being written until its record lands
+                # (a stored miss is not claimed), so a concurrent gc does not take its layers for garbage
+                pipe.set(self.keys.writing(rec.key, rec.blob), 1, ex=CLAIM_TTL_S)
                 for i, data in enumerate(payloads):
                     pipe.set(self.keys.layer(rec.key, i, rec.blob), data)
                     rec.layers.append(LayerEntry(offset=0, length=len(data), checksum=checksum(data)))
@@ -436,11 +457,15 @@ class RedisStore(Store):
         if not groups:
             return []
         keys = sorted({key for key, _ in groups})
-        with self._errors():
+        gens = sorted(groups)
+        with self._errors():  # the set of segments is one key Redis may evict: each record is asked directly
             claimed = dict(zip(keys, self._get_many([self.keys.claim(k) for k in keys])))
+            records = dict(zip(keys, self._get_many([self.keys.rec(k) for k in keys])))
+            writing = dict(zip(gens, self._get_many([self.keys.writing(k, g) for k, g in gens])))
         out: list[Leftover] = []
-        for (key, _gen), names in sorted(groups.items()):
-            if claimed.get(key) is None:
+        for (key, gen), names in sorted(groups.items()):
+            named = _names_generation(records.get(key), gen)
+            if claimed.get(key) is None and writing.get((key, gen)) is None and not named:
                 out.extend(Leftover(name, self._size(name)) for name in names)
         return out
 

@@ -35,7 +35,7 @@ from kvblend.cli.common import (
     human_bytes,
     open_existing,
     out,
-    parse_size,
+    parse_budget,
     print_json,
     printable,
 )
@@ -322,7 +322,7 @@ def gc(
     as_json: bool = JsonOpt,
 ) -> None:
     """Delete orphan blobs; with --max-size, evict least-recently-used segments."""
-    budget = parse_size(max_size) if max_size is not None else None
+    budget = parse_budget(max_size, "--max-size") if max_size is not None else None
     with open_existing(archive, write=not dry_run) as arc:
         if dry_run:
             report = arc.gc(max_size_bytes=budget, dry_run=True)
@@ -338,6 +338,15 @@ def gc(
         f"{verb} {human_bytes(data['freed_bytes'])}: "
         f"{len(data['orphans'])} orphan files, {len(data['evicted'])} segments evicted"
     )
+    if incomplete := data["incomplete_documents"]:
+        shown = ", ".join(printable(p) for p in incomplete[:5]) + (
+            f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else ""
+        )
+        out.print(
+            f"{len(incomplete)} document{'s' if len(incomplete) != 1 else ''} "
+            f"{'would be' if dry_run else 'now'} incomplete (ingest again to restore): {shown}",
+            markup=False,
+        )
 
 
 def path(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:

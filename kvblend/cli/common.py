@@ -125,10 +125,12 @@ def progress_enabled(as_json: bool) -> bool:
     return not as_json and sys.stderr.isatty() and os.environ.get("CI") != "true"
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(bytes?|[kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
     "b": 1,
+    "byte": 1,
+    "bytes": 1,
     "k": 1e3,
     "kb": 1e3,
     "m": 1e6,
@@ -144,6 +146,7 @@ _UNITS = {
     "ki": 2**10,
     "mi": 2**20,
     "gi": 2**30,
+    "ti": 2**40,
 }
 
 
@@ -153,6 +156,14 @@ def parse_size(text: str) -> int:
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise UsageError(f"not a size: {text!r} (try 500MB, 5GB, 1GiB)")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_budget(text: str, flag: str) -> int:
+    """A size limit given as `flag`: at least one byte (0 would evict or refuse everything, surely a slip)."""
+    size = parse_size(text)
+    if size < 1:
+        raise UsageError(f"{flag} must be more than 0 bytes, not {text!r}")
+    return size
 
 
 def human_bytes(n: float) -> str:

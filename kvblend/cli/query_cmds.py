@@ -282,6 +282,11 @@ def _ignored_options(ctx: typer.Context, opts) -> list[str]:
             f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect with --mode "
             f"{opts.mode}: only blend selects tokens to recompute"
         )
+    elif opts.select in ("probe", "question") and given("deviation"):
+        notes.append(
+            f"--deviation has no effect with --select {opts.select}: only hkvd, heads and question+hkvd measure "
+            "deviation"
+        )
     if (opts.docs or opts.segment_keys) and given("top_k"):
         notes.append("--top-k has no effect with --doc or --segment: nothing is retrieved")
     if opts.store_context and not opts.context_texts:
@@ -362,6 +367,8 @@ def query(
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
+    if not question.strip():
+        raise UsageError("empty question")
     opts = QueryOptions(
         mode=mode,
         ratio=ratio,

@@ -21,7 +21,7 @@ from kvblend.cli.common import (
     WeightsOpt,
     compute_dtype,
     decode_settings,
-    parse_size,
+    parse_budget,
 )
 from kvblend.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_STORED_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
 from kvblend.errors import UsageError
@@ -102,9 +102,7 @@ def serve(
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise UsageError("--api-key must not be empty")
-    bound = parse_size(max_archive_size) if max_archive_size is not None else None
-    if bound is not None and bound < 1:
-        raise UsageError("--max-archive-size must be more than 0 bytes")
+    bound = parse_budget(max_archive_size, "--max-archive-size") if max_archive_size is not None else None
     from kvblend.serve.server import ServeOptions, run_server
 
     run_server(

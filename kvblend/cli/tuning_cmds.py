@@ -22,7 +22,7 @@ from kvblend.cli.common import (
     err,
     human_bytes,
     out,
-    parse_size,
+    parse_budget,
     print_json,
 )
 from kvblend.defaults import DEFAULT_SELECT, DEFAULT_TOP_K
@@ -292,7 +292,7 @@ def tune(
         r_quality=r_quality,
         context_tokens=context_tokens,
         costs=parse_costs(storage_costs),
-        archive_bytes=parse_size(archive_size) if archive_size else None,
+        archive_bytes=parse_budget(archive_size, "--archive-size") if archive_size else None,
         select=select,
         top_k=top_k,
     )

@@ -32,7 +32,7 @@ from kvblend.model.runner import ModelRunner
 from kvblend.pipeline.ingest import new_record, prefill_text_steps, store_prefilled, store_texts_steps
 from kvblend.pipeline.resources import Resources
 from kvblend.pipeline.results import QueryOptions, QueryResult, SegmentInfo
-from kvblend.prompt import assemble_prompt, segment_text_for_kv
+from kvblend.prompt import assemble_prompt, segment_text_for_kv, split_template
 from kvblend.retrieval import get_embedder, top_k
 from kvblend.types import LayerKV, Segment, Steps, drain
 
@@ -42,16 +42,28 @@ Warn = Callable[[str], None]
 class ContextLengthError(UsageError):
     """The prompt plus the tokens to generate exceed the model's context (a server answers 400)."""
 
-    def __init__(self, prompt_tokens: int, new_tokens: int, limit: int):
+    def __init__(self, prompt_tokens: int, new_tokens: int, limit: int, retrieved: bool = True):
         self.prompt_tokens, self.new_tokens, self.limit = prompt_tokens, new_tokens, limit
-        super().__init__(self.explain("--top-k"))
+        self.retrieved = retrieved  # whether retrieval chose passages (fewer of them would help)
+        super().__init__(self.explain("--top-k", "--max-tokens"))
 
-    def explain(self, fewer_segments: str) -> str:
-        """The message, with the way to ask for fewer segments that the user has (a flag, a request field)."""
-        return (
-            f"prompt is {self.prompt_tokens} tokens (+{self.new_tokens} to generate); the model's context is "
-            f"{self.limit}: use fewer segments ({fewer_segments}) or a shorter question"
+    def explain(self, fewer_segments: str, max_tokens: str = "max_tokens") -> str:
+        """The message, naming the remedy that can work, in the caller's words (a flag, a request field).
+
+        Generation alone past the context leaves no room for any prompt: only a smaller max-tokens helps.
+        Fewer segments are offered only where retrieval picked them."""
+        head = (
+            f"prompt is {self.prompt_tokens} tokens (+{self.new_tokens} to generate); "
+            f"the model's context is {self.limit}"
         )
+        if self.new_tokens >= self.limit:
+            return f"{head}: {max_tokens} must be below {self.limit}"
+        fix = (
+            f"use fewer segments ({fewer_segments}) or a shorter question"
+            if self.retrieved
+            else "use shorter passages or a shorter question"
+        )
+        return f"{head}: {fix}, or a smaller {max_tokens}" if self.prompt_tokens < self.limit else f"{head}: {fix}"
 
 
 def run_query(
@@ -96,7 +108,10 @@ class Prepared:
 
     @property
     def prefix_cached(self) -> bool:
-        return bool(self.prompt[0].cached) and self.fused.mode != "full"  # cached only with opts.cache_prefix
+        # cached only with opts.cache_prefix; blend at ratio 1.0 is exactly `full`, the prefix recomputed too
+        if not self.prompt[0].cached or self.fused.mode == "full":
+            return False
+        return self.fused.mode != "blend" or self.fused.exact_prefix_tokens > 0
 
 
 def prepare_steps(
@@ -129,8 +144,10 @@ def prepare_steps(
     fused, unreadable = yield from fuse_streaming(
         res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step, recovered
     )
-    # whether the mode reused the passage's KV: `full` reuses none, `prefix` only an exact first segment
-    cached_flags = {s.key: used for s, used in zip(prompt, effective_cached(prompt, opts.mode))}
+    # whether the mode reused the passage's KV: `full` reuses none, `prefix` only an exact first segment,
+    # blend at ratio 1.0 none (it recomputes every cached token: exactly `full`)
+    used_mode = "full" if opts.mode == "blend" and not blend_cfg.selects else opts.mode
+    cached_flags = {s.key: used for s, used in zip(prompt, effective_cached(prompt, used_mode))}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
     return Prepared(
@@ -207,7 +224,9 @@ def _passages(
     record_by_key = {r.key: r for r in records}
     lengths = [len(res.runner.tokenize(segment_text_for_kv(t))) for t in opts.context_texts]
     if opts.context_texts:  # before any text is stored: a prompt that cannot fit stores nothing
-        check_length(res, sum(len(p.token_ids) for p in passages) + sum(lengths), opts)
+        before, after = split_template(res.runner, opts.template, question)
+        skeleton = len(res.runner.tokenize(before)) + len(res.runner.tokenize(after))
+        check_length(res, skeleton + sum(len(p.token_ids) for p in passages) + sum(lengths), opts)
     stored_tokens = 0
     for text, n in zip(opts.context_texts, lengths):
         # a request stores at most max_stored_tokens of new passages: the rest is computed in the prompt
@@ -369,7 +388,8 @@ def check_length(res: Resources, prompt_tokens: int, opts: QueryOptions) -> None
     """Refuse a prompt that, with the tokens to generate, would not fit the model's context."""
     limit = res.runner.max_positions
     if limit and prompt_tokens + opts.sampling.max_new_tokens > limit:
-        raise ContextLengthError(prompt_tokens, opts.sampling.max_new_tokens, limit)
+        retrieved = opts.top_k > 0 and not (opts.docs or opts.segment_keys)
+        raise ContextLengthError(prompt_tokens, opts.sampling.max_new_tokens, limit, retrieved)
 
 
 # ── the instruction prefix: prefix-cached, as vLLM or LMCache would ──

@@ -230,8 +230,10 @@ def test_gc_dry_run_then_max_size_evicts(archive, tmp_path):
     dry = json.loads(run("gc", "--max-size", "1MB", "--dry-run", "--archive", arc, "--json", check=True).stdout)
     assert dry["freed_bytes"] > 0 and dry["evicted"]
     assert json.loads(run("stats", "--archive", arc, "--json").stdout)["segments"] >= 9  # dry run kept all
+    human = run("gc", "--max-size", "1MB", "--dry-run", "--archive", arc, check=True).stdout
+    assert f"{len(dry['incomplete_documents'])} documents would be incomplete" in human  # JSON-only before
     real = json.loads(run("gc", "--max-size", "1MB", "--archive", arc, "--json", check=True).stdout)
-    assert real["evicted"] == dry["evicted"]
+    assert real["evicted"] == dry["evicted"] and real["incomplete_documents"] == dry["incomplete_documents"]
     stats = json.loads(run("stats", "--archive", arc, "--json").stdout)
     assert stats["stored_bytes"] <= 1_000_000
     assert run("verify", "--archive", arc).returncode == 0

@@ -348,3 +348,22 @@ def test_a_writer_does_not_commit_into_an_index_another_process_rebuilt(tmp_path
     with Archive.open(arc) as ar, ar.writer():  # opened after the rebuild: it writes where everyone reads
         ar.put_segment(SegmentRecord(key="after", token_ids=list(range(TOKENS)), text="t"), layers(7))
     assert "after" in run_cli("show", "after", "--archive", arc, check=True).stdout
+
+
+def test_a_gc_opened_before_a_rebuild_deletes_nothing_the_new_index_uses(tmp_path):
+    """gc deleted leftovers before its first write, through the index it opened: a rebuild in between (a
+    `gc --wait` queued behind `verify --rebuild-index`) restored a segment from its blob, and that gc took the
+    blob for an orphan of the old index."""
+    from kvblend.errors import ArchiveError
+
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as ar:
+        key = next(iter(ar.iter_segments())).key
+        blob = arc / ar.get_segment(key).blob
+        ar.store.write(lambda txn: txn.delete("segments", key))  # its record lost, its blob kept
+        assert rebuild_index(arc).segments_restored == N_SEGMENTS  # another process, meanwhile
+        with pytest.raises(ArchiveError, match="was replaced since this command opened it"):
+            ar.gc()
+        assert blob.exists()
+    with Archive.open(arc) as again:
+        assert again.has_segment(key) and again.gc().orphans == [] and again.verify().ok

@@ -142,3 +142,53 @@ def test_repair_keeps_a_blob_it_cannot_read():
         with Archive.open(arc, readonly=True) as ar:
             assert sum(1 for _ in ar.iter_segments()) == N_SEGMENTS
             assert ar.verify().ok  # root reads it: it was intact all along
+
+
+def test_a_shared_archive_whose_lock_file_another_member_made_takes_writes():
+    """In an archive a group shares, the lock file belongs to whoever made it (0644): every other member's
+    gc, rm and ingest ended in a PermissionError traceback, opening it for writing. flock needs only reading."""
+    import os
+
+    from hardening_helpers import NOBODY
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give the lock file to another owner than the archive's")
+    with public_dir() as base:
+        arc = build_archive(base / "arc")
+        with readonly_tree(arc) as user:
+            for p in [arc, *arc.rglob("*")]:
+                os.chown(p, NOBODY, NOBODY)
+            lock = arc / "lock"
+            lock.touch()
+            os.chown(lock, 0, 0)
+            lock.chmod(0o644)
+            proc = run_as(user, "gc", "--archive", arc)
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+            proc = run_as(user, "rm", "/docs/a.md", "--archive", arc)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_blob_folder_the_user_may_not_list_or_change_is_one_line():
+    """A folder of blobs another user made (one `sudo kvblend ingest`): gc and verify ended in a
+    PermissionError traceback, listing it or deleting from it."""
+    import os
+
+    from hardening_helpers import NOBODY
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give one blob folder to another owner than the archive's")
+    with public_dir() as base:
+        arc = build_archive(base / "arc")
+        with readonly_tree(arc) as user:
+            for p in [arc, *arc.rglob("*")]:
+                os.chown(p, NOBODY, NOBODY)
+            folder = sorted((arc / "blobs").iterdir())[0]
+            (folder / "orphan.kvb").write_bytes(b"left behind")  # root's, in a folder nobody may not change
+            os.chown(folder, 0, 0)
+            folder.chmod(0o755)
+            line = one_line_error(run_as(user, "gc", "--archive", arc))
+            assert "cannot delete" in line and "Permission denied" in line
+            folder.chmod(0o700)
+            for command in (["verify"], ["gc", "--dry-run"]):
+                line = one_line_error(run_as(user, *command, "--archive", arc))
+                assert "cannot list" in line and "Permission denied" in line, (command, line)

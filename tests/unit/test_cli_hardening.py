@@ -143,12 +143,23 @@ def test_path_json(tmp_path):
     assert json.loads(run_cli("path", "--archive", tmp_path / "none", "--json", check=True).stdout)["exists"] is False
 
 
-def test_gc_empty_max_size_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("size,error", [("", "not a size"), ("0", "--max-size must be more than 0 bytes"),
+                                        ("0.4", "--max-size must be more than 0 bytes")])
+def test_gc_empty_or_zero_max_size_is_a_usage_error(tmp_path, size, error):
+    """`--max-size 0` evicted every segment, where serve refused the same bound."""
     arc = build_archive(tmp_path / "arc")
-    proc = run_cli("gc", "--max-size", "", "--archive", arc)
-    assert proc.returncode == 2 and "not a size" in one_line_error(proc)
+    proc = run_cli("gc", "--max-size", size, "--archive", arc)
+    assert proc.returncode == 2 and error in one_line_error(proc)
     with Archive.open(arc, readonly=True) as ar:
         assert ar.count_segments() == 6  # nothing evicted
+
+
+def test_sizes_read_every_unit_they_are_written_in():
+    from kvblend.cli.common import human_bytes, parse_size
+
+    assert parse_size("5Ti") == 5 * 2**40 and parse_size("2 TiB") == 2 * 2**40 and parse_size("1Gi") == 2**30
+    for n in (512, 1, 0):
+        assert parse_size(human_bytes(n)) == n  # "512 bytes", "1 byte": what human_bytes writes reads back
 
 
 def test_context_file_fifo_fails_fast(tmp_path):

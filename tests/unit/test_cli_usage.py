@@ -108,6 +108,9 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         (("query", "q?", "--archive", arc, "--top-k", "0"), "--top-k"),
         (("query", "q?", "--archive", arc, "--temperature", "-1"), "--temperature"),
         (("query", "q?", "--archive", tmp_path / "nowhere"), "no archive"),
+        (("query", "  ", "--archive", arc), "empty question"),  # was told only after the model loaded
+        (("query", "q?", "--archive", arc, "--max-tokens", "0"), "--max-tokens must be at least 1"),
+        (("query", "q?", "--archive", ""), "--archive is empty"),  # fell back to the default archive
         (("query", "q?", "--archive", arc, "--doc", "nope.md"), "no such document"),
         (("query", "q?", "--archive", arc, "--segment", "feedface"), "no such segment"),
         (("tune", "--archive", arc, "--limit", "0"), "--limit"),
@@ -178,6 +181,7 @@ def test_a_file_name_with_a_newline_keeps_the_error_on_one_line(tmp_path):
     ({"top_k"}, {"docs": ("a.md",)}, "--top-k has no effect with --doc or --segment"),
     (set(), {"store_context": True}, "--store has no effect without --context-file"),
     ({"seed"}, {}, "--seed has no effect at --temperature 0"),
+    ({"deviation"}, {}, "--deviation has no effect with --select probe"),
 ])
 def test_options_a_query_leaves_without_effect_are_named(given, options, warned):
     """`--mode prefix --ratio 0.5` ran as if no ratio was given, and said nothing."""

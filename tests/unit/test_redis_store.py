@@ -73,6 +73,25 @@ def test_two_writers_of_one_segment_never_mix_their_layers(redis_url):
         assert a.verify().orphan_blobs == 0 and b.read_layer("same", 0) is not None
 
 
+def test_gc_leaves_a_write_in_flight_and_the_segments_whose_listing_was_evicted(redis_url):
+    """Redis has no writer lock: a gc between a stored miss's layers and its record took the layers for garbage
+    (the segment then committed with no KV); and with the set listing the segments evicted, gc took every live
+    segment's layers (their records were still there)."""
+    from kvblend.archive.records import describe
+
+    with open_redis(redis_url) as ar, open_redis(redis_url) as other:
+        put(ar, "live", seed=1)
+        rec = describe(SegmentRecord(key="fresh", token_ids=list(range(TOKENS)), text="x"), layers(2), "zstd-shuffle")
+        ar.store.put_payloads([(rec, (b"payload %d" % i for i in range(N_LAYERS)))])  # its record comes next
+        assert other.gc().orphans == []  # another node's gc, now
+        ar.store.write(lambda txn: txn.put("segments", "fresh", json.dumps(rec.to_dict()).encode()))
+        assert ar.read_layers_raw([ar.get_segment("fresh")], 0)[0] == b"payload 0"
+        assert not list(ar.store.client.scan_iter(match="*:W:*"))  # the record ended the write
+        ar.store.client.delete(Keys().segs)  # evicted under allkeys-lru
+        assert other.gc().orphans == []
+        assert same(ar.read_layer("live", 0)[0], layers(1)[0][0])
+
+
 def test_an_evicted_layer_or_record_is_a_miss_that_verify_names_and_repair_drops(redis_url):
     with open_redis(redis_url) as ar:
         for i in range(3):
@@ -141,3 +160,23 @@ def test_the_cluster_spreads_segments_over_its_masters(redis_cluster_nodes):
         assert ar.verify().ok and ar.stats().usage["redis_nodes"] == 3
     per_node = [int(n.cli("dbsize").strip()) for n in redis_cluster_nodes]
     assert all(n > 0 for n in per_node), per_node  # KV spread over every master
+
+
+def test_repair_keeps_a_segment_another_node_stored_again_while_it_read(redis_url):
+    """verify --repair skipped its "replaced meanwhile" check, assuming the writer lock kept writers out; Redis
+    has none: the old generation's layers vanished mid-read and the freshly stored segment was dropped."""
+    with open_redis(redis_url) as ar, open_redis(redis_url) as other:
+        put(ar, "hot", seed=1)
+        read = ar.read_layer_raw
+
+        def racing(rec, layer):
+            if rec.key == "hot" and layer == 1 and not racing.done:
+                racing.done = True
+                put(other, "hot", seed=2)  # stored again: the generation being read is gone
+            return read(rec, layer)
+
+        racing.done = False
+        ar.read_layer_raw = racing
+        report = ar.verify(repair=True)
+        assert racing.done and report.repaired_segments == [] and report.ok
+        assert ar.has_segment("hot") and same(ar.read_layer("hot", 1)[0], layers(2)[1][0])

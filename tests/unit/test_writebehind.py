@@ -4,7 +4,7 @@ through the engine's one queue, and a write that fails is a warning, never a los
 from __future__ import annotations
 
 from support import flip_layer_byte
-from test_fusor_fixes import PASSAGES, engine_for
+from test_fusor_fixes import PASSAGES, ask, engine_for
 
 from kvblend.pipeline.writebehind import WriteBehind
 from kvblend.types import WAITING, Steps
@@ -141,3 +141,46 @@ def test_a_stored_miss_answers_from_its_kv_and_is_written_after_the_answer(tmp_p
         kv = [archive.read_layer(rec, i) for i in range(engine.runner.n_layers)]
         assert all(torch.equal(a, b) for layer, other in zip(kv, expected_kv) for a, b in zip(layer, other))
         assert [s.cached for s in engine.query("what is alpha one", opts).segments] == [True]
+
+
+def test_a_prompt_too_long_for_the_context_stores_none_of_its_passages(tmp_path):
+    """The early check counted the passages but not the template and question: a prompt that passed it was
+    prefilled, its --store passage staged, and the write ran on close although the query failed."""
+    import pytest
+
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+    from kvblend.pipeline.query import ContextLengthError
+
+    with engine_for(tmp_path, "a") as engine:
+        engine.store_texts(PASSAGES[:1])
+        passage = " ".join(f"gamma{i}" for i in range(100))
+        room = engine.runner.max_positions - len(engine.runner.tokenize(passage + "\n\n"))
+        opts = QueryOptions(context_texts=(passage,), store_context=True, top_k=0,
+                            sampling=SamplingConfig(max_new_tokens=room - 2))  # the passages fit; the prompt not
+        with pytest.raises(ContextLengthError, match="use shorter passages or a shorter question"):
+            engine.query("what is gamma seven", opts)
+    with engine_for(tmp_path, "a") as reopened:
+        assert reopened.archive().count_segments() == 1  # only what was there before
+
+
+def test_blend_at_ratio_one_reports_nothing_cached(tmp_path):
+    """Blend at ratio 1.0 recomputes every token (it is `full`, bit for bit), yet said the passages' KV and the
+    instruction prefix were cached."""
+    with engine_for(tmp_path, "a") as engine:
+        keys = [r.key for r in engine.store_texts(PASSAGES)]
+        ask(engine, keys)  # archives the instruction prefix
+        exact = ask(engine, keys, ratio=1.0)
+        assert exact.fusion.recompute_share == 1.0
+        assert not exact.prefix_cached and not any(s.cached for s in exact.segments)
+        blended = ask(engine, keys)
+        assert blended.prefix_cached and all(s.cached for s in blended.segments)
+
+
+def test_the_context_length_error_names_the_remedy_that_can_work():
+    from kvblend.pipeline.query import ContextLengthError
+
+    assert "use fewer segments (--top-k)" in str(ContextLengthError(9000, 64, 8192))
+    assert "or a smaller --max-tokens" in str(ContextLengthError(8000, 500, 8192))
+    assert str(ContextLengthError(500, 100000, 8192)).endswith("--max-tokens must be below 8192")
+    assert "--top-k" not in str(ContextLengthError(9000, 64, 8192, retrieved=False))
