@@ -33,7 +33,7 @@ from kvblend.archive.codec import (
     is_lossless,
 )
 from kvblend.archive.location import Location
-from kvblend.defaults import DEFAULT_CODEC
+from kvblend.defaults import DEFAULT_CODEC, DEFAULT_SELECT
 from kvblend.errors import ArchiveDamagedError, ArchiveError
 from kvblend.types import LayerKV
 
@@ -368,15 +368,21 @@ def location_key(where: str | os.PathLike[str] | Location) -> str:
     return where.key if isinstance(where, Location) else normalize_path(where)
 
 
-def tuned_key(model_name: str, compute: str, archive_path: str | os.PathLike[str] | Location) -> str:
-    """Name of the tuned settings for a model on a compute device type with the archive at a location.
+def tuned_key(
+    model_name: str, compute: str, archive_path: str | os.PathLike[str] | Location, select: str = DEFAULT_SELECT
+) -> str:
+    """Name of the tuned settings for a model on a compute device type with the archive at a location,
+    for one selection policy.
 
     The archive location is part of the key because loading speed (and so the
     ratio) depends on where the archive is: move it to another disk and the
     tuned ratio no longer applies. The path is hashed so the key stays short
-    (LMDB keys are limited to 511 bytes).
+    (LMDB keys are limited to 511 bytes). Each policy has its own (tuning one
+    replaced another's); the default policy's key is the one settings had before
+    the policy was part of it, where settings of other policies may also be found.
     """
-    return f"{model_name[:200]}|{compute}|{_short_hash(location_key(archive_path), 8)}"
+    key = f"{model_name[:200]}|{compute}|{_short_hash(location_key(archive_path), 8)}"
+    return key if select == DEFAULT_SELECT else f"{key}|{select}"
 
 
 def profile_name(hostname: str, model_name: str, compute: str, storage_label: str, storage_path: str | None) -> str:

@@ -45,7 +45,7 @@ from kvblend.cli.common import (
     progress_enabled,
 )
 from kvblend.defaults import DEFAULT_SELECT, DEFAULT_SINK
-from kvblend.errors import UsageError
+from kvblend.errors import KvblendError, UsageError
 from kvblend.evaluation.records import (
     DEFAULT_BENCH_MAX_NEW_TOKENS,
     DEFAULT_BENCH_MODES,
@@ -96,7 +96,7 @@ def bench(
     ratios: str = typer.Option(
         BENCH_RATIOS_TEXT,
         "--ratios",
-        help="Blend recompute ratios, each in (0, 1]; `default` is the ratio queries use.",
+        help="Blend recompute ratios, each in (0, 1]; `default` is the built-in ratio a query uses when none is given or tuned.",
     ),
     codecs: str = typer.Option(
         "lossless",
@@ -183,13 +183,15 @@ def bench(
         raise UsageError(f"--chunks must be at least 1, not {chunks}")
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
+    if limit is not None and limit < 1:  # (checked on offset + limit below, it named the wrong flag)
+        raise UsageError(f"--limit must be at least 1, not {limit}")
     _check_writable_target(plot, "--plot", ".png")
     _check_writable_target(out_file, "--out", ".json")
     prompt_template = _template(template, system)
     if plot is not None:
         from kvblend.evaluation.plot import check_plot_available
 
-        check_plot_available()
+        check_plot_available(plot)
     records = load_records(dataset, None if limit is None else offset + limit)[offset:]
     if not records:
         raise UsageError(f"--offset {offset}: the dataset has no records past it")
@@ -200,46 +202,56 @@ def bench(
     from kvblend.evaluation.bench import run_bench
     from kvblend.evaluation.report import write_outputs
     from kvblend.pipeline import Engine
+    from kvblend.pipeline.query import ContextLengthError
 
     with archive_dir_or_scratch(archive, "kvblend-bench-") as (target, scratch):
+        # `auto` reads the profiles `kvblend profile` stored in the user's archive: a scratch one holds none
+        profiled = archive if scratch else target
         with (
             Engine(
                 target,
                 model,
                 compute,
-                compute_dtype(dtype, target, model, compute),
+                compute_dtype(dtype, profiled, model, compute),
                 sink=sink,
-                **decode_settings(weights, target, model, compute, enforce_eager),
+                **decode_settings(weights, profiled, model, compute, enforce_eager),
             ) as engine,
             _progress(as_json) as on_progress,
         ):
-            report = run_bench(
-                engine,
-                records,
-                mode_list,
-                ratio_list,
-                chunks=chunks,
-                max_new_tokens=max_tokens,
-                variants=variants,
-                variant_ratio=variant_ratio,
-                command=command,
-                codecs=codec_list,
-                select=select,
-                pareto=pareto,
-                pareto_ratios=pareto_list,
-                template=prompt_template,
-                on_progress=on_progress,
-            )
+            try:
+                report = run_bench(
+                    engine,
+                    records,
+                    mode_list,
+                    ratio_list,
+                    chunks=chunks,
+                    max_new_tokens=max_tokens,
+                    variants=variants,
+                    variant_ratio=variant_ratio,
+                    command=command,
+                    codecs=codec_list,
+                    select=select,
+                    pareto=pareto,
+                    pareto_ratios=pareto_list,
+                    template=prompt_template,
+                    on_progress=on_progress,
+                    first_record=offset,
+                )
+            except ContextLengthError as e:  # bench has no --top-k: its passages are --chunks
+                raise UsageError(e.explain("--chunks", "--max-tokens")) from None
     data = report.to_dict(answers=answers)
     if scratch:
         data["settings"]["archive"] = "scratch (temporary)"
-    written = write_outputs(data, out_file, plot)
     for w in data.get("warnings", []):
         err.print(f"[yellow]warning:[/] {escape(printable(w))}")
     if as_json:
         print_json(data)
     else:
         _print_human(data, drift)
+    try:  # after the results are out: a file that cannot be written loses nothing of a long run
+        written = write_outputs(data, out_file, plot)
+    except (OSError, ValueError) as e:
+        raise KvblendError(f"the results above could not be written: {printable(str(e))}") from None
     if not as_json:
         for what, path in written:
             err.print(f"wrote {what} to {path}")
@@ -295,9 +307,11 @@ def _print_human(data: dict, drift: bool = False) -> None:
     con = out if out.is_terminal else Console(highlight=False, soft_wrap=True, width=150)
     s = data["settings"]
     con.print(f"[bold]{escape(data['model'])}[/] on {escape(data['machine'])}")
+    passages = s.get("mean_passages", s["chunks"])  # what the records held, at most --chunks
     con.print(
-        f"{data['records']} records × {s['chunks']} passages (~{s['mean_prompt_tokens']:.0f} prompt tokens), "
-        f"greedy ≤{s['max_new_tokens']} tokens; answer KL over full's first ≤{s['answer_kl_tokens']} tokens; {data['date']}"
+        f"{data['records']} records × {passages:g} passages (~{s['mean_prompt_tokens']:.0f} prompt tokens), "
+        f"greedy ≤{s['max_new_tokens']} tokens; answer KL over full's first "
+        f"≤{min(s['answer_kl_tokens'], s['max_new_tokens'])} tokens; {data['date']}"
     )
     con.print(f"[dim]{escape(data['command'])}[/]")
     if data["results"]:
@@ -462,6 +476,6 @@ def _table(title: str, headers: list[str], rows: list[list[str]], caption: str =
             table.add_column(header, justify="left")
         else:
             table.add_column(header, justify="right", min_width=max(len(row[c]) for row in rows))
-    for row in rows:
-        table.add_row(*row)
+    for row in rows:  # cells are text, not markup: "reuse [int4]" lost its codec to Rich's markup parser
+        table.add_row(*(escape(cell) for cell in row))
     return table

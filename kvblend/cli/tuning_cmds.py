@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvblend.cli.common import (
@@ -408,7 +409,8 @@ def _print_tune(result: TuneResult) -> None:
             f"[dim]not profiled on this machine (run `kvblend profile --device ...`): "
             f"{', '.join(storage.unprofiled)}[/]"
         )
+    query = "kvblend query" if s.select == DEFAULT_SELECT else f"kvblend query --select {s.select}"
     out.print(
-        f"stored as tuned setting [bold]{result.key}[/]: `kvblend query` uses ratio {s.ratio:.3f} "
+        f"stored as tuned setting [bold]{escape(result.key)}[/]: `{query}` uses ratio {s.ratio:.3f} "
         "unless --ratio is given"
     )

@@ -123,6 +123,7 @@ def run_bench(
     select: str = DEFAULT_SELECT,
     pareto: bool = False,
     pareto_ratios: Sequence[float] = PARETO_RATIOS,
+    first_record: int = 0,
 ) -> BenchReport:
     """Answer every record with every mode (and blend ratio) through `engine`; aggregate.
 
@@ -132,6 +133,8 @@ def run_bench(
     codec's passages archived under their own keys); full runs once. With
     ``pareto``, every selection policy's ratio sweep (kvblend.evaluation.pareto)
     runs after, on the same records, into the report's ``pareto`` (over ``pareto_ratios``).
+    ``first_record``: the number of ``records[0]`` in its dataset (``--offset``), which names records in
+    warnings and per-record output.
     """
     if not records:
         raise UsageError("no records to benchmark")
@@ -163,7 +166,7 @@ def run_bench(
         before = len(rr.warnings)
         reference, rec_runs = rr.run(i, record, specs, on_run)
         full_answers[i] = reference.answer
-        rr.warnings[before:] = [f"record {i}, {w}" for w in rr.warnings[before:]]
+        rr.warnings[before:] = [f"record {first_record + i}, {w}" for w in rr.warnings[before:]]
         runs.extend(rec_runs)
 
     settings = {
@@ -186,6 +189,7 @@ def run_bench(
         # what a codec's bytes/token compares with: K and V of every layer in fp16
         "raw_bytes_per_token": 2 * 2 * engine.runner.n_layers * engine.runner.n_kv_heads * engine.runner.head_dim,
         "mean_prompt_tokens": round(mean([r.prompt_tokens for r in runs if r.spec == FULL]), 1),
+        "mean_passages": round(mean([len(r.passages[:chunks]) for r in records]), 1),  # records may hold fewer
     }
     sweep = None
     if pareto:
@@ -213,6 +217,7 @@ def run_bench(
         full_answers=full_answers,
         questions=[r.question for r in records],
         sources=[record_sources(r, chunks) for r in records],
+        first_record=first_record,
         warnings=list(rr.warnings),
     )
 

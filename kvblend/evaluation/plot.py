@@ -22,12 +22,22 @@ _STYLE = {
 }
 
 
-def check_plot_available() -> None:
-    """Fail before the benchmark runs, not after, when --plot cannot be honoured."""
+def check_plot_available(path: Path | None = None) -> None:
+    """Fail before the benchmark runs, not after, when --plot cannot be honoured: no matplotlib, or a file
+    name whose suffix it cannot write (a traceback after the whole run, and the results lost)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'kvblend[plot]' (or pip install matplotlib)") from None
+    if path is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if path.suffix.lstrip(".").lower() not in kinds:
+            raise UsageError(
+                f"--plot {path}: matplotlib writes no {path.suffix or 'suffix-less'} file; "
+                f"name it .png (or one of {', '.join('.' + k for k in sorted(kinds))})"
+            )
 
 
 def _draw_mode(ax, rows: list[dict], mode: str, key: str) -> None:

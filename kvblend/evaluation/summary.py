@@ -34,11 +34,13 @@ class BenchReport:
     # per record, the passages its prompts were built from, in prompt order, as a query reports its segments'
     # provenance: {"document": the passage's title in the QA file, "pages", "section", "rows"} (a QA passage has none)
     sources: list[list[dict]] = field(default_factory=list)
+    first_record: int = 0  # the first record's number in its dataset (bench --offset): records are named by it
 
     def per_record(self) -> list[dict]:
         """Every run's answer and numbers, record by record (for `--answers`, and eyeballing)."""
         return [
-            {"record": i, "question": question, **self._record_runs(i)} for i, question in enumerate(self.questions)
+            {"record": self.first_record + i, "question": question, **self._record_runs(i)}
+            for i, question in enumerate(self.questions)
         ]
 
     def _record_runs(self, i: int) -> dict[str, Any]:

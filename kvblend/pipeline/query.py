@@ -44,14 +44,13 @@ class ContextLengthError(UsageError):
 
     def __init__(self, prompt_tokens: int, new_tokens: int, limit: int, retrieved: bool = True):
         self.prompt_tokens, self.new_tokens, self.limit = prompt_tokens, new_tokens, limit
-        self.retrieved = retrieved  # whether retrieval chose passages (fewer of them would help)
-        super().__init__(self.explain("--top-k", "--max-tokens"))
+        # fewer segments help only where retrieval picked them
+        super().__init__(self.explain("--top-k" if retrieved else None, "--max-tokens"))
 
-    def explain(self, fewer_segments: str, max_tokens: str = "max_tokens") -> str:
-        """The message, naming the remedy that can work, in the caller's words (a flag, a request field).
-
-        Generation alone past the context leaves no room for any prompt: only a smaller max-tokens helps.
-        Fewer segments are offered only where retrieval picked them."""
+    def explain(self, fewer_segments: str | None, max_tokens: str = "max_tokens") -> str:
+        """The message, naming the remedy that can work, in the caller's words (a flag, a request field;
+        `fewer_segments` None: the passages were chosen by hand). Generation alone past the context leaves
+        no room for any prompt: only a smaller max-tokens helps."""
         head = (
             f"prompt is {self.prompt_tokens} tokens (+{self.new_tokens} to generate); "
             f"the model's context is {self.limit}"
@@ -60,7 +59,7 @@ class ContextLengthError(UsageError):
             return f"{head}: {max_tokens} must be below {self.limit}"
         fix = (
             f"use fewer segments ({fewer_segments}) or a shorter question"
-            if self.retrieved
+            if fewer_segments
             else "use shorter passages or a shorter question"
         )
         return f"{head}: {fix}, or a smaller {max_tokens}" if self.prompt_tokens < self.limit else f"{head}: {fix}"

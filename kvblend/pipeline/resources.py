@@ -204,9 +204,17 @@ class Resources:
         measured for the selection policy `select` (a floor found for one policy says nothing of another)."""
         if self._archive is None and not Archive.exists(self.location):
             return None  # no archive yet: nothing was tuned, and asking must not create one
-        try:
-            stored = self.archive().get_tuned(tuned_key(self.model_name, self.runner.device.type, self.location))
+        compute = self.runner.device.type
+        try:  # the policy's own key, then the one every policy's setting was stored under before
+            for key in dict.fromkeys(
+                (
+                    tuned_key(self.model_name, compute, self.location, select),
+                    tuned_key(self.model_name, compute, self.location),
+                )
+            ):
+                tuned = TunedRatio.from_stored(self.archive().get_tuned(key))
+                if tuned is not None and tuned.select == select:
+                    return tuned.ratio
         except ArchiveUnavailableError:
-            return None  # advice, not a requirement: the default ratio answers while the store is away
-        tuned = TunedRatio.from_stored(stored)
-        return tuned.ratio if tuned is not None and tuned.select == select else None
+            pass  # advice, not a requirement: the default ratio answers while the store is away
+        return None

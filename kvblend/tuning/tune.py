@@ -10,6 +10,7 @@ The CLI only parses options and renders the :class:`TuneResult`.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -225,8 +226,9 @@ class TuneRequest:
             raise UsageError("--limit must be at least 1")
         if self.top_k < 1:
             raise UsageError("--top-k must be at least 1")
-        if self.tolerance < 0 or self.kl_bound < 0:
-            raise UsageError("--tolerance and --kl-bound must be >= 0")
+        for flag, value in (("--tolerance", self.tolerance), ("--kl-bound", self.kl_bound)):
+            if not (math.isfinite(value) and value >= 0):  # NaN passed `< 0`, and was stored as invalid JSON
+                raise UsageError(f"{flag} must be a finite number >= 0, not {value}")
         if self.r_quality is not None and not 0 < self.r_quality <= 1:
             raise UsageError("--r-quality must be in (0, 1]")
         if self.context_tokens is not None and self.context_tokens < 1:
@@ -244,6 +246,8 @@ def typical_prompt_tokens(archive: Archive, top_k: int = DEFAULT_TOP_K) -> tuple
     """The context length to tune for: top-k × the archive's mean segment size, else top-k × the chunk size."""
     n = tokens = 0
     for rec in archive.iter_segments():
+        if rec.extra.get("role") == "prefix":  # the instruction prefix a query archived: not a passage
+            continue
         n += 1
         tokens += rec.n_tokens
     if n:
@@ -435,6 +439,6 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             req.select,
             calibration,
         )
-        key = tuned_key(source.name, compute, path)
+        key = tuned_key(source.name, compute, path, req.select)
         ar.put_tuned(key, setting.to_dict())
     return TuneResult(setting, key, decision)

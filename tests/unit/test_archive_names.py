@@ -53,5 +53,10 @@ def test_engine_uses_tuned_ratio_and_ratio_flag_overrides(tmp_path):
         assert engine.blend_config(QueryOptions(select="hkvd"))[1] == 0.25
         assert engine.blend_config(QueryOptions(select="probe"))[1] == DEFAULT_RATIO
         archive.put_tuned(ours, {"ratio": 0.3, "select": "probe"})
+        # tuning another policy (stored under its own key now) leaves the default policy's ratio alone
+        archive.put_tuned(tuned_key(runner.name, runner.device.type, engine.location, "hkvd"),
+                          {"ratio": 0.4, "select": "hkvd"})
+        assert engine.blend_config(QueryOptions(select="hkvd"))[1] == 0.4
+        assert engine.blend_config(QueryOptions())[1] == 0.3
         cfg, ratio = engine.blend_config(QueryOptions(ratio=0.2))
         assert ratio == 0.2 and cfg.ratios == (0.2,)

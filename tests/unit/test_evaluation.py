@@ -120,7 +120,7 @@ def test_calibration_set_is_package_data():
 
 
 @pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "pareto_ratio", "mode", "passage",
-                                  "template", "system", "sink"])
+                                  "template", "system", "sink", "offset_limit0", "plot_suffix"])
 def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     args = {
         "missing": [tmp_path / "nope.json"],
@@ -133,13 +133,33 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
         "template": [CALIBRATION, "--template", "chatml"],
         "system": [CALIBRATION, "--system", " "],
         "sink": [CALIBRATION, "--sink", "everything"],
+        "offset_limit0": [CALIBRATION, "--offset", "1", "--limit", "0"],  # said "no records past --offset 1"
+        "plot_suffix": [CALIBRATION, "--plot", tmp_path / "chart.txt"],  # a traceback after the whole run
     }[case]
     (tmp_path / "wrong.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "contexts": []}]))
     (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
     line = one_line_error(run_cli("bench", *args))
     assert line.startswith("kvblend: error:")
     assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "pareto_ratio": "--pareto-ratios", "mode": "turbo",
-            "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink"}[case] in line
+            "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink",
+            "offset_limit0": "--limit must be at least 1, not 0", "plot_suffix": "matplotlib writes no .txt"}[case] in line
+
+
+def test_bench_tables_show_their_cells_as_text_and_records_by_their_number_in_the_dataset():
+    """Rich read a row's "reuse [int4]" as a markup tag and dropped it: two runs of different codecs showed as two
+    rows named "reuse". And with --offset 3, the first record was "record 0"."""
+    from rich.console import Console
+
+    from kvblend.cli.bench_cmds import _table
+    from kvblend.evaluation.summary import BenchReport
+
+    console = Console(width=100, record=True)
+    console.print(_table("t", ["run", "KL"], [["reuse [int4]", "0.1"], ["reuse [zstd-shuffle]", "0.2"]]))
+    text = console.export_text()
+    assert "reuse [int4]" in text and "reuse [zstd-shuffle]" in text
+    report = BenchReport(model="m", machine="x", command="c", date="d", records=1, results=[],
+                         questions=["q?"], first_record=3)
+    assert [r["record"] for r in report.per_record()] == [3]
 
 
 def test_pareto_grid_shows_kl_share_and_speedup_per_policy_and_ratio():

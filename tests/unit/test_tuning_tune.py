@@ -58,7 +58,14 @@ def test_tune_cli_from_stored_profiles(tmp_path):
     # the human-readable form prints the decision
     text = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.1", "--context-tokens", "3072",
                    check=True).stdout
-    assert "ratio = max(r_quality, r_hide) = 0.100" in text
+    assert "ratio = max(r_quality, r_hide) = 0.100" in text and "`kvblend query` uses ratio 0.100" in text
+    # another policy's floor has its own key (it replaced the default policy's) and says whose it is
+    text = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.2", "--context-tokens", "3072",
+                   "--select", "hkvd", check=True).stdout
+    assert "`kvblend query --select hkvd` uses ratio 0.200" in text
+    with Archive.open(path, create=False) as ar:
+        assert TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path))).ratio == 0.1
+        assert TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path, "hkvd"))).ratio == 0.2
 
 
 def test_tune_without_profile_says_what_to_run(tmp_path):
@@ -77,6 +84,8 @@ def test_tune_without_profile_says_what_to_run(tmp_path):
     (["--storage-costs", "ram"], "--storage-costs"),
     (["--limit", "0"], "--limit"),
     (["--top-k", "0"], "--top-k"),
+    (["--kl-bound", "nan"], "--kl-bound must be a finite number"),  # stored as NaN: invalid JSON
+    (["--tolerance", "inf"], "--tolerance must be a finite number"),
 ])
 def test_tune_bad_options_fail_before_any_work(tmp_path, args, says):
     line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", *args))
@@ -190,3 +199,22 @@ def test_archived_passages_read_each_segment_once_and_none_when_it_does_not_read
         beta = ar.get_segment("beta")
         flip_byte(ar.path / beta.blob, beta.layers[LAYERS - 1].offset + 3)
         assert archived_passages(ar, LAYERS)("beta") is None
+
+
+def test_the_context_tuned_for_counts_passages_not_the_archived_instruction_prefix(tmp_path):
+    """The instruction prefix a query archives is a segment too: counted as a passage, it shrank the "typical
+    prompt" by a third on a small archive, and with it r_hide and the storage and codec choices."""
+    from archive_helpers import TOKENS, put
+    from kvblend.archive import Archive
+    from kvblend.archive.records import SegmentRecord
+    from kvblend.tuning.tune import typical_prompt_tokens
+
+    with Archive.open(tmp_path / "a", create=True, model_name="tiny", model_fingerprint="fp-tiny") as ar:
+        put(ar, "p1", seed=1)
+        put(ar, "p2", seed=2)
+        before = typical_prompt_tokens(ar, 6)
+        from archive_helpers import layers
+
+        ar.put_segment(SegmentRecord(key="prefix", token_ids=list(range(3)), extra={"role": "prefix"}),
+                       [(k[:, :3], v[:, :3]) for k, v in layers(3)])
+        assert typical_prompt_tokens(ar, 6) == before and before[0] == 6 * TOKENS
