@@ -102,19 +102,19 @@ def sections_of(
     text: str, headings: Sequence[Heading], start: int, end: int, starts: Sequence[int] | None = None
 ) -> list[str]:
     """Every section ``text[start:end]`` holds text of, in order: the one it opens in (:func:`section_of`), then
-    each heading that starts inside it with text after it there; none when it opens before the first heading
-    (its text is in no section, and it cites none). The segmenter fills a segment with whole small sections
-    (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest wrongly."""
+    each heading that starts inside it with text after it there. A passage that opens before the first heading
+    (a README's opening paragraph, then ``## Install`` and ``## Usage``) holds no section's text at first and
+    then the sections that follow: those (it cited none). The segmenter fills a segment with whole small
+    sections (three short e-mails of a mailbox, a FAQ's questions), so the first alone would cite the rest
+    wrongly."""
     first = section_of(text, headings, start, end, starts)
-    if first is None:
-        return []
     starts = [h.start for h in headings] if starts is None else starts
-    titles = [first]
+    titles = [] if first is None else [first]
     pos = _skip_space(text, start, end)
     for i in range(bisect.bisect_right(starts, pos), bisect.bisect_left(starts, end)):
         body = _skip_space(text, headings[i].end, end)  # where its text begins, if it has any in the segment
         has_text = body < end and not (i + 1 < len(headings) and headings[i + 1].start == body)
-        if has_text and headings[i].title != titles[-1]:
+        if has_text and (not titles or headings[i].title != titles[-1]):
             titles.append(headings[i].title)
     return titles
 
@@ -134,9 +134,10 @@ def segment_sources(
     rows_at = [at for at, _ in row_marks]
     sources = []
     for a, b in spans:
-        titles = sections_of(text, headings, a, b, starts)  # the first is section_of's
-        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": titles[0] if titles else None}
-        if len(titles) > 1:
+        first = section_of(text, headings, a, b, starts)
+        titles = sections_of(text, headings, a, b, starts)  # the first is section_of's, where there is one
+        source: dict[str, Any] = {"pages": page_range(pages, a, b), "section": first}
+        if len(titles) > 1 or (first is None and titles):  # (opening before any heading: even one)
             source["sections"] = titles
         if row_marks:
             source["rows"] = row_range(text, row_marks, a, b, starts, rows_at)
@@ -156,11 +157,12 @@ def describe(
     parts = []
     if pages:
         parts.append(_span("p.", "pp.", pages))
-    if section:
-        parts.append(f"§ {section}")
+    title = section or (sections[0] if sections else None)  # none: it opens before any heading, then holds these
+    if title:
+        parts.append(f"§ {title}")
     if rows:  # a sheet's rows are its first section's (provenance.row_range)
         parts.append(_span("row", "rows", rows))
-    if section and sections and len(sections) > 1:
+    if sections and len(sections) > 1:
         parts.append(f"… {sections[-1]}")
     return " ".join(parts)
 

@@ -135,6 +135,14 @@ _SENTENCE_END = regex.compile(
     rf"[{_CJK_TERMINALS}]++(?:[{_CLOSERS}]++(?![とっ])|(?![{_CLOSERS}]))"  # possessive: no cut inside 「…！？」と
     rf"|[\p{{Sentence_Terminal}}…][{_CLOSERS}]*(?=\s)"
 )
+# A terminal that ends no sentence: a list item's number or letter alone on its line so far ("34." "b."), or an
+# abbreviation that a name or example always follows ("Dr." "e.g."); a cut there parted item 34 from its text.
+_LIST_MARKER = re.compile(r"\(?(?:\d{1,9}|[A-Za-z]|[ivxlcdm]{1,6})[.)]")
+_ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "e.g", "i.e", "fig", "cf", "approx"}
+)
+# Lines of a block made of list items or table rows: cut between them before cutting inside one at a sentence.
+_ITEM_OR_ROW = re.compile(r"\s*(?:[-*+•]\s|\d{1,9}[.)]\s|[A-Za-z][.)]\s|\|)")
 # Text (stripped) that ends a sentence: what a page start must follow to cut there.
 _ENDS_SENTENCE = regex.compile(rf"[\p{{Sentence_Terminal}}…][{_CLOSERS}]*$")
 _LINE_BREAK = re.compile(r"\n")
@@ -204,6 +212,8 @@ def find_headings(text: str) -> list[Heading]:
                 fence = fence_after(text[at : len(text) if end < 0 else end], fence)
         elif isinstance(found, re.Match) and fence is None:
             title = _CLOSING_HASHES.sub("", found.group(2)).strip()
+            if len(title) > _MAX_TITLE:  # a paragraph pasted as a heading: its start names the section
+                title = title[: _MAX_TITLE - 1].rstrip() + "…"
             if title:
                 headings.append(Heading(found.start(1), found.end(), len(found.group(1)), title))
     return headings
@@ -331,7 +341,8 @@ def split_into_spans(
         if n <= chunk_tokens:
             units.append(_Unit(start, end, n))
         else:
-            units.extend(_split_long(text, start, end, count, chunk_tokens, level=0))
+            pieces = _split_long(text, start, end, count, chunk_tokens, _order(text, start, end))
+            units.extend(_with_its_heading(text, pieces, end, count, chunk_tokens) if heading else pieces)
         units[first].anchor = _is_anchor(text[start:end], n, chunk_tokens)
         units[first].heading = heading
     if not units:
@@ -433,7 +444,7 @@ def _cut_points(text: str, start: int, end: int, level: int) -> list[tuple[int, 
     """Split text[start:end] into stripped pieces at sentence ends (0) or line breaks (1)."""
     region = text[start:end]
     if level == 0:
-        cuts = [m.end() for m in _SENTENCE_END.finditer(region)]
+        cuts = [m.end() for m in _SENTENCE_END.finditer(region) if _ends_a_sentence(region, m.start(), m.end())]
     else:
         cuts = [m.start() for m in _LINE_BREAK.finditer(region)]
     pieces = []
@@ -446,21 +457,69 @@ def _cut_points(text: str, start: int, end: int, level: int) -> list[tuple[int, 
     return pieces
 
 
-def _split_long(text, start, end, count, chunk_tokens, level) -> list[_Unit]:
-    """Units for a span longer than chunk_tokens: sentences, then lines, then words/chars."""
-    if level >= 2:
+def _ends_a_sentence(region: str, at: int, end: int) -> bool:
+    """Whether the terminal found at region[at:end] ends a sentence: not a list marker alone on its line so
+    far, not an abbreviation (:data:`_LIST_MARKER`, :data:`_ABBREVIATIONS`)."""
+    line = region[region.rfind("\n", 0, at) + 1 : end].strip()
+    if _LIST_MARKER.fullmatch(line):
+        return False
+    word = region[:at].rsplit(None, 1)[-1] if region[:at].strip() else ""
+    return word.lstrip("(\"'").lower() not in _ABBREVIATIONS
+
+
+def _lines_first(text: str, start: int, end: int) -> bool:
+    """Whether a block is a list or a table (most of its lines items or rows): its lines are its units."""
+    lines = [line for line in text[start:end].split("\n") if line.strip()]
+    return len(lines) >= 3 and 2 * sum(1 for line in lines if _ITEM_OR_ROW.match(line)) >= len(lines)
+
+
+def _split_long(text, start, end, count, chunk_tokens, order: tuple[int, ...] = (0, 1)) -> list[_Unit]:
+    """Units for a span longer than chunk_tokens, cut by each kind in ``order`` in turn (0: sentence ends, 1: line
+    breaks; a list or a table tries its lines first), then between words or characters."""
+    if not order:
         return _hard_split(text, start, end, count, chunk_tokens)
     units: list[_Unit] = []
-    pieces = _cut_points(text, start, end, level)
+    pieces = _cut_points(text, start, end, order[0])
     if len(pieces) <= 1:
-        return _split_long(text, start, end, count, chunk_tokens, level + 1)
+        return _split_long(text, start, end, count, chunk_tokens, order[1:])
     for a, b in pieces:
         n = count(a, b)
         if n <= chunk_tokens:
             units.append(_Unit(a, b, n))
         else:
-            units.extend(_split_long(text, a, b, count, chunk_tokens, level + 1))
+            units.extend(_split_long(text, a, b, count, chunk_tokens, order[1:]))
     return units
+
+
+def _with_its_heading(text: str, units: list[_Unit], end: int, count, chunk_tokens: int) -> list[_Unit]:
+    """The units of an over-long block that opens with headings, the headings kept with the first text under
+    them: a text with no cut before the budget (one long line) was split to the full budget, which left the
+    heading a segment of its own. The rest is split again with the headings' room taken from it."""
+    k = 0
+    while k < len(units) and _only_headings(text[units[k].start : units[k].end]):
+        k += 1
+    if k == 0 or k == len(units):
+        return units
+    head = count(units[0].start, units[k].start)  # the headings and the gap after them
+    if 2 * head > chunk_tokens:
+        return units  # a heading as long as half a segment: no room to share
+    rest = _split_long(text, units[k].start, end, count, chunk_tokens - head, _order(text, units[k].start, end))
+    merged = _Unit(units[0].start, rest[0].end, count(units[0].start, rest[0].end))
+    return units if merged.tokens > chunk_tokens else [merged, *rest[1:]]
+
+
+def _only_headings(piece: str) -> bool:
+    """Whether a piece of text is nothing but headings."""
+    covered = 0
+    for h in find_headings(piece):
+        if piece[covered : h.start].strip():
+            return False
+        covered = h.end
+    return covered > 0 and not piece[covered:].strip()
+
+
+def _order(text: str, start: int, end: int) -> tuple[int, ...]:
+    return (1, 0) if _lines_first(text, start, end) else (0, 1)
 
 
 def _longest_fit(bounds: list[int], lo_start: int, count, chunk_tokens: int, cap: int) -> int:

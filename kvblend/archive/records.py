@@ -232,7 +232,10 @@ class DocumentRecord:
                 return {
                     "pages": _int_pair(src.get("pages")),
                     "section": section if isinstance(section, str) else None,
-                    "sections": sections if _strings(sections) and len(sections) > 1 else None,
+                    # more than one; or, in a passage that opens before any heading, the ones it then holds
+                    "sections": sections
+                    if _strings(sections) and (len(sections) > 1 or (sections and not isinstance(section, str)))
+                    else None,
                     "rows": _int_pair(src.get("rows")),
                 }
         return {"pages": None, "section": None, "sections": None, "rows": None}

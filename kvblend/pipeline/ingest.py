@@ -173,11 +173,11 @@ def ingest_paths(
         rest = iter(files[done:])
         reading: Reading | None = first
         while reading is not None:
-            docs = reading.docs + _read_if_changed(res, archive, reading.unchanged, codec, report)
+            docs = reading.docs + _read_if_changed(res, archive, reading.unchanged, codec, chunk_tokens, report)
             for doc in docs:
                 report.documents += 1
                 previous = archive.get_document(doc.path)
-                if _unchanged(res, archive, previous, doc, codec):
+                if _unchanged(res, archive, previous, doc, codec, chunk_tokens):
                     assert previous is not None
                     _count_unchanged(report, archive, previous)
                     if doc.source_hash and previous.source_hash != doc.source_hash:
@@ -203,13 +203,13 @@ def ingest_paths(
 
 
 def _read_if_changed(
-    res: Resources, archive: Archive, unread: list[Unchanged], codec: str, report: IngestReport
+    res: Resources, archive: Archive, unread: list[Unchanged], codec: str, chunk_tokens: int, report: IngestReport
 ) -> list[Document]:
     """Files left unread as unchanged, checked again under the writer lock (another writer may have replaced
     their records since): counted as unchanged, or read now, their documents returned to ingest."""
     docs: list[Document] = []
     for file in unread:
-        previous = _still_held(res, archive, file, codec)
+        previous = _still_held(res, archive, file, codec, chunk_tokens)
         if previous is not None:
             report.documents += 1
             _count_unchanged(report, archive, previous)
@@ -218,13 +218,15 @@ def _read_if_changed(
     return docs
 
 
-def _still_held(res: Resources, archive: Archive | None, file: Unchanged, codec: str) -> DocumentRecord | None:
+def _still_held(
+    res: Resources, archive: Archive | None, file: Unchanged, codec: str, chunk_tokens: int
+) -> DocumentRecord | None:
     """The record of a file left unread as unchanged, if the archive still holds it as its bytes are now and as
     this codec and sink would store it; None when it must be read after all."""
     previous = archive.get_document(file.path) if archive is not None else None
     if archive is None or previous is None or previous.source_hash != file.source_hash:
         return None
-    return previous if _intact(res, archive, previous, codec) else None
+    return previous if _intact(res, archive, previous, codec, chunk_tokens) else None
 
 
 def _read_again(file: Unchanged, skipped: list[dict]) -> list[Document]:
@@ -263,9 +265,11 @@ def _archive_to_plan_against(res: Resources) -> Archive | None:
         raise
 
 
-def _intact(res: Resources, archive: Archive, previous: DocumentRecord, codec: str) -> bool:
-    """Whether a stored document needs no work: complete, and its KV made with this codec and sink."""
-    return not previous.incomplete and stored_as(archive, previous, codec, res.prefilled_under_sink)
+def _intact(res: Resources, archive: Archive, previous: DocumentRecord, codec: str, chunk_tokens: int) -> bool:
+    """Whether a stored document needs no work: complete, split at this chunk size (a record from before the
+    size was recorded counts as split at it), its KV made with this codec and sink."""
+    split = previous.extra.get("chunk_tokens", chunk_tokens) == chunk_tokens
+    return not previous.incomplete and split and stored_as(archive, previous, codec, res.prefilled_under_sink)
 
 
 def _checked(chunk_tokens: int, codec: str) -> str:
@@ -281,9 +285,15 @@ def _holds_file(archive: Archive | None, path: str, digest: str) -> bool:
     return previous is not None and previous.source_hash == digest and not previous.incomplete
 
 
-def _unchanged(res: Resources, archive: Archive, previous: DocumentRecord | None, doc: Document, codec: str) -> bool:
-    """Whether ``doc`` is stored as it is now (``previous``, its record), with this codec and sink: no work."""
-    return previous is not None and previous.content_hash == doc.content_hash and _intact(res, archive, previous, codec)
+def _unchanged(
+    res: Resources, archive: Archive, previous: DocumentRecord | None, doc: Document, codec: str, chunk_tokens: int
+) -> bool:
+    """Whether ``doc`` is stored as it is now (``previous``, its record), as these settings store it: no work."""
+    return (
+        previous is not None
+        and previous.content_hash == doc.content_hash
+        and _intact(res, archive, previous, codec, chunk_tokens)
+    )
 
 
 def _nothing_to_ingest(skipped: list[dict]) -> UsageError:
@@ -366,6 +376,7 @@ def _segment_document(
         source_hash=doc.source_hash,
         # per (document, segment): not in the KV's record
         sources=segment_sources(doc.text, spans, doc.page_starts, doc.row_marks),
+        extra={"chunk_tokens": chunk_tokens},  # an ingest at another size splits it again
     )
 
 
@@ -415,7 +426,7 @@ def plan_ingest(
         plan.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
         docs = list(reading.docs)
         for file in reading.unchanged:  # the same bytes as archived: no work if stored with this codec and sink
-            previous = _still_held(res, archive, file, codec)
+            previous = _still_held(res, archive, file, codec, chunk_tokens)
             if previous is None:
                 docs.extend(_read_again(file, plan.skipped))  # as ingest reads it then
                 continue
@@ -424,7 +435,7 @@ def plan_ingest(
         for doc in docs:
             plan.documents += 1
             previous = archive.get_document(doc.path) if archive is not None else None
-            if archive is not None and _unchanged(res, archive, previous, doc, codec):
+            if archive is not None and _unchanged(res, archive, previous, doc, codec, chunk_tokens):
                 assert previous is not None
                 _tally_unchanged(plan, previous)
                 continue

@@ -60,9 +60,13 @@ def test_segment_sources_for_a_paged_markdown_text():
     glued = "# A\n## B\ntext of B\n\n# C\n# D\n\nfinal text"
     assert sections_of(glued, find_headings(glued), 0, len(glued)) == ["B", "D"]
     assert sections_of(glued, find_headings(glued), 0, glued.index("# C")) == ["B"]
-    # text before the first heading is in no section: the segment says so, and names no sections
+    # text before the first heading is in no section, but the sections after it are the passage's too: it
+    # cited none of them (a README's opening paragraph, then Install and Usage, cited nothing)
     preamble = "Release notes.\n\n# Install\n\npip install x\n"
-    assert segment_sources(preamble, [(0, len(preamble))]) == [{"pages": None, "section": None}]
+    assert segment_sources(preamble, [(0, len(preamble))]) == [{"pages": None, "section": None, "sections": ["Install"]}]
+    assert describe(None, None, None, ["Install"]) == "§ Install"
+    assert describe(None, None, None, ["Install", "Usage"]) == "§ Install … Usage"
+    assert segment_sources("Release notes, no heading.", [(0, 26)]) == [{"pages": None, "section": None}]
     # with the segmenter: page 3 is its own segment once the text is too long for one
     spans = split_into_spans(text, lambda s: len(s.split()), 16, breaks=starts)
     assert segment_sources(text, spans, starts)[-1] == {"pages": [3, 3], "section": "Specifications"}

@@ -486,3 +486,35 @@ def test_other_scripts_sentence_terminals_end_sentences():
     hindi = "सोनार कारखाना बंदरगाह के उत्तर में है। प्रबंधक हर सुबह आते हैं। परीक्षण अगले महीने होगा। " * 6
     spans = split_into_spans(hindi.strip(), words, 20)
     assert len(spans) > 1 and all(hindi.strip()[b - 1] == "।" for a, b in spans)
+
+
+def test_a_list_is_cut_between_its_items_and_a_number_or_abbreviation_ends_no_sentence():
+    """A 60-item list over budget was cut at "34." (any '.' then a space was a sentence end), so item 34's number
+    ended one segment and its text began the next; a cut also fell after "Dr." and inside table rows."""
+    items = "\n".join(f"{i}. Check the pressure gauge and note the reading in the log. Then wait." for i in range(1, 61))
+    text = "## Service procedure\n\n" + items
+    segs = split_into_segments(text, words, chunk_tokens=60)
+    assert len(segs) > 1 and all(words(s) <= 60 for s in segs)
+    for seg in segs:
+        assert re.match(r"(## Service procedure\n\n)?\d+\. Check", seg) and seg.endswith("Then wait."), seg
+    table = "| part | note |\n|---|---|\n" + "\n".join(
+        f"| Part {i} | Replace it every {i} h. Check the seal weekly. |" for i in range(40))
+    assert all(s.startswith("|") and s.endswith("|") for s in split_into_segments(table, words, chunk_tokens=40))
+    prose = "It was redesigned by Dr. Smith and later Dr. Jones, e.g. for the sea. It sank. " * 4
+    cuts = split_into_segments(prose, words, chunk_tokens=16)
+    assert not any(s.endswith(("Dr.", "e.g.")) for s in cuts), cuts
+
+
+def test_a_heading_stays_with_the_text_it_introduces_when_that_text_has_no_cut():
+    """A heading glued to one long line of text with no sentence end became a segment of its own (the line was
+    split to the full budget, which left no room for the heading)."""
+    text = "# Log export\n\n" + " ".join(f"field{i}=value" for i in range(300))
+    segs = split_into_segments(text, words, chunk_tokens=64)
+    assert segs[0].startswith("# Log export\n\nfield0=value") and all(words(s) <= 64 for s in segs)
+    assert " ".join(segs).split() == text.split()  # every word, once, in order
+
+
+def test_a_heading_pasted_as_a_paragraph_names_its_section_by_its_start():
+    title = "Service bulletin " + "and a very long pasted sentence " * 10
+    (heading,) = find_headings(f"# {title}\n\ntext")
+    assert len(heading.title) == 100 and heading.title.endswith("…") and title.startswith(heading.title[:-1])

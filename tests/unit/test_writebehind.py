@@ -184,3 +184,17 @@ def test_the_context_length_error_names_the_remedy_that_can_work():
     assert "or a smaller --max-tokens" in str(ContextLengthError(8000, 500, 8192))
     assert str(ContextLengthError(500, 100000, 8192)).endswith("--max-tokens must be below 8192")
     assert "--top-k" not in str(ContextLengthError(9000, 64, 8192, retrieved=False))
+
+
+def test_ingesting_again_at_another_chunk_size_splits_the_documents_again(tmp_path):
+    """--chunk-tokens was not part of "unchanged": an ingest at another size kept the old segments, and said 0 new."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("\n\n".join(f"Paragraph {i} says alpha{i} beta{i} gamma{i} delta{i}." for i in range(40)))
+    with engine_for(tmp_path, "a") as engine:
+        first = engine.ingest([docs], chunk_tokens=64)
+        assert first.segments_new > 1 and engine.ingest([docs], chunk_tokens=64).segments_new == 0
+        again = engine.ingest([docs], chunk_tokens=128)
+        assert 0 < again.segments_new < first.segments_new
+        doc = engine.archive().get_document(str(docs / "a.md"))
+        assert len(doc.segment_keys) == again.segments_new and doc.extra["chunk_tokens"] == 128
