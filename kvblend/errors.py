@@ -71,3 +71,7 @@ class NotFoundError(UsageError):
 class ArchiveUnavailableError(ArchiveError):
     """The archive's store cannot be reached (a Redis server down, unreachable, or refusing the credentials);
     a server answers 503."""
+
+
+class NonFiniteLogitsError(KvblendError):
+    """The model computed NaN or +inf logits (a dtype too narrow for its activations): no token can be chosen."""

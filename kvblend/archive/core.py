@@ -112,7 +112,14 @@ def mismatch_message(location: str, have: Model, asked: Model) -> str:
     b = asked.name or f"fingerprint {new_fp[:12]}"
     if a == b:  # same name, other weights (e.g. a re-quantized checkpoint)
         a, b = f"{a} (fingerprint {old_fp[:12]})", f"{b} (fingerprint {new_fp[:12]})"
-    hint = f"pass --model {have.name} or use another --archive" if have.name else "use another --archive"
+    from kvblend.defaults import BUNDLED_MODELS, DEFAULT_MODEL_NAME
+
+    if have.name in (DEFAULT_MODEL_NAME, *BUNDLED_MODELS):  # a name --model takes as it is
+        hint = f"pass --model {have.name} or use another --archive"
+    elif have.name:  # a file or folder's name: the path is the user's to give
+        hint = f"pass the --model path it was built with (named {have.name}) or use another --archive"
+    else:
+        hint = "use another --archive"
     return f"archive at {location} was built with model {a}; you asked for model {b} ({hint})"
 
 

@@ -27,6 +27,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from kvblend.errors import NonFiniteLogitsError
 from kvblend.fusion.fuse import FusionResult
 from kvblend.generation.decode import DecodeState
 from kvblend.generation.sampling import logprobs_of, next_token
@@ -136,7 +137,13 @@ class Sequence:
             if p.ignore_eos or len(self.tokens) < p.min_tokens:
                 logits = logits.clone()
                 logits[list(self.stop_ids)] = float("-inf")  # vLLM's ignore_eos / min_tokens: no end before it
-            token = next_token(logits.cpu(), p.sampling, self.generator)
+            logits = logits.cpu()
+            if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):  # greedy read NaN as token 0:
+                raise NonFiniteLogitsError(  # an empty answer, and sampling a torch traceback
+                    "the model's logits are not finite (an fp16 overflow? Gemma's activations exceed fp16's range): "
+                    "use --dtype bf16 or fp32"
+                )
+            token = next_token(logits, p.sampling, self.generator)
         if not self.tokens:
             self.first_token_s = time.perf_counter() - self.started
         if p.forced_tokens is None and token in self.stop_ids:  # not part of the answer: no text, no logprob

@@ -170,8 +170,14 @@ def _unreadable_checkpoint(source: ModelSource) -> Iterator[None]:
         yield
     except (OSError, ValueError, KeyError, EOFError, RuntimeError, SafetensorError) as e:
         shown = source.directory / source.gguf_file if source.gguf_file else source.directory
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ModelNotFoundError(f"cannot load model from {shown}: {reason}") from None
+        raise ModelNotFoundError(f"cannot load model from {shown}: {_reason(e)}") from None
+
+
+def _reason(e: BaseException) -> str:
+    """An error's first line, with the line after it where the first only announces it ("Error(s) in loading
+    state_dict for Transformer:" said nothing of which weight did not fit its config)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _converted_gguf_dir(source: ModelSource, fingerprint: str) -> Path:
@@ -227,7 +233,16 @@ def _convert_gguf(source: ModelSource, target: Path) -> Path:
             flush=True,
         )
     with _gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, dtype=torch.float32, output_loading_info=True
+        )
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        missing = [k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
+        if missing:  # transformers filled them with random weights, and said so only in a warning
+            raise ModelNotFoundError(
+                f"{source.directory / str(source.gguf_file)} lacks {len(missing)} of the model's weights "
+                f"(e.g. {sorted(missing)[0]}): is it a part of a split model, or cut short?"
+            )
         tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
     # The de-quantised weights are plain tensors now; forget the quantiser so they can be saved.
     if hasattr(model.config, "quantization_config"):
@@ -239,10 +254,10 @@ def _convert_gguf(source: ModelSource, target: Path) -> Path:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, target) if not target.exists() else shutil.rmtree(staging)
-    except OSError:
+    except (OSError, SafetensorError) as e:  # safetensors says "No space left on device" as its own error
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").is_file():
-            raise
+            raise ModelNotFoundError(f"cannot write the converted model to {target.parent}: {_reason(e)}") from None
     return target
 
 

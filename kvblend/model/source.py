@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +45,10 @@ def resolve_model_source(model: str | None) -> ModelSource:
     if model in BUNDLED_MODELS:
         return _bundled_source(model)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
         return ModelSource(path.stem, path.parent.resolve(), path.name)
+    if path.is_file():
+        raise ModelNotFoundError(f"not a model: {model} is not a .gguf file (give one, or a checkpoint directory)")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"not a Hugging Face checkpoint (no config.json): {path}")
@@ -106,14 +110,19 @@ def _file_identity(path: Path) -> str:
 
 
 def source_fingerprint(source: ModelSource) -> str:
-    """A stable id of the weights + config; archives are keyed by it."""
+    """A stable id of the weights + config; archives are keyed by it. A file that cannot be read (a dangling
+    link an interrupted Hugging Face download left, a folder named like weights) is one line."""
     h = hashlib.blake2b(digest_size=12)
-    if source.gguf_file:
-        h.update(_file_identity(source.directory / source.gguf_file).encode())
-    else:
-        h.update((source.directory / "config.json").read_bytes())
-        for weights in sorted(source.directory.glob("*.safetensors")) + sorted(source.directory.glob("*.bin")):
-            h.update(weights.name.encode() + _file_identity(weights).encode())
+    current = source.directory / (source.gguf_file or "config.json")
+    try:
+        if source.gguf_file:
+            h.update(_file_identity(current).encode())
+        else:
+            h.update(current.read_bytes())
+            for current in sorted(source.directory.glob("*.safetensors")) + sorted(source.directory.glob("*.bin")):
+                h.update(current.name.encode() + _file_identity(current).encode())
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {current}: {e.strerror or e}") from None
     return h.hexdigest()
 
 
@@ -161,13 +170,16 @@ def gguf_architecture(path: Path, max_entries: int = 64) -> str | None:
 
         def skip(value_type: int) -> None:
             if value_type == _GGUF_STRING:
-                read_string()
+                (length,) = struct.unpack("<Q", read(8))
+                if length > 1 << 20:
+                    raise ModelNotFoundError(f"damaged GGUF header (a {length}-byte string): {path}")
+                f.seek(length, 1)
             elif value_type == _GGUF_ARRAY:
                 item_type, count = struct.unpack("<IQ", read(12))
                 if item_type in _GGUF_SCALAR_SIZES:
                     f.seek(_GGUF_SCALAR_SIZES[item_type] * count, 1)
-                else:
-                    for _ in range(min(count, 1 << 16)):
+                else:  # every item (a vocabulary of 262k strings before the architecture was misread past 65,536)
+                    for _ in range(count):
                         skip(item_type)
             elif value_type in _GGUF_SCALAR_SIZES:
                 read(_GGUF_SCALAR_SIZES[value_type])
@@ -190,8 +202,20 @@ def check_gguf_weights(source: ModelSource, weights: str | None) -> None:
         raise UsageError(f"--weights gguf decodes a GGUF's own blocks; {source.name} is not a GGUF")
 
 
+_SPLIT_PART = re.compile(r"-\d{5}-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
 def check_gguf_architecture(path: Path) -> None:
-    """Refuse a GGUF whose architecture has no layer runner, from its header (see gguf_architecture)."""
+    """Refuse, from its header, a GGUF whose architecture has no layer runner (see gguf_architecture), or that
+    holds no weights or only some: transformers fills what a file lacks with random weights and says so only in
+    a warning, so a vocabulary-only file or the first part of a split model answered gibberish (and a header
+    with no architecture built a 27 GB default model first)."""
+    split = _SPLIT_PART.search(path.name)
+    if split and int(split.group(1)) > 1:
+        raise ModelNotFoundError(
+            f"{path.name} is one part of a split GGUF: merge the parts first "
+            "(llama-gguf-split --merge FIRST-PART OUT.gguf) and give the merged file"
+        )
     arch = gguf_architecture(path)
     if arch == "phi3":  # transformers' GGUF reader drops phi3's RoPE width and scaling: Phi-4-mini and 128k
         raise UnsupportedModelError(  # models would convert, then run with the wrong RoPE and no error
@@ -202,6 +226,10 @@ def check_gguf_architecture(path: Path) -> None:
         raise UnsupportedModelError(
             f"unsupported architecture {arch} (GGUF); kvblend supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    with path.open("rb") as f:
+        head = f.read(16)
+    if len(head) == 16 and head[:4] == b"GGUF" and struct.unpack_from("<Q", head, 8)[0] == 0:
+        raise ModelNotFoundError(f"{path} holds no weights (a vocabulary-only GGUF?): give the model's own GGUF")
 
 
 def check_architecture(config, class_name: str | None = None) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from kvblend.errors import ModelNotFoundError
+from kvblend.errors import ModelNotFoundError, UnsupportedModelError
 from kvblend.model.config import read_json_object
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -106,12 +106,33 @@ class TextTokenizer:
         return _clean_up_spaces(text) if self.clean_up_spaces else text
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template renders it (text, not ids)."""
+        """The conversation as the model's chat template renders it (text, not ids).
+
+        Templates that allow no system turn (Mistral v0.1/v0.2, Gemma 1: "Conversation roles must alternate")
+        get the system text in front of the first user message, as other servers do; a template that still
+        refuses, or does not parse, is one line naming it, not a jinja traceback."""
+        import jinja2
+
         if self.chat_template is None:
             raise ModelNotFoundError("this model has no chat template")
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens_map
-        )
+        try:
+            template = self._template
+        except jinja2.TemplateError as e:
+            raise UnsupportedModelError(f"the model's chat template does not parse: {e}") from None
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens_map
+            )
+        except jinja2.TemplateError as e:
+            merged = _system_into_user(messages)
+            if merged is not None:
+                try:
+                    return template.render(
+                        messages=merged, add_generation_prompt=add_generation_prompt, **self.special_tokens_map
+                    )
+                except jinja2.TemplateError:
+                    pass
+            raise UnsupportedModelError(f"the model's chat template refused the prompt: {e}") from None
 
     @cached_property
     def _template(self) -> Any:
@@ -136,6 +157,16 @@ class TextTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template or "")
+
+
+def _system_into_user(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    """The conversation with its system turns put in front of the first user turn; None if it has none."""
+    system = [m["content"] for m in messages if m.get("role") == "system"]
+    rest = [dict(m) for m in messages if m.get("role") != "system"]
+    if not system or not rest or rest[0].get("role") != "user":
+        return None
+    rest[0]["content"] = "\n\n".join([*system, rest[0]["content"]])
+    return rest
 
 
 def _clean_up_spaces(text: str) -> str:

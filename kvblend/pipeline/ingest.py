@@ -167,6 +167,8 @@ def ingest_paths(
     if first is None or not (first.docs or first.unchanged):
         raise _nothing_to_ingest(report.skipped)
     load_before = res.model_load_s
+    if not Archive.exists(res.location):  # a new archive prefills everything: a model that fails to load
+        _ = res.runner  # must leave no empty archive behind (its folder, index and disk reserve)
     archive = res.archive(create=True)
     pending = _Pending()
     with archive.writer(wait=wait_for_writer), StoreBehind() as behind:

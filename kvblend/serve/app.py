@@ -26,7 +26,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvblend.errors import ArchiveBusyError, ArchiveUnavailableError, KvblendError, NotFoundError, UsageError
+from kvblend.errors import (
+    ArchiveBusyError,
+    ArchiveUnavailableError,
+    KvblendError,
+    NonFiniteLogitsError,
+    NotFoundError,
+    UsageError,
+)
 from kvblend.pipeline.query import ContextLengthError
 from kvblend.serve.async_bridge import Completed, Job, TokenEvent
 from kvblend.serve.chunks import segment_source
@@ -78,6 +85,8 @@ def _classify(exc: BaseException, prompt_param: str) -> ApiError:
         return ApiError(503, str(exc), "archive_busy", type="server_error")
     if isinstance(exc, ArchiveUnavailableError):
         return ApiError(503, str(exc), "archive_unavailable", type="server_error")
+    if isinstance(exc, NonFiniteLogitsError):  # the server's --dtype, not the request
+        return ApiError(500, str(exc), "model_error", type="server_error")
     if isinstance(exc, KvblendError):
         return ApiError(500, str(exc), "archive_error", type="server_error")
     log.error("request failed", exc_info=exc)

@@ -18,7 +18,7 @@ from kvblend.archive.codec import LOSSLESS_CODECS
 from archive_helpers import DIM, HEADS, N_LAYERS, TOKENS, ar, layers, put, same  # noqa: F401 (ar: fixture)
 from kvblend.archive import Archive, DocumentRecord, SegmentRecord, resolve_location, segment_key
 from kvblend.archive import blobs as blobs_mod
-from kvblend.errors import ArchiveBusyError, ArchiveError
+from kvblend.errors import ArchiveBusyError, ArchiveError, UsageError
 from support import REPO, run_in_threads
 
 # ---------------------------------------------------------------- round trips
@@ -184,7 +184,9 @@ def test_resolve_location(monkeypatch, tmp_path):
     monkeypatch.delenv("KVBLEND_ARCHIVE")
     assert resolve_location(None).path == tmp_path / "xdg" / "kvblend"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert resolve_location("").path == Path.home() / ".cache" / "kvblend"
+    assert resolve_location(None).path == Path.home() / ".cache" / "kvblend"
+    with pytest.raises(UsageError, match="--archive is empty"):  # `--archive "$UNSET"`: not the default archive
+        resolve_location("")
 
 
 # ---------------------------------------------------------------- locking and growth

@@ -105,7 +105,8 @@ def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
         return path
 
     assert gguf_architecture(write("g.gguf", "gemma3")) == "gemma3"
-    check_gguf_architecture(write("l.gguf", "llama"))  # supported: no error
+    with pytest.raises(ModelNotFoundError, match="holds no weights"):
+        check_gguf_architecture(write("l.gguf", "llama"))  # supported, but a header with no tensors
     with pytest.raises(UnsupportedModelError, match="unsupported architecture gemma2 .*Gemma3ForCausalLM"):
         check_gguf_architecture(write("g2.gguf", "gemma2"))
     with pytest.raises(UnsupportedModelError, match="Phi-3 is read from a checkpoint directory"):
@@ -118,3 +119,101 @@ def test_the_architecture_is_read_from_a_gguf_header_alone(tmp_path):
     truncated.write_bytes(write("t.gguf", "qwen3").read_bytes()[:30])
     with pytest.raises(ModelNotFoundError, match="truncated GGUF header"):
         gguf_architecture(truncated)
+
+
+def _tiny_llama_gguf(path: Path, drop: str = "") -> Path:
+    """A 2-layer Llama GGUF of random weights and a 32-token vocabulary, the tensors whose names start with
+    `drop` left out (the weights are checked before the tokenizer is converted, so it needs no merges)."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    H, F, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 32
+    writer.add_block_count(layers)
+    writer.add_embedding_length(H)
+    writer.add_feed_forward_length(F)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_context_length(256)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(H // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": (vocab, H), "output_norm.weight": (H,)}
+    for i in range(layers):
+        tensors |= {f"blk.{i}.attn_norm.weight": (H,), f"blk.{i}.ffn_norm.weight": (H,),
+                    f"blk.{i}.attn_q.weight": (H, H), f"blk.{i}.attn_k.weight": (H // heads * kv_heads, H),
+                    f"blk.{i}.attn_v.weight": (H // heads * kv_heads, H), f"blk.{i}.attn_output.weight": (H, H),
+                    f"blk.{i}.ffn_gate.weight": (F, H), f"blk.{i}.ffn_up.weight": (F, H),
+                    f"blk.{i}.ffn_down.weight": (H, F)}
+    for name, shape in tensors.items():
+        if not (drop and name.startswith(drop)):
+            writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_without_all_its_weights_is_refused_not_filled_with_random_ones(tmp_path, monkeypatch):
+    """transformers fills the weights a GGUF lacks with random ones and says so in a warning kvblend silences: a
+    vocabulary-only file, the first part of a split model, or a file missing a layer loaded and answered
+    gibberish (and a header with neither weights nor architecture built a 27 GB default Llama first)."""
+    import pytest
+
+    from kvblend.errors import ModelNotFoundError
+    from kvblend.model.loading import load_model
+
+    monkeypatch.setenv("KVBLEND_MODEL_CACHE", str(tmp_path / "cache"))
+    cut = _tiny_llama_gguf(tmp_path / "cut.gguf", drop="blk.1.")
+    with pytest.raises(ModelNotFoundError, match=r"lacks 9 of the model's weights \(e\.g\. model\.layers\.1\."):
+        load_model(str(cut), compute="cpu")
+    assert not any((tmp_path / "cache").glob("*/config.json"))  # nothing converted is kept
+    empty = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(empty), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="holds no weights"):
+        load_model(str(empty), compute="cpu")
+    part = tmp_path / "model-00001-of-00003.gguf"
+    part.write_bytes(cut.read_bytes())
+    with pytest.raises(ModelNotFoundError, match="one part of a split GGUF"):
+        load_model(str(part), compute="cpu")
+
+
+def test_model_paths_that_are_no_model_are_one_line(tmp_path):
+    """A dangling weights link (an interrupted Hugging Face download) was a FileNotFoundError traceback; a file
+    that exists but is no .gguf said "no model at"; MODEL.GGUF was not a GGUF; and a vocabulary of more than
+    65,536 strings before the architecture made a valid header read as damaged."""
+    import json
+
+    import pytest
+
+    from kvblend.errors import ModelNotFoundError
+    from kvblend.model.source import gguf_architecture, resolve_model_source, source_fingerprint
+
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (folder / "model.safetensors").symlink_to(tmp_path / "blobs" / "abc123")
+    with pytest.raises(ModelNotFoundError, match=r"cannot read .*model\.safetensors"):
+        source_fingerprint(resolve_model_source(str(folder)))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelNotFoundError, match="is not a .gguf file"):
+        resolve_model_source(str(tmp_path / "notes.txt"))
+    import struct
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    tokens = [f"t{i}" for i in range(70_000)]  # the vocabulary first, then the architecture (GGUF v3, by hand)
+    upper = tmp_path / "MODEL.GGUF"
+    upper.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+                      + text("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(tokens))
+                      + b"".join(text(t) for t in tokens)
+                      + text("general.architecture") + struct.pack("<I", 8) + text("qwen3"))
+    assert resolve_model_source(str(upper)).gguf_file == "MODEL.GGUF"
+    assert gguf_architecture(upper) == "qwen3"

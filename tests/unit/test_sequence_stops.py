@@ -44,3 +44,19 @@ def test_a_stop_string_wholly_before_min_tokens_is_no_stop_and_is_sent():
 def test_a_stop_string_after_min_tokens_cuts_and_the_stream_matches():
     sent, text = run([1, 2, 3, 4, 5], (" fly",), min_tokens=1)
     assert sent == text == "Drones"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logits_that_are_not_finite_are_one_line_not_an_empty_answer(temperature):
+    """Gemma 3 under --dtype fp16 overflows to NaN: greedy read NaN as token 0 and answered "" (exit 0), and
+    sampling ended in torch's "probability tensor contains either inf, nan" traceback."""
+    from kvblend.errors import NonFiniteLogitsError
+    from kvblend.options import SamplingConfig
+
+    runner = SimpleNamespace(tokenizer=Vocab(), stop_token_ids={0})
+    seq = Sequence(runner, None, OutputParams(sampling=SamplingConfig(temperature=temperature, seed=1)))
+    with pytest.raises(NonFiniteLogitsError, match="use --dtype bf16 or fp32"):
+        seq.accept(torch.full((len(VOCAB),), float("nan")))
+    masked = torch.zeros(len(VOCAB))
+    masked[0] = float("-inf")  # -inf is a masked token, not an overflow
+    assert seq.accept(masked).text in VOCAB[1:]

@@ -247,7 +247,8 @@ def test_another_model_is_refused_with_the_same_message(where):
         assert (ar.model_name, ar.model_fingerprint) == ("SmolLM2-135M", "aaa")
         location = ar.store.location
     assert str(e.value) == (f"archive at {location} was built with model SmolLM2-135M; you asked for model "
-                            "Qwen3-0.6B (pass --model SmolLM2-135M or use another --archive)")
+                            "Qwen3-0.6B (pass the --model path it was built with (named SmolLM2-135M) or use "
+                            "another --archive)")  # `--model SmolLM2-135M` is no path: "no model at SmolLM2-135M"
     with pytest.raises(ArchiveModelMismatchError) as e:  # same name, other weights
         Archive.open(where, model_name="SmolLM2-135M", model_fingerprint="ccc")
     assert "SmolLM2-135M (fingerprint aaa); you asked for model SmolLM2-135M (fingerprint ccc)" in str(e.value)
@@ -396,3 +397,11 @@ def test_the_storage_probe_asks_the_store_itself(ar):
     assert len(got.warm_runs_MBps) == 2 and all(rate > 0 for rate in got.warm_runs_MBps)
     assert got.scratch_bytes == 3 * N_LAYERS * 4096
     assert ar.store.client.dbsize() == 1  # only the meta hash: the scratch keys are gone
+
+
+def test_a_bundled_models_name_is_the_model_to_pass():
+    from kvblend.archive.core import Model, mismatch_message
+    from kvblend.defaults import DEFAULT_MODEL_NAME
+
+    told = mismatch_message("here", Model(DEFAULT_MODEL_NAME, "aaa"), Model("mine", "bbb"))
+    assert f"(pass --model {DEFAULT_MODEL_NAME} or use another --archive)" in told

@@ -153,3 +153,29 @@ def test_a_checkpoint_directory_loads_with_its_tokenizer_and_chat_template(tmp_p
             q, k, v = runner.project_qkv(layer, hidden, cos, sin)
             hidden = runner.finish_layer(layer, hidden, runner.attend(layer, q, k, v))
         assert torch.allclose(runner.logits(hidden), reference(ids).logits.float(), atol=1e-5)
+
+
+def test_a_chat_template_without_a_system_turn_gets_it_in_the_user_turn_and_a_broken_one_is_one_line():
+    """Mistral v0.1/v0.2 and Gemma 1 templates raise "Conversation roles must alternate" at a system message,
+    which kvblend always sends: every ingest and query ended in a jinja traceback, and no flag avoided it."""
+    import pytest
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from kvblend.errors import UnsupportedModelError
+    from kvblend.model.tokenizer import TextTokenizer
+
+    alternate = (
+        "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"
+    )
+    backend = Tokenizer(WordLevel({"<s>": 0, "<unk>": 1}, unk_token="<unk>"))
+    tok = TextTokenizer(backend, {"bos_token": "<s>"}, alternate)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who?"}]
+    assert tok.apply_chat_template(messages) == "<s>[INST] Be brief.\n\nWho? [/INST]"
+    with pytest.raises(UnsupportedModelError, match="refused the prompt: Conversation roles must alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "Hi"}])
+    broken = TextTokenizer(backend, {}, "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(UnsupportedModelError, match="chat template does not parse"):
+        broken.apply_chat_template(messages)
