@@ -615,6 +615,25 @@ class ArchiveCore:
             raise NotFoundError(f"no such document in the archive: {name} (see `kvblend ls`)")
         return matches[0]
 
+    def find_documents(self, name: str) -> list[DocumentRecord]:
+        """:meth:`find_document`'s document, else every document read out of the file or folder ``name`` names:
+        a JSONL or JSON file's records (``facts.jsonl#L3``), an archive's members (``bundle.zip/a.md``), a folder's
+        files (by path, or by the name they were ingested under)."""
+        try:
+            return [self.find_document(name)]
+        except NotFoundError:
+            absolute = os.path.abspath(os.path.expanduser(name))
+            relative = name.rstrip("/")
+            inside = [
+                d
+                for d in self.iter_documents()
+                if d.path.startswith((absolute + "#", absolute + "/"))
+                or (relative and d.display_name.startswith((relative + "#", relative + "/")))
+            ]
+            if not inside:
+                raise
+            return sorted(inside, key=lambda d: d.path)
+
     def document_summaries(self) -> list[DocumentSummary]:
         """Every document as `ls` shows it, counting the segments it lists that are gone."""
         out = []

@@ -186,9 +186,10 @@ def remove(
     archive: Optional[str] = ArchiveOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Remove documents and the segments no other document uses."""
+    """Remove documents (a JSONL, JSON or ZIP file, or a folder: every document read out of it) and the segments no
+    other document uses."""
     with open_existing(archive, write=True) as arc:
-        resolved = [arc.find_document(d).path for d in documents]
+        resolved = list(dict.fromkeys(doc.path for d in documents for doc in arc.find_documents(d)))
         with arc.writer(wait=wait):
             removed = arc.remove_documents(resolved)
     if as_json:

@@ -180,6 +180,12 @@ def ingest(
         + (f" (model load {report.model_load_seconds:.1f}s)" if report.model_load_seconds else "")
         + (f"; {report.embeddings_restored} lost retrieval embeddings restored" if report.embeddings_restored else "")
     )
+    if report.removed:
+        err.print(
+            f"removed {len(report.removed)} document{'s' if len(report.removed) != 1 else ''} their file no longer "
+            f"holds: {', '.join(printable(p) for p in report.removed[:3])}{' ...' if len(report.removed) > 3 else ''}",
+            markup=False,
+        )
 
 
 def _files_bar(label: str, prefills: bool) -> Progress:

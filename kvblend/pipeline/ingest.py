@@ -151,10 +151,17 @@ def ingest_paths(
     report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
     done = 0
 
+    seen: set[str] = set()  # every document path this run read or found unchanged
+    containers: set[str] = set()  # files read whole that hold several documents (JSON(L), ZIP, tar, mailbox)
+
     def read(source: SourceFile) -> Reading:
         nonlocal done
         reading = read_file(source, held)
         report.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
+        paths = [d.path for d in reading.docs] + [u.path for u in reading.unchanged]
+        seen.update(paths)
+        if any(p != source.shown for p in paths):
+            containers.add(source.shown)
         done += 1
         return reading
 
@@ -197,11 +204,25 @@ def ingest_paths(
                 _progress(on_progress, report, upcoming.shown, done, len(files))
             reading = read(upcoming) if upcoming is not None else None
         _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+    if containers:  # once the store thread has committed every record: a segment they reuse is theirs
+        with archive.writer(wait=wait_for_writer):
+            report.removed = _forget_left_out(archive, containers, seen, report.skipped)
     _progress(on_progress, report, "", done, len(files))  # every file read, its KV committed (the store thread's)
     res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
     report.model_load_seconds = res.model_load_s - load_before  # only a load this ingest paid for
     return report
+
+
+def _forget_left_out(archive: Archive, containers: set[str], seen: set[str], skipped: list[dict]) -> list[str]:
+    """The documents of each container read this time that it no longer holds, removed (a JSONL line deleted, a
+    ZIP member gone); those it holds but could not read now (skipped) are kept, as a file skipped is."""
+    if not containers:
+        return []
+    kept = seen | {s["path"] for s in skipped}
+    prefixes = tuple(c + sep for c in containers for sep in ("#", "/"))
+    gone = [d.path for d in archive.iter_documents() if d.path.startswith(prefixes) and d.path not in kept]
+    return archive.remove_documents(gone) if gone else []
 
 
 def _read_if_changed(

@@ -32,6 +32,9 @@ class IngestReport:
     model_load_seconds: float = 0.0  # part of `seconds`, left out of the rate
     embeddings_restored: int = 0  # stored segments whose evicted retrieval embeddings were embedded again
     skipped: list[dict] = field(default_factory=list)
+    # documents of a JSON(L) file or an archive, read again, that it no longer holds (a line deleted, a member
+    # removed): forgotten, or they would be retrieved and cited as if still there
+    removed: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

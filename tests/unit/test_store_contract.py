@@ -405,3 +405,18 @@ def test_a_bundled_models_name_is_the_model_to_pass():
 
     told = mismatch_message("here", Model(DEFAULT_MODEL_NAME, "aaa"), Model("mine", "bbb"))
     assert f"(pass --model {DEFAULT_MODEL_NAME} or use another --archive)" in told
+
+
+def test_a_container_or_folder_names_every_document_read_out_of_it(ar):
+    """`rm facts.jsonl` (or the folder ingested) found nothing: its records are facts.jsonl#L1, #L2, ..., and the
+    user had to remove each line's document by hand."""
+    for i in range(3):
+        put(ar, f"cc{i}", seed=i)
+    for path, key in (("/docs/facts.jsonl#L1", "cc0"), ("/docs/facts.jsonl#L2", "cc1"), ("/docs/sub/a.md", "cc2")):
+        ar.replace_document(DocumentRecord(path=path, name=path.removeprefix("/docs/"), segment_keys=[key]))
+    assert [d.path for d in ar.find_documents("/docs/facts.jsonl")] == ["/docs/facts.jsonl#L1", "/docs/facts.jsonl#L2"]
+    assert [d.name for d in ar.find_documents("facts.jsonl")] == ["facts.jsonl#L1", "facts.jsonl#L2"]
+    assert [d.path for d in ar.find_documents("/docs/sub")] == ["/docs/sub/a.md"]
+    assert [d.path for d in ar.find_documents("a.md")] == ["/docs/sub/a.md"]  # one document: as find_document
+    with pytest.raises(NotFoundError):
+        ar.find_documents("/docs/facts")  # a prefix of a name is no container

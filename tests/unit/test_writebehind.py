@@ -198,3 +198,23 @@ def test_ingesting_again_at_another_chunk_size_splits_the_documents_again(tmp_pa
         assert 0 < again.segments_new < first.segments_new
         doc = engine.archive().get_document(str(docs / "a.md"))
         assert len(doc.segment_keys) == again.segments_new and doc.extra["chunk_tokens"] == 128
+
+
+def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_path):
+    """A JSONL file with a line deleted kept its last line's document (#L3) in the archive, retrieved and cited
+    as if it were still there; a line that is now invalid JSON is skipped, and its document kept."""
+    import json
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    lines = [json.dumps({"text": f"Fact {i}: alpha{i} beta{i} gamma{i}."}) for i in range(4)]
+    (docs / "facts.jsonl").write_text("\n".join(lines) + "\n")
+    (docs / "other.md").write_text("Another document.")
+    with engine_for(tmp_path, "a") as engine:
+        engine.ingest([docs], chunk_tokens=64)
+        (docs / "facts.jsonl").write_text("\n".join([lines[1], "{not json", lines[3]]) + "\n")
+        report = engine.ingest([docs], chunk_tokens=64)
+        names = sorted(d.name for d in engine.archive().iter_documents())
+        assert names == ["facts.jsonl#L1", "facts.jsonl#L2", "facts.jsonl#L3", "other.md"]  # L2: skipped, kept
+        assert report.removed == [str(docs / "facts.jsonl") + "#L4"]
+        assert engine.archive().verify().ok
