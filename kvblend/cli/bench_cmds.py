@@ -39,6 +39,8 @@ from kvblend.cli.common import (
     compute_dtype,
     decode_settings,
     err,
+    given_options,
+    no_effect,
     out,
     print_json,
     printable,
@@ -80,6 +82,7 @@ def _check_writable_target(path: Optional[Path], flag: str, suffix: str) -> None
 
 
 def bench(
+    ctx: typer.Context,
     dataset: Path = typer.Argument(
         ..., help='QA file: a JSON list of {"ctxs": [{"title","text"}...], "question", "answers"}.', show_default=False
     ),
@@ -173,7 +176,8 @@ def bench(
     """Benchmark full / prefix / reuse / blend on QA records: F1, agreement and KL vs full, TTFT, recompute share."""
     # Everything a user can get wrong fails here, before the model loads.
     mode_list = parse_modes(modes)
-    ratio_list = parse_ratios(ratios) if "blend" in mode_list else ()
+    ratio_list = parse_ratios(ratios)  # checked whether or not blend runs (`--ratios abc` said nothing)
+    ratio_list = ratio_list if "blend" in mode_list else ()
     pareto_list = parse_ratios(pareto_ratios, "--pareto-ratios")
     codec_list = parse_codecs(codecs)
     check_ratio(variant_ratio, "--variant-ratio")
@@ -195,6 +199,10 @@ def bench(
     records = load_records(dataset, None if limit is None else offset + limit)[offset:]
     if not records:
         raise UsageError(f"--offset {offset}: the dataset has no records past it")
+    if "blend" not in mode_list and (flags := given_options(ctx, "ratios")):
+        err.print(f"[yellow]warning:[/] {no_effect(flags, 'without blend in --modes')}")
+    if not variants and (flags := given_options(ctx, "variant_ratio")):
+        err.print(f"[yellow]warning:[/] {no_effect(flags, 'without --variants')}")
     if "full" not in mode_list and not as_json:
         err.print("[dim]note: full also runs: it is the reference for agreement and KL[/]")
     command = "kvblend " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -158,6 +158,22 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def given_options(ctx: Any, *names: str) -> list[str]:
+    """Of the parameters `names`, the flags (``--top-p``) the user gave on the command line or through the
+    environment, not left at their defaults (typer vendors click: its ParameterSource is known by name)."""
+    sources = {name: ctx.get_parameter_source(name) for name in names}
+    return [
+        "--" + name.replace("_", "-")
+        for name, source in sources.items()
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+    ]
+
+
+def no_effect(flags: list[str], why: str) -> str:
+    """The warning for options a command's other choices leave without effect: "--a, --b have no effect WHY"."""
+    return f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect {why}"
+
+
 def parse_budget(text: str, flag: str) -> int:
     """A size limit given as `flag`: at least one byte (0 would evict or refuse everything, surely a slip)."""
     size = parse_size(text)

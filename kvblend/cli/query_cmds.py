@@ -36,7 +36,9 @@ from kvblend.cli.common import (
     compute_dtype,
     decode_settings,
     err,
+    given_options,
     human_bytes,
+    no_effect,
     open_existing,
     out,
     parse_check_layers,
@@ -274,20 +276,12 @@ def _ignored_options(ctx: typer.Context, opts) -> list[str]:
     warning (it runs as asked, but a user who typed `--ratio 0.5 --mode prefix` should know the ratio did
     nothing)."""
 
-    def given(*names: str) -> list[str]:  # typer vendors click: its ParameterSource is known by name
-        sources = {name: ctx.get_parameter_source(name) for name in names}
-        return [
-            "--" + name.replace("_", "-")
-            for name, source in sources.items()
-            if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-        ]
+    def given(*names: str) -> list[str]:
+        return given_options(ctx, *names)
 
     notes = []
     if opts.mode != "blend" and (flags := given("ratio", "check_layers", "select", "deviation")):
-        notes.append(
-            f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect with --mode "
-            f"{opts.mode}: only blend selects tokens to recompute"
-        )
+        notes.append(no_effect(flags, f"with --mode {opts.mode}: only blend selects tokens to recompute"))
     elif opts.select in ("probe", "question") and given("deviation"):
         notes.append(
             f"--deviation has no effect with --select {opts.select}: only hkvd, heads and question+hkvd measure "
@@ -298,7 +292,7 @@ def _ignored_options(ctx: typer.Context, opts) -> list[str]:
     if opts.store_context and not opts.context_texts:
         notes.append("--store has no effect without --context-file: it archives those passages")
     if opts.sampling.temperature == 0 and (flags := given("top_p", "seed")):
-        notes.append(f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect at --temperature 0 (greedy)")
+        notes.append(no_effect(flags, "at --temperature 0 (greedy)"))
     return notes
 
 

@@ -21,7 +21,9 @@ from kvblend.cli.common import (
     JsonOpt,
     ModelOpt,
     err,
+    given_options,
     human_bytes,
+    no_effect,
     out,
     parse_budget,
     print_json,
@@ -73,6 +75,7 @@ def _logger(as_json: bool, command: str):
 
 
 def profile(
+    ctx: typer.Context,
     device: Optional[str] = typer.Option(
         None,
         "--device",
@@ -99,6 +102,9 @@ def profile(
     """Measure this machine: storage read speed (cold and warm), codec decompression, per-layer prefill cost."""
     if show:
         from kvblend.tuning.profile import list_profiles
+
+        if flags := given_options(ctx, "device", "label", "quick"):
+            err.print(f"[yellow]warning:[/] {no_effect(flags, 'with --show: it lists what was measured')}")
 
         _print_listing(list_profiles(archive, model), as_json)
         return
@@ -234,6 +240,7 @@ def _print_listing(listing: ProfileListing, as_json: bool) -> None:
 
 
 def tune(
+    ctx: typer.Context,
     calibration: Optional[Path] = typer.Option(
         None,
         "--calibration",
@@ -298,6 +305,10 @@ def tune(
         top_k=top_k,
     )
     req.check()  # before the model loads
+    if r_quality is not None and (
+        flags := given_options(ctx, "calibration", "limit", "tolerance", "kl_bound", "ratios")
+    ):
+        err.print(f"[yellow]warning:[/] {no_effect(flags, 'with --r-quality: nothing is calibrated')}")
     result = run_tune(req, log=_logger(as_json, "tune"))
     if as_json:
         print_json({**result.setting.to_dict(), "tuned_key": result.key})

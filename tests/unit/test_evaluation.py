@@ -120,7 +120,7 @@ def test_calibration_set_is_package_data():
 
 
 @pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "pareto_ratio", "mode", "passage",
-                                  "template", "system", "sink", "offset_limit0", "plot_suffix"])
+                                  "template", "system", "sink", "offset_limit0", "plot_suffix", "ratios_unused"])
 def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     args = {
         "missing": [tmp_path / "nope.json"],
@@ -135,6 +135,7 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
         "sink": [CALIBRATION, "--sink", "everything"],
         "offset_limit0": [CALIBRATION, "--offset", "1", "--limit", "0"],  # said "no records past --offset 1"
         "plot_suffix": [CALIBRATION, "--plot", tmp_path / "chart.txt"],  # a traceback after the whole run
+        "ratios_unused": [CALIBRATION, "--modes", "full,reuse", "--ratios", "abc"],  # was not read, exit 0
     }[case]
     (tmp_path / "wrong.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "contexts": []}]))
     (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
@@ -142,7 +143,8 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     assert line.startswith("kvblend: error:")
     assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "pareto_ratio": "--pareto-ratios", "mode": "turbo",
             "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink",
-            "offset_limit0": "--limit must be at least 1, not 0", "plot_suffix": "matplotlib writes no .txt"}[case] in line
+            "offset_limit0": "--limit must be at least 1, not 0", "plot_suffix": "matplotlib writes no .txt",
+            "ratios_unused": "--ratios takes comma-separated numbers"}[case] in line
 
 
 def test_bench_tables_show_their_cells_as_text_and_records_by_their_number_in_the_dataset():

@@ -44,7 +44,8 @@ def test_tune_cli_from_stored_profiles(tmp_path):
             ar.put_profile(f"p{i}", p.to_dict())
     proc = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.15", "--context-tokens", "3072",
                    "--storage-costs", "ram=5,nvme=0.1,ssd=0.05,hdd=0.02", "--archive-size", "100GB", "--json",
-                   check=True)
+                   "--limit", "3", check=True)
+    assert "--limit has no effect with --r-quality" in proc.stderr  # it calibrated nothing, and said nothing
     out = json.loads(proc.stdout)
     assert out["ratio"] == 0.15 and out["r_quality"] == 0.15
     assert out["r_hide"] == pytest.approx(0.0857, abs=1e-3)
