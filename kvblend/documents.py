@@ -222,7 +222,16 @@ def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
             if key not in seen:
                 seen.add(key)
                 found.append(target)
-    return found, skipped
+    return _distinct_names(found), skipped
+
+
+def _distinct_names(files: list[SourceFile]) -> list[SourceFile]:
+    """Files of one run that would share a name (``ingest docs-2023 docs-2024``, two README.md) named by their
+    path as given instead: under one name they were one document to `show`, `rm` and every citation."""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f.name] = counts.get(f.name, 0) + 1
+    return [dataclasses.replace(f, name=f.shown) if counts[f.name] > 1 else f for f in files]
 
 
 def read_file(source: SourceFile, is_unchanged: Callable[[str, str], bool] | None = None) -> Reading:

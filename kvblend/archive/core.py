@@ -609,8 +609,9 @@ class ArchiveCore:
             for d in self.iter_documents()
             if d.display_name == name or d.path.endswith("/" + tail) or d.display_name.endswith("/" + tail)
         ]
-        if len(matches) > 1:
-            raise UsageError(f"document name {name} is ambiguous ({len(matches)} documents end with it)")
+        if len(matches) > 1:  # named by their paths: two files of one name differ only there
+            shown = ", ".join(sorted(d.path for d in matches)[:3]) + (" ..." if len(matches) > 3 else "")
+            raise UsageError(f"document name {name} is ambiguous ({len(matches)} documents end with it: {shown})")
         if not matches:
             raise NotFoundError(f"no such document in the archive: {name} (see `kvblend ls`)")
         return matches[0]

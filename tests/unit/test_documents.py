@@ -336,3 +336,19 @@ def test_a_broken_or_looping_symbolic_link_is_named_as_one(tmp_path):
     assert [d.path for d in docs] == [f"{tmp_path.as_posix()}/ok.txt"]
     assert sorted((Path(s.path).name, s.reason) for s in skipped) == [
         ("a.txt", "a broken symbolic link"), ("b.txt", "a broken symbolic link"), ("dead.txt", "a broken symbolic link")]
+
+
+def test_files_of_one_run_that_would_share_a_name_are_named_by_their_paths(tmp_path, monkeypatch):
+    """`ingest docs-2023 docs-2024`: two README.md were two documents named README.md, cited as one source, and
+    `show README.md` could only say "ambiguous"."""
+    from kvblend.documents import find_files
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "notes.md").write_text(f"notes of {folder}")
+    (tmp_path / "a" / "other.md").write_text("other")
+    monkeypatch.chdir(tmp_path)
+    files, _ = find_files([Path("a"), Path("b")])
+    assert [f.name for f in files] == ["a/notes.md", "other.md", "b/notes.md"]  # only those that collide
+    files, _ = find_files([Path("a/notes.md"), Path("b/notes.md"), Path("a/other.md")])
+    assert [f.name for f in files] == ["a/notes.md", "b/notes.md", "other.md"]  # only those that collide
