@@ -252,8 +252,12 @@ def select_records(
     archive = res.archive(create=False)
     records: list[SegmentRecord] = []
     infos: list[SegmentInfo] = []
+    pinned: set[str] = set()  # documents given twice (two names of one) go into the prompt once
     for name in opts.docs:
         doc = archive.find_document(name)
+        if doc.path in pinned:
+            continue
+        pinned.add(doc.path)
         present: list[tuple[int, SegmentRecord]] = []  # (index in the document, record) of what is still there
         for i, k in enumerate(doc.segment_keys):
             if (stored := archive.get_segment(k)) is not None:
@@ -272,6 +276,8 @@ def select_records(
             infos.append(SegmentInfo(rec.key, doc.display_name, rec.n_tokens, True, **doc.source(i)))
     for key in opts.segment_keys:
         rec = archive.find_segment(key)
+        if any(r.key == rec.key for r in records):  # pinned already, by --segment or in a --doc
+            continue
         records.append(rec)
         infos.append(_archived_info(res, rec))
     if records or (opts.context_texts and opts.top_k == 0):

@@ -218,3 +218,22 @@ def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_pat
         assert names == ["facts.jsonl#L1", "facts.jsonl#L2", "facts.jsonl#L3", "other.md"]  # L2: skipped, kept
         assert report.removed == [str(docs / "facts.jsonl") + "#L4"]
         assert engine.archive().verify().ok
+
+
+def test_a_passage_pinned_twice_is_in_the_prompt_once(tmp_path):
+    """`--doc a.md --doc a.md` (or a segment of a pinned document given again with --segment) put the passage
+    into the prompt twice."""
+    from kvblend.generation import SamplingConfig
+    from kvblend.pipeline import QueryOptions
+    from kvblend.pipeline.query import select_records
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Alpha one beta two gamma three.")
+    with engine_for(tmp_path, "a") as engine:
+        engine.ingest([docs], chunk_tokens=64)
+        key = engine.archive().get_document(str(docs / "a.md")).segment_keys[0]
+        opts = QueryOptions(docs=("a.md", str(docs / "a.md")), segment_keys=(key[:12],),
+                            sampling=SamplingConfig(max_new_tokens=2))
+        records, infos = select_records(engine, "what is alpha", opts)
+        assert [r.key for r in records] == [key] and len(infos) == 1
