@@ -55,14 +55,15 @@ class ContextLengthError(UsageError):
             f"prompt is {self.prompt_tokens} tokens (+{self.new_tokens} to generate); "
             f"the model's context is {self.limit}"
         )
-        if self.new_tokens >= self.limit:
-            return f"{head}: {max_tokens} must be below {self.limit}"
+        room = self.limit - self.prompt_tokens  # what this prompt leaves to generate
+        if self.new_tokens >= self.limit and room > 0:
+            return f"{head}: {max_tokens} must be at most {room} for this prompt"
         fix = (
             f"use fewer segments ({fewer_segments}) or a shorter question"
             if fewer_segments
             else "use shorter passages or a shorter question"
         )
-        return f"{head}: {fix}, or a smaller {max_tokens}" if self.prompt_tokens < self.limit else f"{head}: {fix}"
+        return f"{head}: {fix}, or {max_tokens} at most {room}" if room > 0 else f"{head}: {fix}"
 
 
 def run_query(

@@ -76,8 +76,9 @@ def _classify(exc: BaseException, prompt_param: str) -> ApiError:
     if isinstance(exc, NotFoundError):
         return ApiError(404, str(exc), "not_found")
     if isinstance(exc, ContextLengthError):  # a client asks for fewer segments with kvblend.top_k, not --top-k
+        tokens = "max_tokens" if prompt_param == "prompt" else "max_completion_tokens (max_tokens)"
         return ApiError(
-            400, exc.explain("kvblend.top_k, or fewer passages"), "context_length_exceeded", param=prompt_param
+            400, exc.explain("kvblend.top_k, or fewer passages", tokens), "context_length_exceeded", param=prompt_param
         )
     if isinstance(exc, UsageError):
         return ApiError(400, str(exc), "invalid_value")
@@ -148,7 +149,11 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else "http_error"
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code).body(), status_code=exc.status_code)
+        return JSONResponse(  # with Starlette's headers: a 405 must say what is Allow-ed
+            ApiError(exc.status_code, str(exc.detail), code).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def complete(request: Request, parse: Callable[[dict], ChatRequest]) -> Response:
         try:
@@ -163,11 +168,11 @@ def create_app(
             return refuse(error_for(first[1], hidden_paths, req.legacy))
         if first[0] == "cancelled":
             return closed()
-        cid = completion_id(req.legacy)
+        cid, stamp = completion_id(req.legacy), int(job.created)
         if req.stream:
             metrics.request(200)
             return StreamingResponse(
-                sse(job, req, cid, first),
+                sse(job, req, cid, stamp, first),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -178,7 +183,7 @@ def create_app(
             return refuse(error_for(value, hidden_paths, req.legacy)) if kind == "error" else closed()
         metrics.request(200)
         observe(value, job)
-        return JSONResponse(completion_body(cid, model, value, job.queue_wait_s, req.legacy))
+        return JSONResponse(completion_body(cid, model, value, job.queue_wait_s, req.legacy, stamp))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -188,7 +193,7 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await complete(request, parse_completion_request)
 
-    async def sse(job: Job, req: ChatRequest, cid: str, first: tuple[str, Any]) -> AsyncIterator[str]:
+    async def sse(job: Job, req: ChatRequest, cid: str, stamp: int, first: tuple[str, Any]) -> AsyncIterator[str]:
         """The OpenAI stream: per choice a role chunk (chat), text deltas, a final chunk (finish_reason; the
         first choice's also carries `kvblend`), then a usage chunk if asked, then [DONE].
 
@@ -196,7 +201,7 @@ def create_app(
         try:
             if not req.legacy:
                 for i in range(req.n):
-                    yield event(chunk_body(cid, model, i, False, role=True))
+                    yield event(chunk_body(cid, model, i, False, role=True, created=stamp))
             kind, value = first
             started = [req.legacy] * req.n  # a chat answer loses its leading whitespace, as unstreamed
             offsets = [0] * req.n  # legacy logprobs' text_offset counts from the answer's start
@@ -213,6 +218,7 @@ def create_app(
                         text,
                         logprobs=token.logprobs,
                         text_offset=offsets[token.choice],
+                        created=stamp,
                     )
                     offsets[token.choice] += sum(len(e["token"]) for e in token.logprobs)
                     yield event(body)
@@ -222,10 +228,18 @@ def create_app(
                 for choice in value.choices:
                     report = kvblend_report(value.result, job.queue_wait_s) if choice.index == 0 else None
                     yield event(
-                        chunk_body(cid, model, choice.index, req.legacy, finish=choice.finish_reason, kvblend=report)
+                        chunk_body(
+                            cid,
+                            model,
+                            choice.index,
+                            req.legacy,
+                            finish=choice.finish_reason,
+                            kvblend=report,
+                            created=stamp,
+                        )
                     )
                 if req.include_usage:
-                    yield event(usage_chunk(cid, model, req.legacy, value))
+                    yield event(usage_chunk(cid, model, req.legacy, value, stamp))
             elif kind == "error":
                 yield event(error_for(value, hidden_paths, req.legacy).body())
             yield "data: [DONE]\n\n"
@@ -278,7 +292,17 @@ def create_app(
 
 
 async def next_event(request: Request, job: Job) -> tuple[str, Any]:
-    """The job's next event; ('cancelled', None) as soon as the client disconnects (the job is cancelled)."""
+    """The job's next event; ('cancelled', None) as soon as the client disconnects (the job is cancelled).
+
+    Asked every DISCONNECT_POLL_S whether events flow or not: a non-streamed answer's tokens come every few
+    tens of ms, so a check made only when none came never ran once decoding began, and a client gone (or an
+    openai client's timed-out try, retried twice) decoded on to max_tokens."""
+    now = time.monotonic()
+    if now - job.checked_at >= DISCONNECT_POLL_S:
+        job.checked_at = now
+        if await request.is_disconnected():
+            job.cancel()
+            return "cancelled", None
     getter = asyncio.ensure_future(job.events.get())
     try:
         while True:

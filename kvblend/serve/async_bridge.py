@@ -57,7 +57,9 @@ class Job:
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.enqueued = time.perf_counter()
+        self.created = time.time()  # the reply's `created`, the same in every chunk of a stream
         self.queue_wait_s = 0.0  # set at admission, before any event: read by the route after its first event
+        self.checked_at = time.monotonic()  # when the route last asked whether its client is still there
 
     def emit(self, kind: str, value: Any = None) -> None:
         """Hand an event to the request's handler (thread-safe): token, done, error or cancelled."""

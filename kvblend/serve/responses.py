@@ -102,9 +102,13 @@ def _dump(body: BaseModel, kvblend: dict | None = None) -> dict:
     return out if kvblend is None else {**out, "kvblend": kvblend}
 
 
-def completion_body(cid: str, model: str, done: Completed, queue_wait_s: float, legacy: bool) -> dict:
-    """A non-streamed `chat.completion` (or legacy `text_completion`)."""
-    created, report = int(time.time()), kvblend_report(done.result, queue_wait_s)
+def completion_body(
+    cid: str, model: str, done: Completed, queue_wait_s: float, legacy: bool, created: int | None = None
+) -> dict:
+    """A non-streamed `chat.completion` (or legacy `text_completion`); `created`: when the request came (OpenAI
+    and vLLM stamp a request once, and every chunk of a stream alike), else now."""
+    created = int(time.time()) if created is None else created
+    report = kvblend_report(done.result, queue_wait_s)
     if legacy:
         choices = [
             CompletionChoice(
@@ -145,9 +149,10 @@ def chunk_body(
     logprobs: list[dict] | None = None,
     text_offset: int = 0,
     kvblend: dict | None = None,
+    created: int | None = None,
 ) -> dict:
     """One streamed chunk of a choice (`kvblend`: the report, on the first choice's final chunk)."""
-    created = int(time.time())
+    created = int(time.time()) if created is None else created
     if legacy:
         # A legacy chunk is a `Completion` whose choice has no finish_reason until the last one: OpenAI streams a
         # null there, which the type does not allow, so the choice is built unvalidated (as the client reads it).
@@ -175,9 +180,9 @@ def chunk_body(
     return _dump(chat_chunk, kvblend)
 
 
-def usage_chunk(cid: str, model: str, legacy: bool, done: Completed) -> dict:
+def usage_chunk(cid: str, model: str, legacy: bool, done: Completed, created: int | None = None) -> dict:
     """The stream's last chunk when `stream_options.include_usage` asks: no choices, the usage."""
-    created = int(time.time())
+    created = int(time.time()) if created is None else created
     if legacy:
         return _dump(
             Completion(id=cid, object="text_completion", created=created, model=model, choices=[], usage=usage(done))

@@ -189,7 +189,12 @@ class Scheduler:
             return counts
 
     def submit(self, chat: ChatRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request, or refuse it with a 429 when `max_queue` requests already wait."""
+        """Queue a request, or refuse it with a 429 when `max_queue` requests already wait (and with a 400 when
+        its `n` choices alone exceed `max_batch`: they would all decode in one batch past the bound)."""
+        if chat.n > self.max_batch:
+            raise ApiError(
+                400, f"n ({chat.n}) exceeds the server's --max-batch ({self.max_batch})", "invalid_value", param="n"
+            )
         with self._lock:
             if self._stopping:
                 raise shutting_down()

@@ -316,6 +316,8 @@ def _text_part(value: Any, handler: Any) -> Any:
         return handler(value)
     except ValidationError:
         kind = value.get("type") if isinstance(value, dict) else type(value).__name__
+        if kind == "text":  # a text part with no text, or text that is no string: not a kind of part refused
+            raise refused(f"{WHERE}.text must be a string") from None
         raise refused(f"{WHERE}: only text parts are supported, not {kind!r}", "unsupported_parameter") from None
 
 
@@ -416,6 +418,14 @@ class _Body(_Strict):
             raise refused(
                 "kvblend.top_k 0 retrieves nothing: send passages, name docs, or ask for 1 or more", param="kvblend"
             )
+        # what `kvblend query` warns of: here refused, as every parameter kvblend cannot honour is
+        if kv is not None and kv.ratio is not None and kv.mode not in (None, "blend"):
+            raise refused(
+                f"kvblend.ratio has no effect with kvblend.mode {kv.mode}: only blend selects tokens to recompute",
+                param="kvblend.ratio",
+            )
+        if kv is not None and kv.top_k and kv.docs:
+            raise refused("kvblend.top_k has no effect with kvblend.docs: nothing is retrieved", param="kvblend.top_k")
 
     def _request(self, conv: Conversation, legacy: bool) -> ChatRequest:
         kv = self.kvblend or KvblendOptions()

@@ -12,13 +12,14 @@ so no write is cut short.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import logging.config
 import math
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -49,6 +50,15 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.begin_shutdown(self.grace_s)
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn raises the signal it caught again once it has shut down gracefully: SIGTERM then killed the
+        process (exit 143) before `engine.close()` drained the writes queued after the answers, and Ctrl-C
+        ended as "interrupted" (130). A graceful stop is a normal exit (0), with the archive closed."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def log_config() -> dict:

@@ -177,7 +177,7 @@ def test_two_hundred_misbehaving_clients_then_sigterm(copy_of_bundled_archive, t
         for t in threads:
             t.join(timeout=CALL_TIMEOUT_S)
         assert not any(t.is_alive() for t in threads) and ends == ["cut"] * 4, ends
-        assert srv.proc.wait(timeout=CALL_TIMEOUT_S) in (0, -signal.SIGTERM)
+        assert srv.proc.wait(timeout=CALL_TIMEOUT_S) == 0  # a graceful stop; uvicorn re-raised SIGTERM (-15)
     finally:
         srv.stop()
     log = srv.log.read_text()

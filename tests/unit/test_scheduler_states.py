@@ -79,3 +79,17 @@ def test_prefill_slices_keep_the_streams_itl_near_a_multiple_of_a_lone_step_and_
             assert scheduler.schedule().prefill_budget_s == pytest.approx(want)
     finally:
         loop.close()
+
+
+def test_more_choices_than_the_batch_holds_are_refused_not_decoded_past_the_bound():
+    """A lone request with n=4 under --max-batch 2 was admitted (nothing else ran) and decoded 4 sequences."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(max_queue=1, max_batch=2)
+        with pytest.raises(ApiError) as refused:
+            scheduler.submit(ChatRequest(question="Q", n=3), loop)
+        assert (refused.value.status, refused.value.param) == (400, "n") and "--max-batch (2)" in str(refused.value)
+        assert scheduler.depth == 0 and scheduler.outcomes()["submitted"] == 0
+        scheduler.submit(ChatRequest(question="Q", n=2), loop)  # as many as it holds: fine
+    finally:
+        loop.close()

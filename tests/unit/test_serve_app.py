@@ -210,6 +210,7 @@ def test_answers_and_streams_parse_as_the_openai_types_with_the_kvblend_report(a
 
     chunks = list(ask(client, PASSAGES, QUESTION, n=2, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.created for c in chunks}) == 1  # stamped once per request, as OpenAI and vLLM do
     assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
     for i in range(2):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) \
@@ -277,3 +278,33 @@ def test_the_model_loads_on_a_thread_that_ends_with_the_load_and_its_failure_rea
 
     with pytest.raises(ModelNotFoundError, match="no model at /nowhere"):
         in_a_thread_of_its_own(bad_model)
+
+
+def test_a_405_says_what_is_allowed(app_client):
+    """The error handler rebuilt Starlette's 405 without its Allow header, which HTTP requires."""
+    http, _ = app_client
+    reply = http.get("/v1/chat/completions")
+    assert reply.status_code == 405 and reply.headers["allow"] == "POST"
+
+
+def test_a_client_gone_while_tokens_flow_is_noticed_not_decoded_to_max_tokens():
+    """The disconnect check ran only when no event came for DISCONNECT_POLL_S: a non-streamed answer's tokens
+    come every few tens of ms, so a client gone mid-answer (or an openai client's timed-out try, retried twice)
+    decoded on to max_tokens."""
+    from kvblend.serve.app import DISCONNECT_POLL_S, next_event
+    from kvblend.serve.async_bridge import Job
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(ChatRequest(question="Q?"), loop)
+        for _ in range(3):
+            job.events.put_nowait(("token", None))
+        assert loop.run_until_complete(next_event(Gone(), job)) == ("token", None)  # just asked: not again yet
+        job.checked_at -= DISCONNECT_POLL_S
+        assert loop.run_until_complete(next_event(Gone(), job)) == ("cancelled", None) and job.cancelled.is_set()
+    finally:
+        loop.close()

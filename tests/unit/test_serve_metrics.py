@@ -83,6 +83,8 @@ def test_errors_map_to_statuses_users_can_act_on():
     assert "--top-k" in str(ContextLengthError(9000, 64, 8192))  # the CLI's own message names its flag
     assert (too_long.status, too_long.code, too_long.param) == (400, "context_length_exceeded", "messages")
     assert "--top-k" not in too_long.message and "kvblend.top_k" in too_long.message
+    long_answer = error_for(ContextLengthError(67, 9000, 8192)).message  # the client's fields, the real room
+    assert long_answer.endswith("max_completion_tokens (max_tokens) must be at most 8125 for this prompt")
     assert error_for(ContextLengthError(9000, 64, 8192), legacy=True).param == "prompt"  # /v1/completions
     assert error_for(UsageError("bad ratio")).status == 400
     assert error_for(ArchiveBusyError("busy")).status == 503

@@ -96,11 +96,22 @@ def test_split_blocks_drops_empty_blocks():
 def test_sampling_and_kvblend_options():
     body = {**user("Q?"), "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stream": True,
             "stream_options": {"include_usage": True}, "n": 1, "logprobs": False, "tools": None, "user": "u1",
-            "kvblend": {"mode": "full", "ratio": 0.2, "top_k": 2, "docs": ["a.md"], "store": False}}
+            "kvblend": {"mode": "blend", "ratio": 0.2, "top_k": 2, "store": False}}
     req = parse_chat_request(body)
     assert (req.max_tokens, req.temperature, req.top_p, req.seed) == (7, 0.5, 0.9, 3)
     assert req.stream and req.include_usage
-    assert (req.mode, req.ratio, req.top_k, req.docs, req.store) == ("full", 0.2, 2, ["a.md"], False)
+    assert (req.mode, req.ratio, req.top_k, req.docs, req.store) == ("blend", 0.2, 2, [], False)
+    req = parse_chat_request({**user("Q?"), "kvblend": {"mode": "full", "docs": ["a.md"]}})
+    assert (req.mode, req.ratio, req.docs) == ("full", None, ["a.md"])
+
+
+def test_kvblend_options_that_would_have_no_effect_are_refused_as_the_cli_warns_of_them():
+    """`{"mode": "full", "ratio": 0.5}` and `{"docs": [...], "top_k": 3}` answered 200 with the option dropped and no
+    warning, where the schema promises to refuse what it cannot honour."""
+    err = refused({**user("Q?"), "kvblend": {"mode": "full", "ratio": 0.5}}, param="kvblend.ratio")
+    assert "no effect with kvblend.mode full" in err.message
+    err = refused({**user("Q?"), "kvblend": {"docs": ["a.md"], "top_k": 3}}, param="kvblend.top_k")
+    assert "nothing is retrieved" in err.message
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -189,6 +200,11 @@ def test_segments_report_says_where_each_passage_came_from():
      "stream_options.include_usage must be a bool"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Q?"}, {"type": "image_url"}]}]},
      "messages", "messages[0].content[1]: only text parts are supported, not 'image_url'"),
+    # a text part without text was "only text parts are supported, not 'text'"
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages", "messages[0].content[0].text must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages", "messages[0].content[0].text must be a string"),
 ])
 def test_a_refusal_says_where_the_problem_is(body, param, message):
     """pydantic's error location becomes the refusal's wording and `param`; an array index stays in the message

@@ -181,8 +181,8 @@ def test_the_context_length_error_names_the_remedy_that_can_work():
     from kvblend.pipeline.query import ContextLengthError
 
     assert "use fewer segments (--top-k)" in str(ContextLengthError(9000, 64, 8192))
-    assert "or a smaller --max-tokens" in str(ContextLengthError(8000, 500, 8192))
-    assert str(ContextLengthError(500, 100000, 8192)).endswith("--max-tokens must be below 8192")
+    assert "or --max-tokens at most 192" in str(ContextLengthError(8000, 500, 8192))
+    assert str(ContextLengthError(500, 100000, 8192)).endswith("--max-tokens must be at most 7692 for this prompt")
     assert "--top-k" not in str(ContextLengthError(9000, 64, 8192, retrieved=False))
 
 
