@@ -94,7 +94,7 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
         # under the writer lock the record is asked again: if another writer replaced it since the file was
         # left unread, the file is read after all
         from kvblend.archive import check_codec
-        from kvblend.defaults import DEFAULT_CODEC
+        from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_CODEC
         from kvblend.documents import Unchanged, source_hash
         from kvblend.pipeline.ingest import _read_if_changed
         from kvblend.pipeline.results import IngestReport
@@ -103,7 +103,7 @@ def test_an_unchanged_file_is_known_by_its_bytes_and_not_converted_again(default
         for recorded, read_again in ((source_hash((docs / "manual.pdf").read_bytes()), 0), ("replaced", 1)):
             report = IngestReport()
             found = _read_if_changed(engine, engine.archive(), [Unchanged(pdf, "manual.pdf", recorded)],
-                                     check_codec(DEFAULT_CODEC), report)
+                                     check_codec(DEFAULT_CODEC), DEFAULT_CHUNK_TOKENS, report)
             assert [d.format for d in found] == ["pdf"] * read_again
             assert report.documents_unchanged == 1 - read_again
         assert converted == ["pdf"] * 3  # the read-again one
@@ -125,7 +125,7 @@ def test_an_unchanged_member_of_a_zipped_folder_is_not_converted_again(default_r
 
     from kvblend import conversion
     from kvblend.archive import check_codec
-    from kvblend.defaults import DEFAULT_CODEC
+    from kvblend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_CODEC
     from kvblend.pipeline import Engine
     from kvblend.pipeline.ingest import _read_if_changed
     from kvblend.pipeline.results import IngestReport
@@ -154,7 +154,8 @@ def test_an_unchanged_member_of_a_zipped_folder_is_not_converted_again(default_r
         member = f"{docs.as_posix()}/bundle.zip/manual/manual.pdf"
         data = zipfile.ZipFile(docs / "bundle.zip").read("manual/manual.pdf")
         found = _read_if_changed(engine, engine.archive(), [Unchanged(member, "bundle.zip/manual/manual.pdf",
-                                 "replaced", data)], check_codec(DEFAULT_CODEC), IngestReport())
+                                 "replaced", data)], check_codec(DEFAULT_CODEC), DEFAULT_CHUNK_TOKENS,
+                                 IngestReport())
         assert [(d.format, d.name) for d in found] == [("pdf", "bundle.zip/manual/manual.pdf")]
 
 
