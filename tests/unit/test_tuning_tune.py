@@ -219,3 +219,17 @@ def test_the_context_tuned_for_counts_passages_not_the_archived_instruction_pref
         ar.put_segment(SegmentRecord(key="prefix", token_ids=list(range(3)), extra={"role": "prefix"}),
                        [(k[:, :3], v[:, :3]) for k, v in layers(3)])
         assert typical_prompt_tokens(ar, 6) == before and before[0] == 6 * TOKENS
+
+
+def test_tune_counts_the_same_answer_as_bench_does():
+    """tune compared raw strings where bench's "EM vs full" and the demo normalise: "Halifax." and "Halifax"
+    were the same answer there and a different one here."""
+    from types import SimpleNamespace
+
+    from kvblend.evaluation.specs import FULL, RunRecord
+    from kvblend.tuning.quality import _ratio_quality
+
+    cases = [SimpleNamespace(reference=SimpleNamespace(answer=a)) for a in ("Halifax.", "The Aberdeen office")]
+    runs = [RunRecord(i, FULL, answer, ["Halifax"], 0.1, 0.2, 0.01, 0.02)
+            for i, answer in enumerate(("Halifax", "Aberdeen"))]
+    assert _ratio_quality(cases, runs, full_f1=1.0).same_as_full == 0.5
