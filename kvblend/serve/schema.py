@@ -51,6 +51,9 @@ NEUTRAL = {
     "suffix": None,
     "parallel_tool_calls": None,
     "response_format": {"type": "text"},
+    # vLLM's sampling extras that clients send at their defaults: top_k off (-1, or 0 in newer vLLM), min_p off
+    "top_k": (-1, 0),
+    "min_p": 0,
 }
 
 
@@ -65,6 +68,8 @@ def _neutral(name: str, value: Any) -> bool:
     if name not in NEUTRAL:
         return False
     neutral = NEUTRAL[name]
+    if isinstance(neutral, tuple):  # several spellings of "off", each of its exact type (a top_k of 0.0 is none)
+        return any(type(value) is type(n) and value == n for n in neutral)
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 

@@ -129,7 +129,9 @@ def test_unsupported_parameters_are_refused_by_name(name, value):
 
 @pytest.mark.parametrize("name,value", [("presence_penalty", 0.0), ("frequency_penalty", 0), ("best_of", 1),
                                         ("repetition_penalty", 1.0), ("echo", False), ("tools", []),
-                                        ("logit_bias", {}), ("suffix", None)])
+                                        ("logit_bias", {}), ("suffix", None),
+                                        # vLLM's extras at their defaults, which its clients send (were refused)
+                                        ("top_k", -1), ("top_k", 0), ("min_p", 0), ("min_p", 0.0)])
 def test_unsupported_parameters_at_their_neutral_value_are_accepted(name, value):
     assert parse_chat_request({**user("Q?"), name: value}).n == 1
 
