@@ -28,6 +28,7 @@ from kvblend.errors import UsageError
 from kvblend.options import ComputeDtype, WeightsFormat
 
 API_KEY_ENV = "KVBLEND_API_KEY"
+MAX_BATCH = 4096  # sequences in one decode step: far past what any machine here decodes at once
 MAX_SHUTDOWN_GRACE_S = 86_400  # a day: a timer far beyond that overflows the clock's timeout
 
 
@@ -93,8 +94,8 @@ def serve(
         raise UsageError(f"--port must be between 1 and 65535, not {port}")
     if max_queue < 1:
         raise UsageError("--max-queue must be at least 1")
-    if max_batch < 1:
-        raise UsageError("--max-batch must be at least 1")
+    if not 1 <= max_batch <= MAX_BATCH:  # (10^20 was taken, and sized what decode allocates)
+        raise UsageError(f"--max-batch must be between 1 and {MAX_BATCH}, not {max_batch}")
     if max_stored_tokens < 0:
         raise UsageError("--max-stored-tokens must be at least 0")
     if not (math.isfinite(shutdown_grace) and 0 <= shutdown_grace <= MAX_SHUTDOWN_GRACE_S):
@@ -102,6 +103,7 @@ def serve(
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise UsageError("--api-key must not be empty")
+    key = key.strip() if key is not None else None  # a client's token is read stripped: a key with spaces never matched
     bound = parse_budget(max_archive_size, "--max-archive-size") if max_archive_size is not None else None
     from kvblend.serve.server import ServeOptions, run_server
 

@@ -117,6 +117,7 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         (("tune", "--archive", tmp_path / "nowhere"), "no archive"),
         (("serve", "--archive", arc, "--shutdown-grace", "-1"), "--shutdown-grace"),
         (("serve", "--archive", arc, "--shutdown-grace", "1e12"), "--shutdown-grace"),  # overflowed its timer
+        (("serve", "--archive", arc, "--max-batch", "100000000000000000000"), "--max-batch must be between 1 and"),
     ]
     for args, expected in cases:
         line = one_line_error(run_cli(*args, env={"PYTHONPATH": str(poisoned)}))
