@@ -226,12 +226,20 @@ def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
 
 
 def _distinct_names(files: list[SourceFile]) -> list[SourceFile]:
-    """Files of one run that would share a name (``ingest docs-2023 docs-2024``, two README.md) named by their
-    path as given instead: under one name they were one document to `show`, `rm` and every citation."""
-    counts: dict[str, int] = {}
+    """Files of one run that would share a name (``ingest ~/docs-2023 ~/docs-2024``, two README.md) named by their
+    paths below the folder they share (``docs-2023/README.md``): under one name they were one document to `show`,
+    `rm` and every citation. Never an absolute path: a name is what users and API clients are shown."""
+    groups: dict[str, list[str]] = {}
     for f in files:
-        counts[f.name] = counts.get(f.name, 0) + 1
-    return [dataclasses.replace(f, name=f.shown) if counts[f.name] > 1 else f for f in files]
+        groups.setdefault(f.name, []).append(os.path.abspath(f.shown))
+    renamed: dict[str, str] = {}
+    for paths in (p for p in groups.values() if len(p) > 1):
+        common = os.path.commonpath([os.path.dirname(p) for p in paths])
+        renamed.update((p, Path(os.path.relpath(p, common)).as_posix()) for p in paths)
+    return [
+        dataclasses.replace(f, name=renamed[os.path.abspath(f.shown)]) if os.path.abspath(f.shown) in renamed else f
+        for f in files
+    ]
 
 
 def read_file(source: SourceFile, is_unchanged: Callable[[str, str], bool] | None = None) -> Reading:

@@ -624,13 +624,14 @@ class ArchiveCore:
             return [self.find_document(name)]
         except NotFoundError:
             absolute = os.path.abspath(os.path.expanduser(name))
-            relative = name.rstrip("/")
-            inside = [
-                d
-                for d in self.iter_documents()
-                if d.path.startswith((absolute + "#", absolute + "/"))
-                or (relative and d.display_name.startswith((relative + "#", relative + "/")))
-            ]
+            docs = list(self.iter_documents())
+            inside = [d for d in docs if d.path.startswith((absolute + "#", absolute + "/"))]
+            if not inside and (relative := name.rstrip("/")):  # by the names they were ingested under
+                inside = [d for d in docs if d.display_name.startswith((relative + "#", relative + "/"))]
+                roots = {d.path[: len(d.path) - len(d.display_name)] for d in inside}
+                if len(roots) > 1:  # the same folder name under two ingests: `rm` must not take both
+                    shown = ", ".join(sorted(r + relative for r in roots)[:3])
+                    raise UsageError(f"{name} is ambiguous ({len(roots)} ingested folders or files: {shown})") from None
             if not inside:
                 raise
             return sorted(inside, key=lambda d: d.path)

@@ -458,10 +458,13 @@ class RedisStore(Store):
             return []
         keys = sorted({key for key, _ in groups})
         gens = sorted(groups)
-        with self._errors():  # the set of segments is one key Redis may evict: each record is asked directly
+        # the set of segments is one key Redis may evict: each record is asked directly. Markers before records:
+        # a writer sets its record, then unlinks its marker, so a write that ends between the two reads is seen
+        # by its record (the other order saw neither, and took the layers of a just-committed segment)
+        with self._errors():
             claimed = dict(zip(keys, self._get_many([self.keys.claim(k) for k in keys])))
-            records = dict(zip(keys, self._get_many([self.keys.rec(k) for k in keys])))
             writing = dict(zip(gens, self._get_many([self.keys.writing(k, g) for k, g in gens])))
+            records = dict(zip(keys, self._get_many([self.keys.rec(k) for k in keys])))
         out: list[Leftover] = []
         for (key, gen), names in sorted(groups.items()):
             named = _names_generation(records.get(key), gen)

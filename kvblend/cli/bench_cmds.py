@@ -189,6 +189,8 @@ def bench(
         raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
     if limit is not None and limit < 1:  # (checked on offset + limit below, it named the wrong flag)
         raise UsageError(f"--limit must be at least 1, not {limit}")
+    if plot is not None and not plot.suffix:  # as matplotlib writes it, and says so: NAME.png
+        plot = plot.with_suffix(".png")
     _check_writable_target(plot, "--plot", ".png")
     _check_writable_target(out_file, "--out", ".json")
     prompt_template = _template(template, system)
@@ -259,7 +261,9 @@ def bench(
     try:  # after the results are out: a file that cannot be written loses nothing of a long run
         written = write_outputs(data, out_file, plot)
     except (OSError, ValueError) as e:
-        raise KvblendError(f"the results above could not be written: {printable(str(e))}") from None
+        raise KvblendError(
+            f"the results are above, but a file of them could not be written: {printable(str(e))}"
+        ) from None
     if not as_json:
         for what, path in written:
             err.print(f"wrote {what} to {path}")

@@ -33,9 +33,9 @@ def check_plot_available(path: Path | None = None) -> None:
         from matplotlib.backend_bases import FigureCanvasBase
 
         kinds = FigureCanvasBase.get_supported_filetypes()
-        if path.suffix.lstrip(".").lower() not in kinds:
+        if path.suffix and path.suffix.lstrip(".").lower() not in kinds:  # no suffix: it writes PNG
             raise UsageError(
-                f"--plot {path}: matplotlib writes no {path.suffix or 'suffix-less'} file; "
+                f"--plot {path}: matplotlib writes no {path.suffix} file; "
                 f"name it .png (or one of {', '.join('.' + k for k in sorted(kinds))})"
             )
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvblend.errors import NonFiniteLogitsError
 from kvblend.fusion.fuse import FusionResult
 from kvblend.generation.decode import decode_step
 from kvblend.generation.sequence import Delta, Generation, OutputParams, Sequence
@@ -25,7 +26,14 @@ def step(runner: ModelRunner, sequences: list[Sequence]) -> list[Delta]:
     """One token for each unfinished sequence: one batched forward pass (each over its own KV), then each
     sequence's sampling, stop rules and detokenizing. Returns what each sequence adds, in order."""
     logits = decode_step(runner, [s.decode_state() for s in sequences], [s.last_token for s in sequences])
-    return [s.accept(row) for s, row in zip(sequences, logits)]
+    deltas = []
+    for s, row in zip(sequences, logits):
+        try:
+            deltas.append(s.accept(row))
+        except NonFiniteLogitsError as e:  # this sequence ends with its error; the batch's others go on
+            s.error, s.finish = e, "error"
+            deltas.append(Delta(""))
+    return deltas
 
 
 @torch.inference_mode()
@@ -49,5 +57,8 @@ def generate(
         if seq.finished:
             break
         [delta] = step(runner, [seq])
+        if seq.error is not None:
+            seq.release()
+            raise seq.error
     seq.release()
     return seq.generation(seq.text.strip())

@@ -99,7 +99,8 @@ class Sequence:
         self.decoded = ""  # the whole characters decoded so far
         self.text = ""  # the answer so far: `decoded`, cut at a stop string; the whole decode once finished
         self.sent = 0  # characters of `text` already handed out
-        self.finish: str | None = None  # "stop" or "length" once finished
+        self.finish: str | None = None  # "stop" or "length" once finished ("error" with `error` set)
+        self.error: Exception | None = None  # what ended it without an answer (kvblend.generation.loop.step)
         self.hit_eos = False
         self.logprobs: list[dict] = []
         self.step_logits: list[torch.Tensor] = []

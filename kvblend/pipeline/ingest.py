@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -159,9 +160,9 @@ def ingest_paths(
         reading = read_file(source, held)
         report.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
         paths = [d.path for d in reading.docs] + [u.path for u in reading.unchanged]
-        seen.update(paths)
+        seen.update(os.path.abspath(p) for p in paths)  # as the archive names documents
         if any(p != source.shown for p in paths):
-            containers.add(source.shown)
+            containers.add(os.path.abspath(source.shown))
         done += 1
         return reading
 
@@ -178,35 +179,35 @@ def ingest_paths(
         _ = res.runner  # must leave no empty archive behind (its folder, index and disk reserve)
     archive = res.archive(create=True)
     pending = _Pending()
-    with archive.writer(wait=wait_for_writer), StoreBehind() as behind:
-        rest = iter(files[done:])
-        reading: Reading | None = first
-        while reading is not None:
-            docs = reading.docs + _read_if_changed(res, archive, reading.unchanged, codec, chunk_tokens, report)
-            for doc in docs:
-                report.documents += 1
-                previous = archive.get_document(doc.path)
-                if _unchanged(res, archive, previous, doc, codec, chunk_tokens):
-                    assert previous is not None
-                    _count_unchanged(report, archive, previous)
-                    if doc.source_hash and previous.source_hash != doc.source_hash:
-                        # the same text from bytes (or a converter) it was not recorded with: recorded now, so
-                        # the next ingest knows the file from its bytes
-                        archive.put_document(dataclasses.replace(previous, source_hash=doc.source_hash))
-                else:
-                    pending.documents.append(
-                        _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
-                    )
-                    if pending.tokens() >= batch_tokens:
-                        _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
-            upcoming = next(rest, None)
-            if upcoming is not None:
-                _progress(on_progress, report, upcoming.shown, done, len(files))
-            reading = read(upcoming) if upcoming is not None else None
-        _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
-    if containers:  # once the store thread has committed every record: a segment they reuse is theirs
-        with archive.writer(wait=wait_for_writer):
-            report.removed = _forget_left_out(archive, containers, seen, report.skipped)
+    with archive.writer(wait=wait_for_writer):
+        with StoreBehind() as behind:
+            rest = iter(files[done:])
+            reading: Reading | None = first
+            while reading is not None:
+                docs = reading.docs + _read_if_changed(res, archive, reading.unchanged, codec, chunk_tokens, report)
+                for doc in docs:
+                    report.documents += 1
+                    previous = archive.get_document(doc.path)
+                    if _unchanged(res, archive, previous, doc, codec, chunk_tokens):
+                        assert previous is not None
+                        _count_unchanged(report, archive, previous)
+                        if doc.source_hash and previous.source_hash != doc.source_hash:
+                            # the same text from bytes (or a converter) it was not recorded with: recorded now, so
+                            # the next ingest knows the file from its bytes
+                            archive.put_document(dataclasses.replace(previous, source_hash=doc.source_hash))
+                    else:
+                        pending.documents.append(
+                            _segment_document(res, archive, doc, chunk_tokens, codec, pending, behind, report)
+                        )
+                        if pending.tokens() >= batch_tokens:
+                            _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+                upcoming = next(rest, None)
+                if upcoming is not None:
+                    _progress(on_progress, report, upcoming.shown, done, len(files))
+                reading = read(upcoming) if upcoming is not None else None
+            _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
+        if containers:  # once the store thread has committed every record (a segment they reuse is theirs),
+            report.removed = _forget_left_out(archive, containers, seen, report.skipped)  # under the same lock
     _progress(on_progress, report, "", done, len(files))  # every file read, its KV committed (the store thread's)
     res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
@@ -219,7 +220,7 @@ def _forget_left_out(archive: Archive, containers: set[str], seen: set[str], ski
     ZIP member gone); those it holds but could not read now (skipped) are kept, as a file skipped is."""
     if not containers:
         return []
-    kept = seen | {s["path"] for s in skipped}
+    kept = seen | {os.path.abspath(s["path"]) for s in skipped}
     prefixes = tuple(c + sep for c in containers for sep in ("#", "/"))
     gone = [d.path for d in archive.iter_documents() if d.path.startswith(prefixes) and d.path not in kept]
     return archive.remove_documents(gone) if gone else []

@@ -146,7 +146,12 @@ class Executor:
                     release(req)
                 return
             out.decode_s, out.decode_batch = time.perf_counter() - t0, len(live)
-            out.decoded.extend((req, i, delta) for (req, i, _), delta in zip(live, deltas))
+            failed = {id(req): seq.error for req, _, seq in live if seq.error is not None}  # its logits, not the batch
+            for req in (r for r in requests if id(r) in failed):
+                out.failed.append((req, failed[id(req)]))
+                release(req)
+            out.decoded.extend((req, i, delta) for (req, i, _), delta in zip(live, deltas) if id(req) not in failed)
+            requests = [r for r in requests if id(r) not in failed]
         for req in requests:
             self._complete_if_done(req, out)
 

@@ -352,3 +352,5 @@ def test_files_of_one_run_that_would_share_a_name_are_named_by_their_paths(tmp_p
     assert [f.name for f in files] == ["a/notes.md", "other.md", "b/notes.md"]  # only those that collide
     files, _ = find_files([Path("a/notes.md"), Path("b/notes.md"), Path("a/other.md")])
     assert [f.name for f in files] == ["a/notes.md", "b/notes.md", "other.md"]  # only those that collide
+    files, _ = find_files([tmp_path / "a", tmp_path / "b"])  # given absolute: named below what they share
+    assert [f.name for f in files] == ["a/notes.md", "other.md", "b/notes.md"]

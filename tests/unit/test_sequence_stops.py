@@ -60,3 +60,22 @@ def test_logits_that_are_not_finite_are_one_line_not_an_empty_answer(temperature
     masked = torch.zeros(len(VOCAB))
     masked[0] = float("-inf")  # -inf is a masked token, not an overflow
     assert seq.accept(masked).text in VOCAB[1:]
+
+
+def test_one_sequences_bad_logits_end_it_alone_and_not_its_batch(monkeypatch):
+    """NaN logits raised mid-step, and the server failed every request of the batch: now the sequence ends with
+    its error (what the server answers that request) and the others decode on."""
+    from kvblend.errors import NonFiniteLogitsError
+    from kvblend.generation import loop
+
+    runner = SimpleNamespace(tokenizer=Vocab(), stop_token_ids={0})
+    bad, good = (Sequence(runner, None, OutputParams()) for _ in range(2))
+    rows = torch.zeros(2, len(VOCAB))
+    rows[0] = float("nan")
+    rows[1, 3] = 5.0
+    monkeypatch.setattr(loop, "decode_step", lambda runner, states, tokens: rows)
+    monkeypatch.setattr(Sequence, "decode_state", lambda self: None)
+    monkeypatch.setattr(Sequence, "last_token", property(lambda self: 1))
+    deltas = loop.step(runner, [bad, good])
+    assert isinstance(bad.error, NonFiniteLogitsError) and bad.finished and deltas[0].text == ""
+    assert good.error is None and not good.finished and deltas[1].text == "ones"

@@ -420,3 +420,8 @@ def test_a_container_or_folder_names_every_document_read_out_of_it(ar):
     assert [d.path for d in ar.find_documents("a.md")] == ["/docs/sub/a.md"]  # one document: as find_document
     with pytest.raises(NotFoundError):
         ar.find_documents("/docs/facts")  # a prefix of a name is no container
+    put(ar, "cc3", seed=3)  # another ingest's folder of the same name: a name alone must not take both
+    ar.replace_document(DocumentRecord(path="/other/sub/b.md", name="sub/b.md", segment_keys=["cc3"]))
+    with pytest.raises(UsageError, match="sub is ambiguous .2 ingested folders or files: /docs/sub, /other/sub"):
+        ar.find_documents("sub")
+    assert [d.path for d in ar.find_documents("/other/sub")] == ["/other/sub/b.md"]  # its path is not

@@ -200,10 +200,13 @@ def test_ingesting_again_at_another_chunk_size_splits_the_documents_again(tmp_pa
         assert len(doc.segment_keys) == again.segments_new and doc.extra["chunk_tokens"] == 128
 
 
-def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_path):
+def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_path, monkeypatch):
     """A JSONL file with a line deleted kept its last line's document (#L3) in the archive, retrieved and cited
-    as if it were still there; a line that is now invalid JSON is skipped, and its document kept."""
+    as if it were still there; a line that is now invalid JSON is skipped, and its document kept. The folder is
+    given as the README gives it, relative (paths as typed never matched the archive's absolute ones)."""
     import json
+
+    monkeypatch.chdir(tmp_path)
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -211,9 +214,9 @@ def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_pat
     (docs / "facts.jsonl").write_text("\n".join(lines) + "\n")
     (docs / "other.md").write_text("Another document.")
     with engine_for(tmp_path, "a") as engine:
-        engine.ingest([docs], chunk_tokens=64)
+        engine.ingest(["docs"], chunk_tokens=64)
         (docs / "facts.jsonl").write_text("\n".join([lines[1], "{not json", lines[3]]) + "\n")
-        report = engine.ingest([docs], chunk_tokens=64)
+        report = engine.ingest(["docs"], chunk_tokens=64)
         names = sorted(d.name for d in engine.archive().iter_documents())
         assert names == ["facts.jsonl#L1", "facts.jsonl#L2", "facts.jsonl#L3", "other.md"]  # L2: skipped, kept
         assert report.removed == [str(docs / "facts.jsonl") + "#L4"]
