@@ -183,11 +183,13 @@ def ingest(
         + (f"; {report.embeddings_restored} lost retrieval embeddings restored" if report.embeddings_restored else "")
     )
     if report.removed:
-        err.print(
-            f"removed {len(report.removed)} document{'s' if len(report.removed) != 1 else ''} their file no longer "
-            f"holds: {', '.join(printable(p) for p in report.removed[:3])}{' ...' if len(report.removed) > 3 else ''}",
-            markup=False,
-        )
+        err.print(_removed_line(report.removed, "removed"), markup=False)
+
+
+def _removed_line(paths: list[str], verb: str) -> str:
+    """The documents an ingest forgets (or would): those a JSON(L) file or an archive it read no longer holds."""
+    shown = ", ".join(printable(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+    return f"{verb} {len(paths)} document{'s' if len(paths) != 1 else ''} their file no longer holds: {shown}"
 
 
 def _files_bar(label: str, prefills: bool) -> Progress:
@@ -245,6 +247,8 @@ def _dry_run(
         f"{plan.segments_new} segments new / {plan.segments_reused} reused, {plan.tokens_total:,} tokens "
         f"({plan.tokens_new:,} to prefill)"
     )
+    if plan.would_remove:
+        out.print(_removed_line(plan.would_remove, "would remove"), markup=False)
     if plan.tokens_new:
         per_token = plan.estimated_bytes / plan.tokens_new
         out.print(

@@ -152,17 +152,13 @@ def ingest_paths(
     report = IngestReport(skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
     done = 0
 
-    seen: set[str] = set()  # every document path this run read or found unchanged
-    containers: set[str] = set()  # files read whole that hold several documents (JSON(L), ZIP, tar, mailbox)
+    read_here = _ReadHere()
 
     def read(source: SourceFile) -> Reading:
         nonlocal done
         reading = read_file(source, held)
         report.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
-        paths = [d.path for d in reading.docs] + [u.path for u in reading.unchanged]
-        seen.update(os.path.abspath(p) for p in paths)  # as the archive names documents
-        if any(p != source.shown for p in paths):
-            containers.add(os.path.abspath(source.shown))
+        read_here.note(source, reading)
         done += 1
         return reading
 
@@ -206,8 +202,9 @@ def ingest_paths(
                     _progress(on_progress, report, upcoming.shown, done, len(files))
                 reading = read(upcoming) if upcoming is not None else None
             _flush(res, archive, pending, codec, level, batch_tokens, report, behind)
-        if containers:  # once the store thread has committed every record (a segment they reuse is theirs),
-            report.removed = _forget_left_out(archive, containers, seen, report.skipped)  # under the same lock
+        # once the store thread has committed every record (a segment they reuse is theirs), under the same lock
+        gone = read_here.left_out(archive, report.skipped)
+        report.removed = archive.remove_documents(gone) if gone else []
     _progress(on_progress, report, "", done, len(files))  # every file read, its KV committed (the store thread's)
     res.refresh()  # a query after this, on the same engine, retrieves from the documents just ingested
     report.seconds = time.perf_counter() - started
@@ -215,15 +212,28 @@ def ingest_paths(
     return report
 
 
-def _forget_left_out(archive: Archive, containers: set[str], seen: set[str], skipped: list[dict]) -> list[str]:
-    """The documents of each container read this time that it no longer holds, removed (a JSONL line deleted, a
-    ZIP member gone); those it holds but could not read now (skipped) are kept, as a file skipped is."""
-    if not containers:
-        return []
-    kept = seen | {os.path.abspath(s["path"]) for s in skipped}
-    prefixes = tuple(c + sep for c in containers for sep in ("#", "/"))
-    gone = [d.path for d in archive.iter_documents() if d.path.startswith(prefixes) and d.path not in kept]
-    return archive.remove_documents(gone) if gone else []
+@dataclass
+class _ReadHere:
+    """The documents a run read (or found unchanged), and the files it read whole that hold several (a JSON(L)
+    file's records, a ZIP's members): what such a file no longer holds is forgotten (ingest) or named (its plan)."""
+
+    paths: set[str] = dataclasses.field(default_factory=set)  # absolute, as the archive names documents
+    containers: set[str] = dataclasses.field(default_factory=set)
+
+    def note(self, source: SourceFile, reading: Reading) -> None:
+        paths = [d.path for d in reading.docs] + [u.path for u in reading.unchanged]
+        self.paths.update(os.path.abspath(p) for p in paths)
+        if any(p != source.shown for p in paths):
+            self.containers.add(os.path.abspath(source.shown))
+
+    def left_out(self, archive: Archive | None, skipped: list[dict]) -> list[str]:
+        """The archived documents of each container read that it no longer holds (a line deleted, a member
+        removed); those it holds but could not read now (skipped) are kept, as a file skipped is."""
+        if archive is None or not self.containers:
+            return []
+        kept = self.paths | {os.path.abspath(s["path"]) for s in skipped}
+        prefixes = tuple(c + sep for c in self.containers for sep in ("#", "/"))
+        return [d.path for d in archive.iter_documents() if d.path.startswith(prefixes) and d.path not in kept]
 
 
 def _read_if_changed(
@@ -444,10 +454,12 @@ def plan_ingest(
     plan = IngestPlan(files=len(files), skipped=[{"path": s.path, "reason": s.reason} for s in walked_past])
     seen: set[str] = set()
     longest: list[tuple[int, int, list[int]]] = []  # a heap of the longest new segments: what is measured
+    read_here = _ReadHere()
     for done, source in enumerate(files):
         _progress(on_progress, plan, source.shown, done, len(files))
         reading = read_file(source, held)
         plan.skipped.extend({"path": s.path, "reason": s.reason} for s in reading.skipped)
+        read_here.note(source, reading)
         docs = list(reading.docs)
         for file in reading.unchanged:  # the same bytes as archived: no work if stored with this codec and sink
             previous = _still_held(res, archive, file, codec, chunk_tokens)
@@ -477,6 +489,7 @@ def plan_ingest(
     _progress(on_progress, plan, "", len(files), len(files))
     if plan.documents == 0:
         raise _nothing_to_ingest(plan.skipped)
+    plan.would_remove = read_here.left_out(archive, plan.skipped)
     if longest:  # (an unchanged tree loads no model, as its ingest does not)
         runner = res.runner
         plan.raw_bytes = 2 * 2 * runner.n_layers * runner.n_kv_heads * runner.head_dim * plan.tokens_new

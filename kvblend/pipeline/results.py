@@ -72,6 +72,7 @@ class IngestPlan:
     sample_tokens: int = 0  # the new segments measured (the longest, up to ~2,000 tokens in one batch)
     disk_free_bytes: int | None = None  # where a local archive is or would be; None on Redis
     skipped: list[dict] = field(default_factory=list)
+    would_remove: list[str] = field(default_factory=list)  # what the ingest would forget (IngestReport.removed)
 
     @property
     def fits(self) -> bool | None:

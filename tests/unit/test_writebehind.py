@@ -216,6 +216,8 @@ def test_a_container_read_again_forgets_the_documents_it_no_longer_holds(tmp_pat
     with engine_for(tmp_path, "a") as engine:
         engine.ingest(["docs"], chunk_tokens=64)
         (docs / "facts.jsonl").write_text("\n".join([lines[1], "{not json", lines[3]]) + "\n")
+        plan = engine.plan_ingest(["docs"], chunk_tokens=64)  # the dry run says so, and removes nothing
+        assert plan.would_remove == [str(docs / "facts.jsonl") + "#L4"] and engine.archive().count_documents() == 5
         report = engine.ingest(["docs"], chunk_tokens=64)
         names = sorted(d.name for d in engine.archive().iter_documents())
         assert names == ["facts.jsonl#L1", "facts.jsonl#L2", "facts.jsonl#L3", "other.md"]  # L2: skipped, kept
