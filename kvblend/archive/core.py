@@ -632,6 +632,9 @@ class ArchiveCore:
                 if len(roots) > 1:  # the same folder name under two ingests: `rm` must not take both
                     shown = ", ".join(sorted(r + relative for r in roots)[:3])
                     raise UsageError(f"{name} is ambiguous ({len(roots)} ingested folders or files: {shown})") from None
+                if roots:  # that folder, whole: files of it named otherwise (a run's shared names) are in it too
+                    folder = next(iter(roots)) + relative
+                    inside = [d for d in docs if d.path.startswith((folder + "#", folder + "/"))]
             if not inside:
                 raise
             return sorted(inside, key=lambda d: d.path)

@@ -425,3 +425,6 @@ def test_a_container_or_folder_names_every_document_read_out_of_it(ar):
     with pytest.raises(UsageError, match="sub is ambiguous .2 ingested folders or files: /docs/sub, /other/sub"):
         ar.find_documents("sub")
     assert [d.path for d in ar.find_documents("/other/sub")] == ["/other/sub/b.md"]  # its path is not
+    ar.replace_document(DocumentRecord(path="/docs/2023/README.md", name="2023/README.md", segment_keys=["cc0"]))
+    ar.replace_document(DocumentRecord(path="/docs/2023/a.md", name="a.md", segment_keys=["cc1"]))  # not renamed
+    assert [d.path for d in ar.find_documents("2023")] == ["/docs/2023/README.md", "/docs/2023/a.md"]  # the folder
