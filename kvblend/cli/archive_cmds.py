@@ -81,9 +81,10 @@ def list_documents(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt)
         err.print("archive is empty")
         return
     table = Table()
-    table.add_column("document", overflow="fold")
+    table.add_column("document", overflow="fold", min_width=16)  # never squeezed away by the columns beside it
     table.add_column("format", no_wrap=True)
-    for col in ("segments", "tokens", "size", "last used"):
+    table.add_column("segments", justify="right")  # may wrap its note: the name matters more
+    for col in ("tokens", "size", "last used"):
         table.add_column(col, justify="right", no_wrap=True)
     for d in docs:
         segs = f"{d.segments}" + (f" ({d.missing_segments} missing)" if d.missing_segments else "")
@@ -142,6 +143,8 @@ def show(
                 out.print("[bold]sources[/]:" if known else "[bold]segment keys[/]:")
                 for key, where in zip(doc.segment_keys, wheres):
                     out.print(f"  {key[:12]}  {escape(where or '-')}" if known else f"  {key[:12]}")
+                if not doc.segment_keys:
+                    out.print("  (none left: ingest it again)")
             return
         try:
             rec = arc.find_segment(target)

@@ -28,7 +28,7 @@ ArchiveOpt = typer.Option(
     None,
     "--archive",
     "-a",
-    help="Archive: a directory, or redis://[user[:password]@]host:port[/db] (rediss:// for TLS); default $KVBLEND_ARCHIVE, else ~/.cache/kvblend.",
+    help="Archive: a directory, or redis://[user[:password]@]host:port[/db] (rediss:// for TLS); default $KVBLEND_ARCHIVE, else $XDG_CACHE_HOME/kvblend (~/.cache/kvblend).",
     show_default=False,
 )
 ModelOpt = typer.Option(

@@ -393,7 +393,8 @@ def query(
             ar.find_document(name)
         for key in opts.segment_keys:
             ar.find_segment(key)
-    for note in _ignored_options(ctx, opts):  # once the query will run: an error stays one line
+    notes = _ignored_options(ctx, opts)
+    for note in notes:  # once the query will run: an error stays one line
         err.print(f"[yellow]warning:[/] {note}")
     from kvblend.pipeline import Engine
 
@@ -412,7 +413,8 @@ def query(
             on_token=None if as_json else stream,
             on_warning=lambda m: err.print(f"[yellow]warning:[/] {escape(printable(m))}"),
         )
-    if as_json:
+    if as_json:  # the warnings on stderr, in the JSON too: a script reading only it would miss them
+        result.warnings[:0] = notes
         print_json(result.to_dict())
     else:
         sys.stdout.write("\n")

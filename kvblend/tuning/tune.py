@@ -90,6 +90,10 @@ def _decision_notes(r_hide: float, ratio: float, r_quality: float) -> list[str]:
             "loading one layer takes longer than recomputing it in full: blending from this storage "
             "is slower than `--mode full`; move the archive to faster storage"
         )
+    elif ratio >= 1.0:
+        notes.append(
+            "ratio 1.0 recomputes every token: blend is then exactly `--mode full`, reading no KV and saving nothing"
+        )
     if ratio > r_quality + 1e-12:
         notes.append(
             f"loading hides recompute up to r = {r_hide:.3f}, so the extra recompute above the quality "
@@ -245,8 +249,11 @@ class TuneResult:
 def typical_prompt_tokens(archive: Archive, top_k: int = DEFAULT_TOP_K) -> tuple[int, str]:
     """The context length to tune for: top-k × the archive's mean segment size, else top-k × the chunk size."""
     n = tokens = 0
+    # documents' segments only: the instruction prefix a query archived, or a client's stored passage, is none
+    # that retrieval picks (many short stored passages pulled the length tuned for down)
+    retrievable = {key for doc in archive.iter_documents() for key in doc.segment_keys}
     for rec in archive.iter_segments():
-        if rec.extra.get("role") == "prefix":  # the instruction prefix a query archived: not a passage
+        if rec.key not in retrievable:
             continue
         n += 1
         tokens += rec.n_tokens

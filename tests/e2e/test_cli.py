@@ -112,10 +112,12 @@ def test_query_json_and_the_prefix_cache(archive, tmp_path):
     question = "Who manages the plant where the Tern-4 sonar is built?"
     # hkvd selects the same tokens with the prefix cached or not; the probe's budget moves with it (test_query.py)
     base = ("query", question, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--select", "hkvd", "--json")
-    first = json.loads(run(*base, check=True).stdout)
+    first = json.loads(run(*base, "--seed", "7", check=True).stdout)
     for field in ("answer", "mode", "ratio", "ttft_s", "load_wait_s", "prompt_tokens", "recomputed_tokens",
                   "segments", "tokens_per_s", "prefix_cached"):
         assert field in first, field
+    # the warning printed on stderr is in the JSON too (a script reading only it never saw one)
+    assert any(w.startswith("--seed has no effect at --temperature 0") for w in first["warnings"])
     assert first["mode"] == "blend" and first["ratio"] == DEFAULT_RATIO and not first["prefix_cached"]
     assert len(first["segments"]) == 3 and all(s["cached"] for s in first["segments"])
     assert {"key", "document", "tokens", "cached"} <= set(first["segments"][0])

@@ -233,3 +233,16 @@ def test_ingest_rate_leaves_out_the_model_load():
     report = IngestReport(tokens_new=900, seconds=10.0, model_load_seconds=9.0)
     assert report.tokens_per_s == pytest.approx(900.0)  # was 90: the load counted as prefill time
     assert report.to_dict()["model_load_seconds"] == 9.0
+
+
+def test_ls_keeps_the_names_of_incomplete_documents_readable(tmp_path):
+    """At 80 columns (always, piped) the note "0 (incomplete: ingest it again)" squeezed the document column to
+    nothing: the names that needed ingesting again were the ones not shown."""
+    arc = build_archive(tmp_path / "arc")
+    with Archive.open(arc) as ar:
+        names = sorted({d.display_name for d in ar.iter_documents()})
+        ar.gc(max_size_bytes=1)  # evicts every segment: every document incomplete
+    listing = run_cli("ls", "--archive", arc, check=True).stdout
+    assert "incomplete" in listing
+    for name in names:
+        assert name in listing, listing

@@ -64,6 +64,9 @@ def test_tune_cli_from_stored_profiles(tmp_path):
     text = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.2", "--context-tokens", "3072",
                    "--select", "hkvd", check=True).stdout
     assert "`kvblend query --select hkvd` uses ratio 0.200" in text
+    text = run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "1", "--context-tokens", "3072",
+                   "--select", "question", check=True).stdout
+    assert "blend is then exactly `--mode full`" in text  # stored silently before
     with Archive.open(path, create=False) as ar:
         assert TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path))).ratio == 0.1
         assert TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path, "hkvd"))).ratio == 0.2
@@ -202,22 +205,23 @@ def test_archived_passages_read_each_segment_once_and_none_when_it_does_not_read
         assert archived_passages(ar, LAYERS)("beta") is None
 
 
-def test_the_context_tuned_for_counts_passages_not_the_archived_instruction_prefix(tmp_path):
-    """The instruction prefix a query archives is a segment too: counted as a passage, it shrank the "typical
-    prompt" by a third on a small archive, and with it r_hide and the storage and codec choices."""
-    from archive_helpers import TOKENS, put
-    from kvblend.archive import Archive
+def test_the_context_tuned_for_counts_documents_passages_only(tmp_path):
+    """The instruction prefix a query archives, and a client's stored passage, are segments too: counted as
+    passages, they shrank the "typical prompt" by a third on a small archive, and with it r_hide and the storage
+    and codec choices; neither is ever retrieved."""
+    from archive_helpers import TOKENS, layers, put
+    from kvblend.archive import Archive, DocumentRecord
     from kvblend.archive.records import SegmentRecord
     from kvblend.tuning.tune import typical_prompt_tokens
 
     with Archive.open(tmp_path / "a", create=True, model_name="tiny", model_fingerprint="fp-tiny") as ar:
         put(ar, "p1", seed=1)
         put(ar, "p2", seed=2)
+        ar.replace_document(DocumentRecord(path="/d.md", segment_keys=["p1", "p2"]))
         before = typical_prompt_tokens(ar, 6)
-        from archive_helpers import layers
-
-        ar.put_segment(SegmentRecord(key="prefix", token_ids=list(range(3)), extra={"role": "prefix"}),
-                       [(k[:, :3], v[:, :3]) for k, v in layers(3)])
+        for key, extra in (("prefix", {"role": "prefix"}), ("stored", {})):
+            ar.put_segment(SegmentRecord(key=key, token_ids=list(range(3)), extra=extra),
+                           [(k[:, :3], v[:, :3]) for k, v in layers(3)])
         assert typical_prompt_tokens(ar, 6) == before and before[0] == 6 * TOKENS
 
 
