@@ -48,7 +48,7 @@ def test_gemma_answers_from_the_page_that_holds_the_fact(gemma_archive):
 
 
 def test_gemma_bench_and_serve(gemma_archive, tmp_path):
-    proc = run_cli("bench", CALIBRATION, "--limit", "1", "--chunks", "3", "--modes", "full,prefix,reuse,blend",
+    proc = run_cli("bench", CALIBRATION, "--limit", "1", "--chunks", "2", "--modes", "full,prefix,reuse,blend",
                    "--ratios", "0.3", "--max-tokens", "6", "--model", GEMMA, "--compute", "cpu", "--json",
                    check=True)
     report = json.loads(proc.stdout)

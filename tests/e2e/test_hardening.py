@@ -15,7 +15,9 @@ import pytest
 # when it collects from it, so an e2e-only run adds it here.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 
-from hardening_helpers import home_for, index_pages, public_dir, readonly_tree, run_as, snapshot  # noqa: E402
+from hardening_helpers import (  # noqa: E402
+    home_for, index_pages, public_dir, readonly_tree, run_as, seed_model_cache, snapshot,
+)
 from support import DOCS, one_line_error, run_cli  # noqa: E402
 
 QUESTION = "Who manages the plant where the Tern-4 sonar is built?"
@@ -47,13 +49,14 @@ def _query(arc, *extra, runner=run_cli, **kwargs):
     return runner("query", QUESTION, "--archive", arc, "--top-k", "3", "--max-tokens", "4", "--json", *extra, **kwargs)
 
 
-def test_query_on_an_archive_the_user_cannot_write(built):
+def test_query_on_an_archive_the_user_cannot_write(built, default_runner):
     with public_dir() as base:
         arc = base / "arc"
         shutil.copytree(built, arc)
         with readonly_tree(arc) as user:
             before = snapshot(arc)
             home = home_for(user, base)
+            seed_model_cache(user, home, default_runner)
             proc = _query(arc, runner=lambda *a: run_as(user, *a, timeout=600, home=home))
             assert proc.returncode == 0, proc.stderr
             result = json.loads(proc.stdout)

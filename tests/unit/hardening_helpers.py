@@ -191,6 +191,22 @@ def home_for(user: OtherUser, base: Path) -> Path:
     return home
 
 
+def seed_model_cache(user: OtherUser, home: Path, runner) -> None:
+    """Give ``user``'s ``home`` its own copy of the checkpoint the tests' model cache converted for ``runner``.
+
+    The user then loads the model as on any run after its first, instead of spending ~20 s of the suite
+    de-quantising the GGUF again into a fresh home (conversion is tested on its own: test_conversion)."""
+    from kvblend.model.loading import cached_conversion
+
+    source = cached_conversion(runner.name, runner.fingerprint)
+    assert source is not None, f"no converted checkpoint of {runner.name}"
+    cache = home / ".cache" / "kvblend-models"
+    shutil.copytree(source, cache / source.name)
+    if user.prefix:
+        for path in [home / ".cache", *(home / ".cache").rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+
+
 @contextmanager
 def public_dir():
     """A fresh directory under /tmp that other users can reach (pytest's tmp_path is private to root)."""

@@ -302,22 +302,25 @@ def _garble_page(arc, page: int) -> None:
 
 def test_no_garbled_index_page_ends_in_a_signal(tmp_path):
     """Every page the index reads, garbled in turn: each command is one line and an exit code (never SIGBUS,
-    which LMDB died of when a node pointer led outside the file), and the rebuild restores the archive."""
+    which LMDB died of when a node pointer led outside the file), and the rebuild restores the archive.
+
+    `verify` (which reads every page) meets every garbled page; a reader (`stats`) and a writer (`rm`) take
+    turns over them (13 pages: 26 fresh interpreters, not 39, on a suite where each costs ~0.7 s)."""
     built = build_archive(tmp_path / "built", n=40)
     pages = _live_pages(built)
     assert len(pages) > 3
-    for page in pages:
+    for i, page in enumerate(pages):
         arc = tmp_path / f"p{page}"
         shutil.copytree(built, arc)
         _garble_page(arc, page)
-        for command in (["verify"], ["stats"], ["rm", "/docs/a.md"]):
+        for command in (["verify"], ["stats"] if i % 2 else ["rm", "/docs/a.md"]):
             proc = run_cli(*command, "--archive", arc, timeout=300)
             line = one_line_error(proc)
             assert proc.returncode > 0, (page, command, proc.returncode)  # SIGBUS was -7 (135 from a shell)
             assert "damaged" in line and "--rebuild-index" in line, (page, command, line)
         report = rebuild_index(arc)
         assert report.segments_restored == 40, (page, report.problems)
-        assert run_cli("verify", "--archive", arc).returncode == 0, page
+        run_cli("verify", "--archive", arc, check=True)  # must pass: a forked child of the test's CLI host
 
 
 def test_a_write_over_a_page_damaged_since_open_fails_and_changes_nothing(tmp_path):
