@@ -159,6 +159,45 @@ def unlink_blob(root: Path, relpath: str) -> int:
         raise ArchiveError(f"cannot delete {path}: {e.strerror} (check the archive's owner and permissions)") from None
 
 
+#: `kvblend profile` measures a folder (the archive's own by default) through a scratch file it deletes when done:
+#: ``.kvblend-profile-<pid>-<hex>.scratch``. A profile killed outright (SIGKILL, OOM, power loss) leaves it behind,
+#: up to 64 MB each: the next profile of that folder and `gc` of that archive delete those whose process is gone.
+PROFILE_SCRATCH_PREFIX = ".kvblend-profile-"
+PROFILE_SCRATCH_SUFFIX = ".scratch"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def stale_profile_scratch(directory: Path) -> list[tuple[str, int]]:
+    """Scratch files of profiles whose process is gone, in ``directory``: (file name, size)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    stale = []
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(PROFILE_SCRATCH_PREFIX) and name.endswith(PROFILE_SCRATCH_SUFFIX)):
+            continue
+        pid_text = name[len(PROFILE_SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isascii() or not pid_text.isdigit() or _process_alive(int(pid_text)):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                stale.append((name, entry.stat(follow_symlinks=False).st_size))
+        except FileNotFoundError:
+            continue
+    return stale
+
+
 def scan_blob_dir(root: Path) -> Iterator[tuple[str, int, bool]]:
     """Every file under ``blobs/``: (relative path, size, is_temp)."""
     base = root / BLOB_DIR

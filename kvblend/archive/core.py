@@ -535,6 +535,10 @@ class ArchiveCore:
         may be computing the rest now (wait for them: each segment is prefilled once)."""
         return self.store.claim(list(keys))
 
+    def release(self, keys: Sequence[str]) -> None:
+        """Give up claims this process holds (its segments are stored, or it stopped before storing them)."""
+        self.store.release(list(keys))
+
     def payload_intact(self, rec: SegmentRecord) -> bool:
         """A cheap pre-flight (no read): False when the segment's payload is surely missing or short."""
         return self.store.payload_intact(rec)

@@ -44,6 +44,7 @@ from kvblend.archive.blobs import (
     remove_manifest,
     scan_blob_dir,
     spending_reserve,
+    stale_profile_scratch,
     unlink_blob,
     write_blob,
     write_segment_blobs,
@@ -567,11 +568,12 @@ class LocalStore(Store):
     def leftovers(self) -> list[Leftover]:
         """Temp files and blobs no record names. Under the writer lock a temp file is never a live writer's."""
         referenced = {SegmentRecord.from_json(raw).blob for _, raw in self.scan("segments")}
-        return [
+        found = [
             Leftover(rel, size, is_temp)
             for rel, size, is_temp in scan_blob_dir(self.root)
             if is_temp or (rel.endswith(BLOB_SUFFIX) and rel not in referenced)
         ]
+        return found + [Leftover(name, size, True) for name, size in stale_profile_scratch(self.root)]
 
     def delete_leftovers(self, leftovers: Sequence[Leftover]) -> int:
         with self.ensure_writer():

@@ -11,6 +11,7 @@ A password never leaves this module in anything shown: :attr:`Location.display`
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -71,6 +72,9 @@ class Location:
         return self.display
 
 
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def is_redis_url(value: str | os.PathLike[str]) -> bool:
     return isinstance(value, str) and value.split("://", 1)[0].lower() in REDIS_SCHEMES and "://" in value
 
@@ -92,13 +96,18 @@ def parse_redis_url(url: str) -> RedisAddress:
         raise bad from None
     if scheme.lower() not in REDIS_SCHEMES or not parts.get("host"):
         raise bad
+    if "@" in split.path:  # a '/' in the password ended the URL's host part there: the rest would be shown
+        raise UsageError(f"--archive {_shown(url)}: not a Redis URL (a '/' in a user name or password is written %2F)")
     if split.query or split.fragment:
         raise UsageError(f"--archive {_shown(url)}: a Redis URL takes no query or fragment")
     db_text = split.path.strip("/") or "0"
-    if not db_text.isdigit():  # redis-py reads "/-1" or "/3/4" as a number, or ignores "/x"
+    # redis-py reads "/-1" or "/3/4" as a number, or ignores "/x" and "/²" (a digit to str.isdigit, not to int)
+    if not (db_text.isascii() and db_text.isdigit()):
         raise UsageError(
             f"--archive {_shown(url)}: the database must be a number (redis://host:port/0), not {db_text!r}"
         )
+    if split.port == 0:  # redis-py would connect to 6379 instead
+        raise UsageError(f"--archive {_shown(url)}: port 0 is no Redis port")
     return RedisAddress(
         host=parts["host"],
         port=parts.get("port") or DEFAULT_REDIS_PORT,
@@ -127,6 +136,12 @@ def resolve_location(value: str | os.PathLike[str] | Location | None) -> Locatio
     if chosen:
         if is_redis_url(os.fspath(chosen)):
             return Location(redis=parse_redis_url(os.fspath(chosen)))
+        if isinstance(chosen, str) and (scheme := _URL_SCHEME.match(chosen)):
+            # "reddis://host/0" made a local archive in a folder of that name
+            raise UsageError(
+                f"--archive {_shown(chosen)}: unsupported scheme {scheme.group(1)!r}; an archive is a directory or "
+                "a redis:// or rediss:// URL (Unix sockets are not supported)"
+            )
         return Location(path=Path(chosen).expanduser())
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"

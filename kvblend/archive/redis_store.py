@@ -57,6 +57,8 @@ from kvblend.errors import ArchiveError, ArchiveUnavailableError, CorruptBlobErr
 T = TypeVar("T")
 
 NAMESPACE = "kvblend"
+#: Deletes a claim only while it is still the caller's (KEYS[1] holds ARGV[1]).
+_RELEASE_SCRIPT = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 CLAIM_TTL_S = 120  # a claim outlives any one segment's prefill; a crashed claimant's lapses
 CONNECT_TIMEOUT_S = 3.0
 IO_TIMEOUT_S = 15.0
@@ -130,8 +132,13 @@ def connect(address: RedisAddress) -> Any:
         client_name="kvblend",
     )
     with unavailable(address.display):
-        client = redis.Redis(host=address.host, port=address.port, db=address.db, **options)
+        # asked on database 0: a cluster refuses to SELECT any other before it could say it is one
+        client = redis.Redis(host=address.host, port=address.port, db=0, **options)
         if str(client.info("cluster").get("cluster_enabled", 0)) != "1":
+            if address.db:
+                client.close()
+                client = redis.Redis(host=address.host, port=address.port, db=address.db, **options)
+                client.ping()  # a database past the server's count is refused here, as before
             return client
         client.close()
         if address.db:
@@ -152,10 +159,16 @@ def unavailable(where: str) -> Iterator[None]:
     except redis.exceptions.AuthenticationError:
         raise ArchiveUnavailableError(f"Redis at {where} refused the credentials (wrong user or password)") from None
     except redis.exceptions.ResponseError as e:
-        text = str(e)
-        if text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
-            raise ArchiveUnavailableError(f"Redis at {where} refused the credentials ({text.split()[0]})") from None
-        if text.startswith("OOM"):
+        # A pipeline's error names its command with every argument ("Command # 3 (SET key <KV bytes>) of
+        # pipeline caused error: ..."), and redis-py strips the reply's code (OOM, NOPERM) into the class
+        text = str(e).rpartition(" of pipeline caused error: ")[2]
+        if isinstance(e, redis.exceptions.NoPermissionError) or text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
+            if isinstance(e, redis.exceptions.NoPermissionError) and not text.startswith("NOPERM"):
+                text = f"NOPERM {text}"
+            raise ArchiveUnavailableError(
+                f"Redis at {where} refused the credentials ({text.split()[0]}: {text.partition(' ')[2]})"
+            ) from None
+        if isinstance(e, redis.exceptions.OutOfMemoryError) or text.startswith("OOM"):
             raise ArchiveUnavailableError(
                 f"Redis at {where} is out of memory and evicts nothing (maxmemory "
                 "without an eviction policy); free memory or set allkeys-lru"
@@ -228,6 +241,7 @@ class RedisStore(Store):
         self.readonly = readonly
         self.keys = Keys()
         self._closed = False
+        self._claim_token = secrets.token_hex(8)  # this process's claims: only it releases them
 
     @property
     def kind(self) -> str:
@@ -344,9 +358,17 @@ class RedisStore(Store):
                 pipe.hmget(self.keys.hits, batch)
                 *raws, scores, hits = pipe.execute()
             for raw, score, hit in zip(raws, scores, hits):
-                if raw is not None and (score is not None or hit is not None):
-                    d = load_record(raw)
-                    if isinstance(d, dict):
+                if raw is not None:
+                    try:
+                        d = load_record(raw)
+                    except ArchiveError:
+                        d = None
+                    if not isinstance(d, dict):
+                        # A record no kvblend wrote (Redis neither tears nor rots a value): the segment is as
+                        # good as evicted, so `verify` names it lost and `verify --repair` drops it. Called
+                        # damaged, it sent the user to --rebuild-index, which a Redis archive has not.
+                        raw = None
+                    elif score is not None or hit is not None:
                         d["last_access"] = float(score) if score is not None else d.get("last_access", 0.0)
                         d["hits"] = int(hit) if hit is not None else d.get("hits", 0)
                         raw = dump_json(d)
@@ -385,13 +407,24 @@ class RedisStore(Store):
         """Of `keys` nobody holds, those this process now may compute (another node computes the rest)."""
         if self.readonly or not keys:
             return []
-        token = secrets.token_hex(8)
         with self._errors():
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
-                pipe.set(self.keys.claim(key), token, nx=True, ex=CLAIM_TTL_S)
+                pipe.set(self.keys.claim(key), self._claim_token, nx=True, ex=CLAIM_TTL_S)
             won = pipe.execute()
         return [k for k, ok in zip(keys, won) if ok]
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Drop this process's claims on `keys` (stored, or given up): a claim left to lapse made the next
+        ingest of those segments within CLAIM_TTL_S (a document removed and added again, a segment gc evicted)
+        wait CLAIM_WAIT_S for a writer that had long finished. Another process's claim is left alone."""
+        if self.readonly or not keys:
+            return
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:  # compare-and-delete, one key a script: a cluster routes each to its own node
+                pipe.eval(_RELEASE_SCRIPT, 1, self.keys.claim(key), self._claim_token)
+            pipe.execute()
 
     # ── payloads ──
     def put_payloads(self, staged: Sequence[tuple[SegmentRecord, Iterable[bytes]]]) -> None:

@@ -243,6 +243,11 @@ class Store(ABC):
         at a time hands back all of them."""
         return list(keys)
 
+    def release(self, keys: Sequence[str]) -> None:
+        """Give up this process's claims on `keys` once they are stored (or will not be): nobody waits for them.
+        A store whose `claim` holds nothing has nothing to give up."""
+        return None
+
     def lost_segments(self) -> list[str]:
         """Segments the store lists whose record is gone (a cache evicted it); `verify` names them."""
         return []

@@ -361,7 +361,8 @@ def path(archive: Optional[str] = ArchiveOpt, as_json: bool = JsonOpt) -> None:
             {
                 "path": location.display,
                 "store": "redis" if location.is_redis else "local",
-                "exists": Archive.exists(location),
+                # path never connects: whether a Redis database holds an archive is not known here
+                "exists": None if location.is_redis else Archive.exists(location),
             }
         )
         return

@@ -215,6 +215,8 @@ def _print_listing(listing: ProfileListing, as_json: bool) -> None:
     if as_json:
         print_json(listing.to_dict())
         return
+    for name, why in listing.unreadable.items():
+        err.print(f"[yellow]warning:[/] profile {escape(name)} left out: {escape(why)}")
     if not listing.profiles:
         out.print(f"no profiles in {listing.archive}: run `kvblend profile`")
         return

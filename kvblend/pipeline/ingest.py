@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -590,16 +591,20 @@ def _flush_steps(
     mine = set(archive.claim([key for key, _, _ in segments]))  # the rest another node is prefilling now
     theirs = [s for s in segments if s[0] not in mine]
     ours = [s for s in segments if s[0] in mine]
-    if theirs:  # prefill ours in the meantime, then wait: by then theirs are usually stored
-        items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
-        missing = yield from _await_others(archive, theirs)
-        report.segments_reused += len(theirs) - len(missing)
-        # their writer gave up: prefill them here after all
-        late, late_vectors = yield from _prefill(res, missing, batch_tokens, report, rows_per_step)
-        items, vectors = items + late, [*vectors, *late_vectors]
-    else:
-        items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
-    store = functools.partial(_store, archive, items, vectors, docs, codec, level, report, pending.claims)
+    try:
+        if theirs:  # prefill ours in the meantime, then wait: by then theirs are usually stored
+            items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
+            missing = yield from _await_others(archive, theirs)
+            report.segments_reused += len(theirs) - len(missing)
+            # their writer gave up: prefill them here after all
+            late, late_vectors = yield from _prefill(res, missing, batch_tokens, report, rows_per_step)
+            items, vectors = items + late, [*vectors, *late_vectors]
+        else:
+            items, vectors = yield from _prefill(res, ours, batch_tokens, report, rows_per_step)
+    except BaseException:  # stopped before storing: another writer need not wait for these
+        _release(archive, mine)
+        raise
+    store = functools.partial(_store, archive, items, vectors, docs, codec, level, report, pending.claims, mine)
     if behind is None:
         store()
     else:
@@ -658,11 +663,18 @@ def _store(
     level: int,
     report: IngestReport,
     claims: _Claims,
+    claimed: set[str],
 ) -> None:
-    """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing."""
+    """Commit a prefilled batch, then the documents waiting for it: a document never points at nothing.
+    The batch's claims (`claimed`) are given up once it is stored, or once storing it failed."""
     if items:
         vectors = {rec.key: vec for (rec, _), vec in zip(items, embeddings)}
-        stored = archive.put_segments(items, codec=codec, level=level, embeddings=vectors)
+        try:
+            stored = archive.put_segments(items, codec=codec, level=level, embeddings=vectors)
+        except BaseException:
+            _release(archive, claimed)
+            raise
+        archive.release(list(claimed))
         for rec in stored:
             report.segments_new += 1
             report.tokens_new += rec.n_tokens
@@ -671,6 +683,13 @@ def _store(
     with claims.lock:
         for doc in docs:
             archive.replace_document(doc, keep=claims.keys)
+
+
+def _release(archive: Archive, claimed: set[str]) -> None:
+    """Give up claims on the way out of a failure, which is the error that counts: a Redis that is gone
+    lets the claims lapse (CLAIM_TTL_S) instead."""
+    with suppress(Exception):
+        archive.release(list(claimed))
 
 
 def new_record(

@@ -19,6 +19,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,11 @@ import numpy as np
 import torch
 
 from kvblend.archive import decode_layer
+from kvblend.archive.blobs import PROFILE_SCRATCH_PREFIX, PROFILE_SCRATCH_SUFFIX, stale_profile_scratch
 from kvblend.archive.quant import Quantized
 from kvblend.archive.store import Store
 from kvblend.defaults import DEFAULT_RATIO
-from kvblend.errors import UsageError
+from kvblend.errors import KvblendError, UsageError
 from kvblend.tuning.delay import MB, fit_cost_model, recompute_time
 from kvblend.tuning.profile import LayerCost, LengthTiming, SelectiveCheck
 
@@ -128,11 +130,14 @@ def _open_scratch(directory: Path, total: int) -> tuple[int, Path]:
             raise UsageError(f"not enough free space in {directory} for a {total / MB:.0f} MB profile scratch file")
     except OSError:
         pass
-    path = directory / f".kvblend-profile-{os.getpid()}-{secrets.token_hex(4)}.scratch"
+    for name, _ in stale_profile_scratch(directory):  # what a killed profile left here
+        with suppress(OSError):
+            (directory / name).unlink()
+    path = directory / f"{PROFILE_SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{PROFILE_SCRATCH_SUFFIX}"
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), path
-    except PermissionError:
-        raise UsageError(f"cannot write a scratch file in {directory} (permission denied)") from None
+    except OSError as e:  # permission denied, a read-only file system, ...
+        raise UsageError(f"cannot write a scratch file in {directory} ({(e.strerror or str(e)).lower()})") from None
 
 
 def measure_disk_read(
@@ -150,7 +155,10 @@ def measure_disk_read(
         raise ValueError("nothing to write: no payloads")
     fd, path = _open_scratch(Path(directory), total)
     try:
-        layout = _write_scratch(fd, segments)
+        try:
+            layout = _write_scratch(fd, segments)
+        except OSError as e:  # the disk filled up meanwhile, an I/O error
+            raise KvblendError(f"cannot write the profile scratch file in {directory}: {e.strerror or e}") from None
         cold, resident = [], []
         for _ in range(cold_runs):
             evict_page_cache(fd)

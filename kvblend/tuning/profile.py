@@ -285,14 +285,17 @@ def applicable_profiles(
     return [p for p in profiles if not profile_flags(p, machine, fingerprint) and p.compute == compute]
 
 
-def readable_profiles(archive: Archive) -> list[Profile]:
-    """The archive's stored profiles, leaving out any this version cannot read (a newer one's, say)."""
+def readable_profiles(archive: Archive, unreadable: dict[str, str] | None = None) -> list[Profile]:
+    """The archive's stored profiles, leaving out any this version cannot read (a newer kvblend's on a node
+    sharing the archive, say: it is not this machine's, and must not stop this one's commands). Those left out
+    go into `unreadable` (name → why) where it is given."""
     profiles = []
     for name, stored in archive.iter_profiles():
         try:
             profiles.append(Profile.from_dict(stored, name))
-        except KvblendError:
-            continue
+        except KvblendError as e:
+            if unreadable is not None:
+                unreadable[name] = str(e)
     return profiles
 
 
@@ -349,6 +352,7 @@ class ProfileListing:
     model_fingerprint: str | None
     profiles: list[Profile]
     flags: list[list[str]]  # per profile, in the same order
+    unreadable: dict[str, str] = field(default_factory=dict)  # profiles this version cannot read: name → why
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -356,6 +360,7 @@ class ProfileListing:
             "machine": self.machine.to_dict(),
             "model_fingerprint": self.model_fingerprint,
             "profiles": [{**p.to_dict(), "flags": f} for p, f in zip(self.profiles, self.flags)],
+            "unreadable": self.unreadable,
         }
 
 
@@ -382,10 +387,11 @@ def list_profiles(archive: str | os.PathLike[str] | None, model: str | None = No
         raise UsageError(f"no archive at {path}: run `kvblend profile` or `kvblend ingest` first")
     fingerprint, changed_at = _model_identity(model)
     machine = machine_info()
+    unreadable: dict[str, str] = {}
     with Archive.open(path, create=False) as ar:
-        profiles = [Profile.from_dict(p, name) for name, p in ar.iter_profiles()]
+        profiles = readable_profiles(ar, unreadable)
         if model is None:
             fingerprint = ar.model_fingerprint or fingerprint
     profiles.sort(key=lambda p: p.created)
     flags = [profile_flags(p, machine, fingerprint, changed_at) for p in profiles]
-    return ProfileListing(str(path), machine, fingerprint, profiles, flags)
+    return ProfileListing(str(path), machine, fingerprint, profiles, flags, unreadable)

@@ -275,6 +275,8 @@ def run_profile(
     if device is not None and device not in DEVICE_LABELS and not os.path.isdir(os.path.expanduser(device)):
         raise UsageError(f"--device must be nvme, ssd, hdd, ram or an existing directory, not {device!r}")
     path = resolve_location(archive)
+    if device == REDIS_LABEL and not path.is_redis:
+        raise UsageError(f"--device redis measures an archive on Redis (--archive redis://...); {path} is a directory")
     runner = load_model(model, compute)
     settings = ProfileSettings.quick() if quick else ProfileSettings()
 

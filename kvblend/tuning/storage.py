@@ -103,7 +103,7 @@ def parse_costs(text: str) -> dict[str, float]:
             price = float(value)
         except ValueError:
             price = -1.0
-        if not sep or not label.strip() or price < 0 or math.isnan(price):
+        if not sep or not label.strip() or price < 0 or not math.isfinite(price):
             raise UsageError(f"--storage-costs takes label=$/GB-month pairs like ram=5,nvme=0.1, not {part!r}")
         costs[label.strip()] = price
     return costs

@@ -45,6 +45,7 @@ from kvblend.tuning.profile import (
     applicable_profiles,
     busy_warning,
     location_profile,
+    readable_profiles,
     today,
 )
 from kvblend.tuning.quality import ArchivedPassage, Log, QualitySweep, load_calibration, measure_quality
@@ -235,6 +236,13 @@ class TuneRequest:
                 raise UsageError(f"{flag} must be a finite number >= 0, not {value}")
         if self.r_quality is not None and not 0 < self.r_quality <= 1:
             raise UsageError("--r-quality must be in (0, 1]")
+        if self.r_quality is None and any(r >= 1 for r in self.ratios):
+            # 1.0 is full prefill: it always passes, so it became the floor and every later query cost as much
+            # as `--mode full` (calibration never stores 1.0; the user may, knowingly)
+            raise UsageError(
+                "--ratios must be below 1 (ratio 1 is full prefill, which always passes); "
+                "pass --r-quality 1 to store it"
+            )
         if self.context_tokens is not None and self.context_tokens < 1:
             raise UsageError("--context-tokens must be at least 1")
 
@@ -395,7 +403,8 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
 
     compute = pick_compute_device(req.compute).type
     with Archive.open(path, create=False, model_name=source.name, model_fingerprint=fingerprint) as ar:
-        stored = [Profile.from_dict(p, name) for name, p in ar.iter_profiles()]
+        ar.store.check_writable()  # the setting is stored at the end: say so before minutes of calibration
+        stored = readable_profiles(ar)  # a newer kvblend's profile is another node's: not this one's to tune by
         profiles = applicable_profiles(stored, machine_info(), fingerprint, compute)
         here = location_profile(profiles, path)
         if here is None:

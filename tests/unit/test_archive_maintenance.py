@@ -107,3 +107,15 @@ def test_gc_removes_orphans_and_temp_files(ar):
     report = ar.gc()
     assert report.freed_bytes == 150 and not orphan.exists() and not temp.exists()
     assert foreign.exists() and (ar.path / rec.blob).exists() and ar.verify().ok
+
+
+def test_gc_removes_what_a_killed_profile_left_in_the_archive(ar):
+    """`profile` measures the archive's folder through a scratch file; one killed outright left it for good."""
+    import os
+
+    dead = ar.path / ".kvblend-profile-99999999-0bad.scratch"  # above any pid_max: its process is gone
+    running = ar.path / f".kvblend-profile-{os.getpid()}-0ace.scratch"
+    dead.write_bytes(b"x" * 100)
+    running.write_bytes(b"y" * 10)
+    assert ar.gc(dry_run=True).temp_files == [dead.name] and dead.exists()
+    assert ar.gc().freed_bytes == 100 and not dead.exists() and running.exists()

@@ -34,6 +34,29 @@ def test_read_commands_work_on_an_archive_the_user_cannot_write():
             assert snapshot(arc) == before
 
 
+def test_tune_on_an_archive_the_user_cannot_write_says_so_before_calibrating():
+    """tune stores its setting at the end: it loaded the model and ran the whole calibration (minutes, by
+    default) before saying the archive was not writable."""
+    from kvblend.archive.records import normalize_path
+    from kvblend.machine import machine_info
+    from kvblend.model.source import resolve_model_source, source_fingerprint
+    from tuning_helpers import synthetic_profile
+
+    source = resolve_model_source(None)
+    fp = source_fingerprint(source)
+    with public_dir() as base:
+        arc = base / "arc"
+        here = synthetic_profile("nvme", 0.004, 0.007, path=normalize_path(arc), bytes_per_token_layer=4096,
+                                 machine=machine_info(), fingerprint=fp, L=3072)
+        with Archive.open(arc, create=True, model_name=source.name, model_fingerprint=fp) as ar:
+            ar.put_profile("here", here.to_dict())
+        with readonly_tree(arc) as user:
+            before = snapshot(arc)
+            proc = run_as(user, "tune", "--archive", arc, "--compute", "cpu", "--limit", "1", "--ratios", "0.5")
+            assert "not writable" in one_line_error(proc) and "r=0.5" not in proc.stdout + proc.stderr
+            assert snapshot(arc) == before
+
+
 def test_read_commands_create_and_modify_nothing(tmp_path):
     arc = build_archive(tmp_path / "arc")
     (arc / "lock").unlink()  # writers create it; readers must not

@@ -124,6 +124,13 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         assert expected in line and "torch" not in line, (args, line)
 
 
+def test_profile_device_redis_on_a_local_archive_is_refused_before_the_model_loads(tmp_path):
+    """It passed the label check, loaded the model, then named nvme, ssd, hdd and ram as the choices."""
+    proc = run_cli("profile", "--archive", tmp_path / "a", "--device", "redis", "--model", tmp_path / "no.gguf")
+    line = one_line_error(proc)
+    assert proc.returncode == 2 and "--device redis measures an archive on Redis" in line, line
+
+
 def test_the_test_host_runs_a_call_as_the_installed_script_does(tmp_path):
     """support.run_cli sends calls that must succeed to clihost's forked children: the same `main()`, so the same
     stdout, stderr and exit status as the installed script, for a success, a failure, stdin and the cwd."""

@@ -111,6 +111,46 @@ def test_an_evicted_layer_or_record_is_a_miss_that_verify_names_and_repair_drops
         assert doc.incomplete and doc.segment_keys == ["seg2"]
 
 
+def test_a_record_no_kvblend_wrote_is_lost_for_verify_and_dropped_by_repair(redis_url):
+    """A segment record that is not a kvblend record (another client wrote the key) made every command say the
+    index is damaged and name --rebuild-index, which refuses a Redis archive: the user had no way out."""
+    with open_redis(redis_url) as ar:
+        put(ar, "seg0")
+        put(ar, "seg1", seed=1)
+        ar.replace_document(DocumentRecord(path="/d.md", segment_keys=["seg0", "seg1"]))
+        ar.store.client.set(Keys().rec("seg1"), b"not json")
+    proc = run_cli("verify", "--archive", redis_url)
+    assert proc.returncode == 1 and "seg1" in proc.stdout + proc.stderr and "rebuild-index" not in proc.stderr
+    assert run_cli("stats", "--archive", redis_url).returncode == 0
+    run_cli("verify", "--repair", "--archive", redis_url, check=True)
+    with open_redis(redis_url) as ar:
+        assert ar.verify().ok and ar.get_document("/d.md").segment_keys == ["seg0"]
+
+
+def test_a_writer_releases_its_claims_and_only_its_own(redis_url):
+    """Claims held to their 120 s expiry made the next ingest of those segments (a document removed and added
+    again) wait 60 s for a writer that had finished; releasing leaves another process's claim alone."""
+    with open_redis(redis_url) as a, open_redis(redis_url) as b:
+        assert a.claim(["k1", "k2"]) == ["k1", "k2"]
+        b.release(["k1"])  # not b's: still a's
+        assert b.claim(["k1", "k2"]) == []
+        a.release(["k1", "k2"])
+        assert b.claim(["k1", "k2"]) == ["k1", "k2"]
+
+
+def test_a_redis_out_of_memory_is_the_documented_line_without_the_payload(tmp_path):
+    """redis-py strips 'OOM' into its exception class and names a pipeline's command with every argument: the
+    line showed raw KV bytes instead of what to do."""
+    with redis_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(Exception) as caught, open_redis(url) as ar:
+            for i in range(200):
+                put(ar, f"seg{i}", seed=i)
+        line = str(caught.value)
+        assert "out of memory and evicts nothing" in line and "allkeys-lru" in line, line
+        assert "pipeline" not in line and len(line) < 300
+
+
 def test_a_missing_archive_is_not_created_by_reading_commands(redis_url):
     line = one_line_error(run_cli("ls", "--archive", redis_url))
     assert "no archive at" in line and "kvblend ingest" in line
@@ -135,11 +175,16 @@ def test_faults_are_one_line_and_never_show_the_password(tmp_path):
             assert "s3cret-pw" not in proc.stdout + proc.stderr, argv
         assert json.loads(run_cli("path", "--json", "--archive", good).stdout)["path"] == \
             f"redis://:***@127.0.0.1:{server.port}/0"
-    for bad in ("redis://", "redis://host:notaport", "redis://h:1/x", "redis://:pw@h:99999/0"):
+    for bad in ("redis://", "redis://host:notaport", "redis://h:1/x", "redis://:pw@h:99999/0", "redis://h:0/0",
+                "redis://h:1/\u00b2", "redis://admin:12/pwTopSecret@h:1/0", "redis://admin:/pwTopSecret@h:1/0"):
         proc = run_cli("ls", "--archive", bad)
         line = one_line_error(proc)
         assert proc.returncode == 2 and "Redis URL" in line or "database" in line or "port" in line, line
-        assert "pw" not in line
+        assert "pw" not in line, line  # a '/' in the password split the URL: its rest was shown as the database
+    assert json.loads(run_cli("path", "--json", "--archive", "redis://h:1/0", check=True).stdout)["exists"] is None
+    for scheme in ("reddis", "unix", "http"):  # read as a folder named after the URL, made by ingest
+        line = one_line_error(proc := run_cli("ls", "--archive", f"{scheme}://127.0.0.1:{port}/0"))
+        assert proc.returncode == 2 and f"unsupported scheme '{scheme}'" in line, line
 
 
 def test_the_cluster_spreads_segments_over_its_masters(redis_cluster_nodes):

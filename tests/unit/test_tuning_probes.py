@@ -27,6 +27,29 @@ def test_measure_disk_read_layout_and_cleanup(tmp_path):
     assert ram.read_cold_MBps == ram.read_warm_MBps > 0
 
 
+def test_a_killed_profiles_scratch_file_is_deleted_by_the_next_profile_of_that_folder(tmp_path):
+    """A profile killed outright leaves its scratch file (up to 64 MB): the next one deletes those of processes
+    that are gone, never a running one's."""
+    dead = tmp_path / ".kvblend-profile-99999999-0bad.scratch"  # above any pid_max
+    running = tmp_path / f".kvblend-profile-{os.getpid()}-0ace.scratch"
+    dead.write_bytes(b"x" * 100)
+    running.write_bytes(b"y" * 10)
+    measure_disk_read(tmp_path, [[os.urandom(1000)]], cold_runs=1, warm_runs=1)
+    assert sorted(tmp_path.iterdir()) == [running]
+
+
+def test_a_folder_profile_cannot_write_to_is_one_line(tmp_path):
+    """A read-only file system raised OSError (EROFS), not PermissionError: a traceback."""
+    from hardening_helpers import small_tmpfs
+    import subprocess
+
+    with small_tmpfs(tmp_path / "ro") as mount:
+        if subprocess.run(["mount", "-o", "remount,ro", str(mount)], capture_output=True).returncode:
+            pytest.skip("cannot remount a tmpfs read-only here")
+        with pytest.raises(UsageError, match="cannot write a scratch file in .*read-only file system"):
+            measure_disk_read(mount, [[os.urandom(1000)]])
+
+
 def test_measure_decompress_reports_compressed_and_raw_rates():
     k = torch.randn(2, 64, 16).half()
     payloads = [encode_layer(k, k.clone(), "zstd-shuffle", 3) for _ in range(3)]

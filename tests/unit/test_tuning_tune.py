@@ -72,6 +72,27 @@ def test_tune_cli_from_stored_profiles(tmp_path):
         assert TunedSetting.from_dict(ar.get_tuned(tuned_key(name, "cpu", path, "hkvd"))).ratio == 0.2
 
 
+def test_a_profile_a_newer_kvblend_wrote_is_left_out_not_fatal(tmp_path):
+    """One profile of a newer version (another node on a shared archive) stopped `tune` and `profile --show`
+    with an error re-profiling could not clear; it is another machine's, and is named and left out."""
+    from kvblend.archive import Archive
+
+    name, fp = _default_model_identity()
+    path = tmp_path / "archive"
+    here = synthetic_profile("nvme", 0.004, 0.007, path=normalize_path(path), bytes_per_token_layer=4096,
+                             machine=machine_info(), fingerprint=fp, L=3072)
+    with Archive.open(path, create=True, model_name=name, model_fingerprint=fp) as ar:
+        ar.put_profile("here", here.to_dict())
+        ar.put_profile("from-a-newer-node", {**here.to_dict(), "version": 99})
+    shown = run_cli("profile", "--show", "--archive", path, check=True)
+    assert "from-a-newer-node left out" in shown.stderr and "1 profile(s)" in shown.stdout
+    listing = json.loads(run_cli("profile", "--show", "--json", "--archive", path, check=True).stdout)
+    assert len(listing["profiles"]) == 1 and list(listing["unreadable"]) == ["from-a-newer-node"]
+    out = json.loads(run_cli("tune", "--archive", path, "--compute", "cpu", "--r-quality", "0.15", "--context-tokens",
+                             "3072", "--json", check=True).stdout)
+    assert out["ratio"] == 0.15
+
+
 def test_tune_without_profile_says_what_to_run(tmp_path):
     from kvblend.archive import Archive
 
@@ -90,6 +111,8 @@ def test_tune_without_profile_says_what_to_run(tmp_path):
     (["--top-k", "0"], "--top-k"),
     (["--kl-bound", "nan"], "--kl-bound must be a finite number"),  # stored as NaN: invalid JSON
     (["--tolerance", "inf"], "--tolerance must be a finite number"),
+    (["--storage-costs", "nvme=inf"], "--storage-costs"),  # stored, and printed as JSON's invalid Infinity
+    (["--ratios", "0.9,1"], "--ratios must be below 1"),  # 1 always passes: it was stored as the floor
 ])
 def test_tune_bad_options_fail_before_any_work(tmp_path, args, says):
     line = one_line_error(run_cli("tune", "--archive", tmp_path / "a", *args))
