@@ -198,12 +198,16 @@ def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
     for given in paths:
         given = Path(given)
         shown = given.as_posix()
-        if not os.path.lexists(given) or (given.is_symlink() and not given.exists()):
-            raise UsageError(f"no such file or directory: {shown}")
-        if given.is_dir():
+        try:
+            if not os.path.lexists(given) or (given.is_symlink() and not given.exists()):
+                raise UsageError(f"no such file or directory: {shown}")
+            is_dir = given.is_dir()
+        except OSError as exc:  # under a folder this user may not search
+            raise UsageError(f"cannot read {shown} ({(exc.strerror or type(exc).__name__).lower()})") from None
+        if is_dir:
             if is_archive_dir(given):
                 raise UsageError(f"{shown} is a kvblend archive, not a folder of documents")
-            files, unreadable, assets, archives = _walk(given)
+            files, unreadable, assets, archives, links = _walk(given)
             skipped.extend(Skipped(_join(shown, rel), "permission denied") for rel in unreadable)
             skipped.extend(
                 Skipped(_join(shown, rel), f"assets of the saved web page {_join(shown, page)} (read from the page)")
@@ -212,7 +216,11 @@ def find_files(paths: list[Path]) -> tuple[list[SourceFile], list[Skipped]]:
             skipped.extend(
                 Skipped(_join(shown, rel), "a kvblend archive (its files are no documents)") for rel in archives
             )
-            if not files and not unreadable and not assets and not archives:
+            skipped.extend(  # left out in silence, it read as "no documents found" where it was all there was
+                Skipped(_join(shown, rel), "a symbolic link to a folder (not followed: give its path to ingest it)")
+                for rel in links
+            )
+            if not files and not unreadable and not assets and not archives and not links:
                 raise UsageError(f"no documents found under {shown}")
             targets = [SourceFile(f, _join(shown, rel), rel) for f, rel in files]
         else:
@@ -293,14 +301,18 @@ def _join(shown: str, rel: str) -> str:
     return rel if shown in ("", ".") else f"{shown.rstrip('/')}/{rel}"
 
 
-def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str, str]], list[str]]:
+def _walk(
+    root: Path,
+) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str, str]], list[str], list[str]]:
     """Non-hidden files under root, sorted by relative path (deterministic), the relative paths of
-    directories that could not be listed, the saved web pages' asset folders left out (with their page), and
-    the kvblend archives left out."""
+    directories that could not be listed, the saved web pages' asset folders left out (with their page), the
+    kvblend archives left out, and the symbolic links to folders left out (never followed: a link may loop, or
+    lead anywhere)."""
     found: list[tuple[Path, str]] = []
     unreadable: list[str] = []
     assets: list[tuple[str, str]] = []
     archives: list[str] = []
+    links: list[str] = []
 
     def onerror(err: OSError) -> None:
         if err.filename is not None:
@@ -308,10 +320,10 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str
             unreadable.append(rel)
 
     for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=False):
-        dirnames[:] = sorted(
-            d for d in dirnames if not d.startswith(".") and not os.path.islink(os.path.join(dirpath, d))
-        )
         rel_dir = Path(os.path.relpath(dirpath, root))
+        linked = {d for d in dirnames if not d.startswith(".") and os.path.islink(os.path.join(dirpath, d))}
+        links.extend((rel_dir / d).as_posix().removeprefix("./") + "/" for d in linked)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in linked)
         for d in list(dirnames):
             page = _saved_page_of(d, filenames)
             if page is not None:
@@ -328,14 +340,18 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[str], list[tuple[str
                 rel = rel[2:]
             found.append((Path(dirpath) / name, rel))
     found.sort(key=lambda item: item[1].split("/"))
-    return found, sorted(unreadable), sorted(assets), sorted(archives)
+    return found, sorted(unreadable), sorted(assets), sorted(archives), sorted(links)
 
 
 def is_archive_dir(path: Path) -> bool:
     """Whether a folder is a kvblend archive (kvblend/archive/FORMAT.md, section 1: an LMDB index and blob
     folders). Its files are no documents: a folder ingested with its archive inside it (``kvblend ingest .
-    --archive ./kv``) once took the archive's manifests, lock and index stamp as text documents."""
-    return (path / "index" / "data.mdb").is_file() and (path / "blobs").is_dir()
+    --archive ./kv``) once took the archive's manifests, lock and index stamp as text documents. A folder this
+    user may not search is none (Python 3.11's is_file raises there; the walk then skips it as unreadable)."""
+    try:
+        return (path / "index" / "data.mdb").is_file() and (path / "blobs").is_dir()
+    except OSError:
+        return False
 
 
 _PAGE_SUFFIXES = (".html", ".htm", ".xhtml", ".shtml")
@@ -364,6 +380,9 @@ def _read_file(
         return None
     try:
         if not file.is_file():  # FIFOs, devices, sockets: never block on them
+            if not os.path.lexists(file):  # found by the walk, gone by its turn
+                skipped.append(Skipped(name, "no such file (deleted during the ingest?)"))
+                return None
             broken = file.is_symlink() and not file.exists()  # its target gone, or a loop of links
             skipped.append(Skipped(name, "a broken symbolic link" if broken else "not a regular file"))
             return None

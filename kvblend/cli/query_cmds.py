@@ -129,8 +129,11 @@ def ingest(
         raise UsageError("an empty path names no file or directory (an unset shell variable?)")
     files = [Path(p) for p in paths]
     for f in files:
-        if not f.exists():
-            raise UsageError(f"no such file or directory: {f}")
+        try:
+            if not f.exists():
+                raise UsageError(f"no such file or directory: {f}")
+        except OSError as exc:  # under a folder this user may not search: Python 3.11's exists() raises
+            raise UsageError(f"cannot read {f} ({(exc.strerror or type(exc).__name__).lower()})") from None
     from kvblend.pipeline import Engine  # after the checks: a usage error comes back before torch imports
 
     chosen = compute_dtype(dtype, archive, model, compute)
@@ -403,7 +406,13 @@ def query(
     with Engine(archive, model, compute, chosen, **decode) as engine:
         engine.archive(create=False)  # as queries use it: checked against the model, read-only if not writable
 
+        started = False
+
         def stream(piece: str) -> None:
+            nonlocal started
+            if not started:  # the answer as --json and serve give it: without the whitespace that leads it
+                piece = piece.lstrip()
+                started = bool(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
 
@@ -479,10 +488,17 @@ def demo(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ingest the bundled documents, then ask a few two-hop questions with full, reuse and blend side by side."""
+    from kvblend.errors import ArchiveModelMismatchError
     from kvblend.evaluation.demo import run_demo
 
     with archive_dir_or_scratch(keep, "kvblend-demo-") as (target, _scratch):
-        run = run_demo(Path(target), compute=compute, on_stage=_show_demo_stage)
+        try:
+            run = run_demo(Path(target), compute=compute, on_stage=_show_demo_stage)
+        except ArchiveModelMismatchError as e:  # its "pass --model" hint: the demo has no --model
+            why = str(e).partition(" (")[0]
+            raise ArchiveModelMismatchError(
+                f"{why} (the demo runs the bundled default model: give it another --archive, or none)"
+            ) from None
     if as_json:
         print_json(run.to_dict())
         return

@@ -39,13 +39,14 @@ from kvblend.feeds.memory import InMemoryFeed
 from kvblend.fusion.config import BlendConfig
 from kvblend.fusion.plan import (
     Plan,
+    effective_blend,
     effective_cached,
     feed_schedule,
     never_recomputed,
     plan_prompt,
 )
 from kvblend.fusion.policies import Check, head_mask, select
-from kvblend.fusion.probe import PROBE_LEADING_MAX, PROBE_LEADING_SINK, KeptLayers, probe_pass
+from kvblend.fusion.probe import KeptLayers, probe_pass, probe_rows
 from kvblend.fusion.selection import budget, keep_top
 from kvblend.model.runner import ModelRunner, row_chunks
 from kvblend.types import LayerKV, Segment, Steps, drain
@@ -142,6 +143,7 @@ def fuse_steps(
     if mode == "blend":
         blend.validate(runner.n_layers)
     plan = plan_prompt(segments, mode)
+    blend = effective_blend(plan, mode, blend)
     T = len(plan.token_ids)
     if runner.max_positions and runner.max_positions < T:
         raise UsageError(f"prompt has {T} tokens; the model's context is {runner.max_positions}")
@@ -272,17 +274,12 @@ class _LayerLoop:
         may not store, or one too long to) is left out, and out of the rows' attention: the main loop computes
         it anyway, and the pass computed it a second time (an 8,000-token passage took two full prefills' time
         and 6 GB for its attention probabilities). With nothing cached to select from there is no pass."""
-        positions = torch.arange(self.T, device=ids.device)
-        cached = positions[self.candidates]
-        if not cached.numel():
+        rows = probe_rows(self.always, self.candidates, self.question_start)
+        if rows is None:
             self.probe_scores = torch.zeros(self.T, dtype=torch.float32, device=ids.device)
             return
-        first = int(cached[0])
-        probed = self.always.clone()
-        probed[first : self.question_start] = False
-        if int(probed[:first].sum()) > PROBE_LEADING_MAX:
-            probed[PROBE_LEADING_SINK:first] = False
-        rows = positions[probed]
+        probed = torch.zeros_like(self.always)
+        probed[rows] = True
         hidden = self.always & ~probed
         score_from = int(torch.searchsorted(rows, torch.tensor(self.question_start, device=rows.device)))
         self.probe_scores, kept = yield from probe_pass(

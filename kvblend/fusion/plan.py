@@ -16,6 +16,8 @@ import torch
 
 from kvblend.errors import UsageError
 from kvblend.fusion.config import BlendConfig
+from kvblend.fusion.probe import probe_rows
+from kvblend.fusion.selection import budget
 from kvblend.options import Mode, choice
 from kvblend.types import Segment
 
@@ -92,6 +94,7 @@ def feed_schedule(
     with the probe policy it reads every layer first (kvblend.fusion.probe);
     `prefix`/`reuse` need their cached segments at every layer; `full` needs nothing.
     """
+    blend = effective_blend(plan, mode, blend)
     use = effective_cached(segments, mode)
     if mode == "full" or not any(use):
         return {}
@@ -109,3 +112,28 @@ def feed_schedule(
         elif exact:
             schedule[layer] = only_exact
     return schedule
+
+
+def effective_blend(plan: Plan, mode: str, blend: BlendConfig) -> BlendConfig:
+    """The blend configuration this prompt runs: `blend`, unless its probe would cost more than it can save.
+
+    The probe runs its rows (the question, and an uncached instruction prefix) through every layer, and the
+    main loop computes them again with the tokens it keeps. Where that comes to at least the whole prompt (a
+    prompt mostly uncached: a new system prompt before one short passage), blend computes the whole prompt,
+    exactly as `full` (it cost 166% of full's compute). Per layer, as the loop spends it: the probe's rows,
+    the tokens always recomputed, and the kept ones (`budget`, the probe's cost taken off). The fusor plans
+    with this, and feed_schedule too, so the archive feed streams the layers the fusor reads."""
+    if mode != "blend" or not blend.probes:
+        return blend
+    exact = never_recomputed(plan, mode, blend)
+    candidates = plan.cached_mask.clone()
+    candidates[:exact] = False
+    always = ~plan.cached_mask
+    rows = probe_rows(always, candidates, plan.offsets[-1])
+    if rows is None:
+        return blend
+    n_rows, n_approx = int(rows.numel()), int(candidates.sum())
+    kept = budget(blend.ratios[0], n_approx, n_rows, 1)  # over every layer: per layer, the rows come off
+    if n_rows + int(always.sum()) + kept < len(plan.token_ids):
+        return blend
+    return BlendConfig(blend.check_layers, (1.0,) * len(blend.ratios), blend.deviation, blend.select)

@@ -32,6 +32,24 @@ PROBE_LEADING_MAX = 256
 PROBE_LEADING_SINK = 64
 
 
+def probe_rows(always: torch.Tensor, candidates: torch.Tensor, question_start: int) -> torch.Tensor | None:
+    """The positions the probe pass runs (ascending), None where nothing cached is left to select from.
+
+    The question's rows (the last segment: the question and the template's tail) and the recomputed tokens
+    before the first cached one (of more than PROBE_LEADING_MAX, the first PROBE_LEADING_SINK). `always`:
+    the positions always recomputed; `candidates`: the cached positions a selection may recompute."""
+    positions = torch.arange(always.numel(), device=always.device)
+    cached = positions[candidates]
+    if not cached.numel():
+        return None
+    first = int(cached[0])
+    probed = always.clone()
+    probed[first:question_start] = False
+    if int(probed[:first].sum()) > PROBE_LEADING_MAX:
+        probed[PROBE_LEADING_SINK:first] = False
+    return positions[probed]
+
+
 class KeptLayers:
     """A feed over layers already read: the main loop's source after a probe pass."""
 

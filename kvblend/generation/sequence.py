@@ -147,8 +147,8 @@ class Sequence:
             token = next_token(logits, p.sampling, self.generator)
         if not self.tokens:
             self.first_token_s = time.perf_counter() - self.started
-        if p.forced_tokens is None and token in self.stop_ids:  # not part of the answer: no text, no logprob
-            self.finish, self.hit_eos = "stop", True
+        if p.forced_tokens is None and token in self.stop_ids and not self._leading_line_break(token):
+            self.finish, self.hit_eos = "stop", True  # not part of the answer: no text, no logprob
             return Delta(self._finish_whole())
         entries = [self._logprob_entry(logits, token)] if p.logprobs else []
         self.tokens.append(token)
@@ -169,6 +169,11 @@ class Sequence:
         delta = self.text[self.sent : safe]
         self.sent = max(self.sent, safe)
         return Delta(delta, entries)
+
+    def _leading_line_break(self, token: int) -> bool:
+        """A base model's line break before its answer has any text: whitespace that leads the answer (each
+        front end trims it), not the end of the answer's line."""
+        return token in self.runner.line_break_ids and not self.decoded.strip()
 
     def _finish_whole(self) -> str:
         """Finished without a stop string: the text is the whole decode (a character the last token left

@@ -154,15 +154,27 @@ class ModelRunner:
             tid = self.tokenizer.convert_tokens_to_ids(marker)
             if tid is not None and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)
-        if not getattr(self.tokenizer, "chat_template", None):
-            # A base model answers a completion prompt ("...Answer:") on one line, then goes on to write
-            # the next question itself: its answer ends at the line break, as in few-shot QA evaluation.
+        return ids | self.line_break_ids
+
+    @property
+    def line_break_ids(self) -> frozenset[int]:
+        """A base model's line-break tokens (no chat template; none for a chat model). It answers a completion
+        prompt ("...Answer:") on one line, then goes on to write the next question itself: its answer ends at
+        the line break, as in few-shot QA evaluation. Only once the answer has begun: Gemma 3's likeliest first
+        token after "Answer:" is a line break, which ended four answers in six before any text. Every run of
+        line breaks its vocabulary writes as one token counts (Gemma's has one for 1 to 31 of them)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return frozenset()
+        cached = self.__dict__.get("_line_break_ids")
+        if cached is None:
             encode: Any = getattr(self.tokenizer, "encode", None)  # absent on test stubs: no newline stops
-            for newline in ("\n", "\n\n") if encode is not None else ():
-                tokens = encode(newline, add_special_tokens=False)
+            found = set()
+            for n in range(1, 33) if encode is not None else ():
+                tokens = encode("\n" * n, add_special_tokens=False)
                 if len(tokens) == 1:
-                    ids.add(int(tokens[0]))
-        return ids
+                    found.add(int(tokens[0]))
+            cached = self.__dict__["_line_break_ids"] = frozenset(found)
+        return cached
 
     def tokenize(self, text: str) -> list[int]:
         """Tokens of a text fragment, no special tokens added (fragments are concatenated)."""

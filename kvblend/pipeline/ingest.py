@@ -584,10 +584,50 @@ def _flush_steps(
     rows_per_step: int | None = None,
 ) -> Steps[None]:
     """:func:`_flush` in steps (it yields after every layer of prefill, and every `rows_per_step` tokens within
-    one, and while it waits for another node)."""
+    one, and while it waits for another node).
+
+    In batches of at most `batch_tokens` (a segment longer is a batch of its own), each stored while the next
+    prefills, the documents with the last: one long document was one batch, prefilled whole before anything was
+    stored, so its KV filled memory whatever --batch-tokens said and a Ctrl-C kept none of it (the segments
+    stored before it are reused by the next ingest: their keys are their content)."""
     segments, docs = pending.take()
     if not segments and not docs:
         return
+    batches = _batches(segments, batch_tokens) or [[]]
+    for i, batch in enumerate(batches):
+        with_docs = docs if i == len(batches) - 1 else []
+        yield from _flush_batch(
+            res, archive, pending, batch, with_docs, codec, level, batch_tokens, report, behind, rows_per_step
+        )
+
+
+def _batches(segments: list[tuple[str, str, list[int]]], batch_tokens: int) -> list[list[tuple[str, str, list[int]]]]:
+    """Consecutive runs of `segments` of at most `batch_tokens` tokens each (at least one segment each)."""
+    batches: list[list[tuple[str, str, list[int]]]] = []
+    tokens = 0
+    for seg in segments:
+        if not batches or tokens + len(seg[2]) > batch_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(seg)
+        tokens += len(seg[2])
+    return batches
+
+
+def _flush_batch(
+    res: Resources,
+    archive: Archive,
+    pending: _Pending,
+    segments: list[tuple[str, str, list[int]]],
+    docs: list[DocumentRecord],
+    codec: str,
+    level: int,
+    batch_tokens: int,
+    report: IngestReport,
+    behind: StoreBehind | None,
+    rows_per_step: int | None,
+) -> Steps[None]:
+    """Prefill one batch of segments (waiting for those another node claimed) and store it, then `docs`."""
     mine = set(archive.claim([key for key, _, _ in segments]))  # the rest another node is prefilling now
     theirs = [s for s in segments if s[0] not in mine]
     ours = [s for s in segments if s[0] in mine]

@@ -205,12 +205,16 @@ class Resources:
         if self._archive is None and not Archive.exists(self.location):
             return None  # no archive yet: nothing was tuned, and asking must not create one
         compute = self.runner.device.type
-        try:  # the policy's own key, then the one every policy's setting was stored under before
+        try:
+            # Under the name the archive's model was bound by: the same weights reached by another name (the
+            # GGUF's path for `gemma3-270m`) share its fingerprint, and so its archive and tuned ratio (it was
+            # silently dropped); then the name given, as settings were stored before. For each, the policy's own
+            # key, then the one every policy's setting was stored under before.
+            names = dict.fromkeys(n for n in (self.archive().model_name, self.model_name) if n)
             for key in dict.fromkeys(
-                (
-                    tuned_key(self.model_name, compute, self.location, select),
-                    tuned_key(self.model_name, compute, self.location),
-                )
+                k
+                for name in names
+                for k in (tuned_key(name, compute, self.location, select), tuned_key(name, compute, self.location))
             ):
                 tuned = TunedRatio.from_stored(self.archive().get_tuned(key))
                 if tuned is not None and tuned.select == select:

@@ -455,6 +455,8 @@ def run_tune(req: TuneRequest, log: Log | None = None) -> TuneResult:
             req.select,
             calibration,
         )
-        key = tuned_key(source.name, compute, path, req.select)
+        # under the name the archive's model was bound by, which every name of those weights finds (a query
+        # giving the GGUF's path, say)
+        key = tuned_key(ar.model_name or source.name, compute, path, req.select)
         ar.put_tuned(key, setting.to_dict())
     return TuneResult(setting, key, decision)

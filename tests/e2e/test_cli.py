@@ -214,6 +214,18 @@ def test_archive_of_another_model_is_refused_with_both_names(archive, tmp_path):
     assert "SmolLM2-135M-Instruct" in msg and "tiny-llama" in msg
 
 
+def test_demo_on_an_archive_of_another_model_suggests_what_the_demo_takes(tmp_path):
+    """The model-mismatch hint said "pass --model ...", which the demo does not take (it runs the default model)."""
+    from kvblend.archive import Archive
+
+    with Archive.open(tmp_path / "gemma", create=True, model_name="gemma3-270m", model_fingerprint="fp-gemma"):
+        pass  # bound to another model on its first writable open
+    proc = run("demo", "--archive", tmp_path / "gemma")
+    line = proc.stderr.strip().splitlines()[-1]  # after the demo's stage line
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and line.startswith("kvblend: error:")
+    assert "gemma3-270m" in line and "another --archive" in line and "--model" not in line
+
+
 def test_newer_format_version_is_refused(archive, tmp_path):
     import lmdb
 

@@ -110,6 +110,10 @@ def test_gemma_decodes_in_its_gguf_blocks_as_in_fp32(gemma_archive):
     assert len(converted) == 7 * native.n_layers + 1  # every projection and the head, each exactly the weights
     assert all(torch.equal(m.converted_matmul(torch.eye(m.weight.shape[1])[:8]), m.weight[:, :8].T) for m in converted)
     assert native.fused_step is not None  # Gemma's sandwich norms, GELU, windows and two RoPE bases, in C
+    # a base model's answer ends at its line: every run of line breaks the vocabulary writes as one token (1 to 31)
+    breaks = native.line_break_ids
+    assert len(breaks) >= 30 and {native.tokenize("\n")[0], native.tokenize("\n" * 5)[0]} <= breaks <= \
+        native.stop_token_ids
     tokens, logits = {}, {}
     for name, runner in (("gguf", native), ("fp32", fp32)):
         with torch.inference_mode():

@@ -228,3 +228,8 @@ def test_query_uses_the_tuned_ratio_and_ratio_overrides_it(engine):
     exact = override.fusion.exact_prefix_tokens
     assert override.ratio == 0.1 and exact > 0
     assert override.fusion.active_per_layer[-1] == uncached - exact + math.ceil(0.1 * cached)
+    # the same weights by another name (a GGUF's path for a bundled model's name) share the archive, and so
+    # its tuned ratio: it was silently dropped for the default
+    alias = replace(runner, name="the-same-weights-by-another-name")
+    with Engine(engine.location, runner=alias) as other:
+        assert other.query(QUESTION, replace(opts, ratio=None)).ratio == 0.4

@@ -57,6 +57,29 @@ def test_tune_on_an_archive_the_user_cannot_write_says_so_before_calibrating():
             assert snapshot(arc) == before
 
 
+def test_a_folder_the_user_cannot_search_is_a_skip_line_not_a_traceback():
+    """Another user's private folder inside a shared tree: Python 3.11's is_file() raised PermissionError in the
+    walk's archive check, and a file under it given by path raised in the path check (two tracebacks)."""
+    with public_dir() as base:
+        (base / "stub").mkdir()
+        with readonly_tree(base / "stub") as user:
+            docs = base / "docs"
+            (docs / "private").mkdir(parents=True)
+            (docs / "private" / "in.txt").write_text("Inside text about whales.")
+            docs.chmod(0o755)
+            (docs / "private").chmod(0o000)  # no search permission for the user (root's mode 000 for others too)
+            try:
+                walked = run_as(user, "ingest", docs, "--archive", base / "arc")
+                line = one_line_error(walked)  # nothing else to read: said before any model loads
+                assert walked.returncode == 2 and "docs/private (permission denied)" in line, line
+                given = run_as(user, "ingest", docs / "private" / "in.txt", "--archive", base / "arc")
+                line = one_line_error(given)
+                assert given.returncode == 2 and "cannot read" in line and "permission denied" in line, line
+            finally:
+                (docs / "private").chmod(0o755)
+            assert not (base / "arc").exists()
+
+
 def test_read_commands_create_and_modify_nothing(tmp_path):
     arc = build_archive(tmp_path / "arc")
     (arc / "lock").unlink()  # writers create it; readers must not

@@ -354,3 +354,23 @@ def test_files_of_one_run_that_would_share_a_name_are_named_by_their_paths(tmp_p
     assert [f.name for f in files] == ["a/notes.md", "b/notes.md", "other.md"]  # only those that collide
     files, _ = find_files([tmp_path / "a", tmp_path / "b"])  # given absolute: named below what they share
     assert [f.name for f in files] == ["a/notes.md", "other.md", "b/notes.md"]
+
+
+def test_a_linked_folder_is_named_as_left_out_and_a_file_gone_since_the_walk_says_so(tmp_path):
+    """A symbolic link to a folder is not followed: it was left out in silence ("no documents found" where it
+    was all there was). A file deleted between the walk and its turn was "not a regular file", as a FIFO is."""
+    from kvblend.documents import find_files, read_file
+
+    write(tmp_path / "elsewhere" / "notes.md", "Notes kept elsewhere.")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "projects").symlink_to(tmp_path / "elsewhere")
+    files, skipped = find_files([tmp_path / "docs"])
+    assert files == [] and [s.reason for s in skipped] == [
+        "a symbolic link to a folder (not followed: give its path to ingest it)"
+    ]
+    assert skipped[0].path.endswith("docs/projects/")
+    victim = write(tmp_path / "docs" / "victim.md", "Soon gone.")
+    files, _ = find_files([tmp_path / "docs"])
+    victim.unlink()
+    reading = read_file(files[0])
+    assert reading.docs == [] and [s.reason for s in reading.skipped] == ["no such file (deleted during the ingest?)"]

@@ -180,9 +180,28 @@ def test_a_long_uncached_run_before_the_first_cached_segment_is_probed_by_its_si
     from kvblend.fusion.probe import PROBE_LEADING_MAX, PROBE_LEADING_SINK
     from kvblend.types import Segment
 
-    segs = rag_prompt(runner, n_chunks=2, cached_prefix=False)
+    segs = rag_prompt(runner, n_chunks=4, cached_prefix=False)  # enough cached for the probe to pay
     lead = Segment(random_tokens(PROBE_LEADING_MAX + 10 - len(segs[0].token_ids), seed=5))
     fused = fuse(runner, [segs[0], lead, *segs[1:]], "blend", BlendConfig.single(0.3, select="probe"))
     assert fused.probe_token_layers == (PROBE_LEADING_SINK + len(segs[-1].token_ids)) * runner.n_layers
     short = fuse(runner, segs, "blend", BlendConfig.single(0.3, select="probe"))  # a short uncached prefix: probed
     assert short.probe_token_layers == (len(segs[0].token_ids) + len(segs[-1].token_ids)) * runner.n_layers
+
+
+def test_blend_computes_the_whole_prompt_where_the_probe_would_cost_more_than_full(runner):
+    """A new system prompt (uncached) before one short cached passage: the probe ran the prefix and the question
+    through every layer, the main loop computed them again, and blend cost 166% of full's compute. Where the
+    probe, the tokens always computed and the kept ones come to the whole prompt or more, blend is full."""
+    from kvblend.types import Segment
+
+    prefix, question = Segment(random_tokens(40, 1)), Segment(random_tokens(9, 2))
+    short = random_tokens(6, seed=10)
+    segs = [prefix, Segment(short, kv=runner.prefill_batch([short])[0]), question]
+    cfg = BlendConfig.single(0.12, select="probe")
+    fused = fuse(runner, segs, "blend", cfg)
+    assert fused.probe_token_layers == 0 and fused.recompute_share == 1.0  # was (40 + 9) probe rows on top
+    assert torch.equal(fused.last_logits, fuse(runner, segs, "full").last_logits)
+    # with passages worth selecting among, the probe runs and blend costs less than full
+    segs = rag_prompt(runner, n_chunks=4, cached_prefix=False)
+    fused = fuse(runner, segs, "blend", cfg)
+    assert fused.probe_token_layers > 0 and fused.recompute_share < 1.0

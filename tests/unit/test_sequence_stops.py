@@ -79,3 +79,27 @@ def test_one_sequences_bad_logits_end_it_alone_and_not_its_batch(monkeypatch):
     deltas = loop.step(runner, [bad, good])
     assert isinstance(bad.error, NonFiniteLogitsError) and bad.finished and deltas[0].text == ""
     assert good.error is None and not good.finished and deltas[1].text == "ones"
+
+
+def test_a_base_models_line_break_before_its_answer_is_not_its_end():
+    """Gemma 3's likeliest first token after "Answer:" is a line break, which ended the answer before any text
+    (four answers in six came back empty); once the answer has text, a line break still ends it."""
+    from kvblend.generation import SamplingConfig
+
+    vocab = ["<eos>", "\n", "Hal", "ifax", " and more"]
+
+    class Lines:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(vocab[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    runner = SimpleNamespace(tokenizer=Lines(), stop_token_ids={0, 1}, line_break_ids=frozenset({1}))
+    seq = Sequence(runner, None, OutputParams(sampling=SamplingConfig(max_new_tokens=8)))
+    for token in (1, 1, 2, 3, 1, 4):  # greedy picks each in turn
+        if seq.finished:
+            break
+        seq.accept(torch.nn.functional.one_hot(torch.tensor(token), len(vocab)).float())
+    assert seq.tokens == [1, 1, 2, 3] and seq.text.strip() == "Halifax" and seq.finish == "stop"
+    # an end-of-sequence token ends it at once, text or not
+    seq = Sequence(runner, None, OutputParams(sampling=SamplingConfig(max_new_tokens=8)))
+    seq.accept(torch.nn.functional.one_hot(torch.tensor(0), len(vocab)).float())
+    assert seq.finished and seq.tokens == []
