@@ -440,9 +440,10 @@ DRIFT_POSITIONS = (0, 1, 2, 4, 8, 15)  # positions of full's answer the drift ta
 def _print_drift(con, results: list[dict]) -> None:
     """KL from full along full's answer, and where greedy decoding would first leave it, per mode."""
     shown = [i for i in DRIFT_POSITIONS if any(i < len(r["kl_by_position"]) for r in results)]
+    several = len({r.get("codec") for r in results if r.get("bytes_per_token") is not None}) > 1
     rows = [
         [
-            r["mode"],
+            r["mode"] + (f" [{r['codec']}]" if several and r.get("bytes_per_token") is not None else ""),
             "—" if r["ratio"] is None else f"{r['ratio']:g}",
             *(_f(r["kl_by_position"][i], 4) if i < len(r["kl_by_position"]) else "—" for i in shown),
             f"{r['diverged_share']:.0%}",

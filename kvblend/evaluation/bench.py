@@ -74,7 +74,7 @@ def _check_settings(chunks: int, max_new_tokens: int, answer_kl_tokens: int, var
 
 
 def _variant_rows(
-    vrows: list[tuple[str, str, RunSpec]], runs: list[RunRecord], full_answers: dict[int, str]
+    vrows: list[tuple[str, str, RunSpec]], runs: list[RunRecord], full_answers: dict[int, str], archive_sink: str
 ) -> list[dict]:
     unique = list(dict.fromkeys(s for _, _, s in vrows))  # a spec named twice ran (and is summarised) once
     by_spec = dict(zip(unique, summarize(runs, full_answers, unique)))
@@ -86,7 +86,8 @@ def _variant_rows(
             "name": name,
             "deviation": spec.deviation if blend else None,
             "check_layers": list(spec.check_layers) if blend else None,
-            "sink": spec.sink,
+            # the sink the passages were prefilled after: the archive's (bench's --sink) where they came from it
+            "sink": archive_sink if spec.source == "archive" else spec.sink,
             "kv_source": spec.source,
         }
         rows.append(rounded({**row, **by_spec[spec]}))
@@ -176,7 +177,7 @@ def run_bench(
         "sink": str(engine.sink),
         "max_new_tokens": max_new_tokens,
         "decoding": "greedy",
-        "answer_kl_tokens": answer_kl_tokens,
+        "answer_kl_tokens": min(answer_kl_tokens, max_new_tokens),  # the positions it is taken over
         "modes": list(modes),
         "ratios": list(ratios),
         "codecs": list(codecs),
@@ -211,7 +212,7 @@ def run_bench(
         date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         records=len(records),
         results=[rounded(d) for d in summarize(runs, full_answers, mains)] if main else [],
-        variants=_variant_rows(vrows, runs, full_answers) if variants else None,
+        variants=_variant_rows(vrows, runs, full_answers, str(engine.sink)) if variants else None,
         settings=settings,
         runs=runs,
         full_answers=full_answers,

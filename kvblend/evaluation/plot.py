@@ -40,17 +40,20 @@ def check_plot_available(path: Path | None = None) -> None:
             )
 
 
-def _draw_mode(ax, rows: list[dict], mode: str, key: str) -> None:
+_CODEC_LINES = ("-", "--", ":", "-.")  # one line style per archive codec, where several ran
+
+
+def _draw_mode(ax, rows: list[dict], mode: str, key: str, codec: str | None = None, line: str = "-") -> None:
     color, marker, filled, size = _STYLE[mode]
     xs = [r["ttft_median_s"] for r in rows]
     ys = [r[key] for r in rows]
-    label = mode if mode != "blend" else "blend (recompute ratio r)"
+    label = (mode if mode != "blend" else "blend (recompute ratio r)") + (f" [{codec}]" if codec else "")
     ax.plot(
         xs,
         ys,
         marker=marker,
         color=color,
-        linestyle="-" if len(rows) > 1 else "none",
+        linestyle=line if len(rows) > 1 else "none",
         markersize=size,
         markerfacecolor=color if filled else "none",
         markeredgewidth=1.5,
@@ -71,10 +74,21 @@ def _draw_mode(ax, rows: list[dict], mode: str, key: str) -> None:
 
 
 def _draw_panel(ax, results: list[dict], key: str, ylabel: str, title: str, x_max: float) -> None:
+    # Runs that read archived KV, of several codecs: one line per (mode, codec), named (all were one zigzag line)
+    codecs = list(dict.fromkeys(r.get("codec") for r in results if r.get("bytes_per_token") is not None))
+    several = len(codecs) > 1
     for mode in ("full", "prefix", "reuse", "blend"):
-        rows = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["ttft_median_s"])
-        if rows:
-            _draw_mode(ax, rows, mode, key)
+        of_mode = [r for r in results if r["mode"] == mode]
+        groups = (
+            [(c, [r for r in of_mode if r.get("codec") == c]) for c in codecs]
+            if several and any(r.get("bytes_per_token") is not None for r in of_mode)
+            else [(None, of_mode)]
+        )
+        for codec, group in groups:
+            rows = sorted(group, key=lambda r: r["ttft_median_s"])
+            if rows:
+                line = _CODEC_LINES[codecs.index(codec) % len(_CODEC_LINES)] if codec else "-"
+                _draw_mode(ax, rows, mode, key, codec, line)
     ax.set_xlabel("TTFT, median over records (s)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9, color="dimgray")

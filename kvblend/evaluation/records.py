@@ -121,9 +121,15 @@ def parse_codecs(text: str | Sequence[str]) -> tuple[str, ...]:
     if not items:
         raise UsageError("--codecs needs at least one codec")
     try:
-        return tuple(dict.fromkeys(check_codec(c) for c in items))
+        codecs = tuple(dict.fromkeys(check_codec(c) for c in items))
     except UsageError as e:
         raise UsageError(f"--codecs: {e}") from None
+    if "zstd" in codecs:  # lossless codecs share their keys: the passages stored for the full run were read back
+        raise UsageError(  # as zstd-shuffle and reported as zstd
+            "--codecs compares lossless (zstd-shuffle), int8 and int4; plain zstd stores the same KV under the "
+            "same keys as lossless, so a benchmark cannot tell them apart (`kvblend ingest --codec zstd` sizes it)"
+        )
+    return codecs
 
 
 def parse_ratios(text: str | Sequence[float], flag: str = "--ratios") -> tuple[float, ...]:

@@ -67,7 +67,7 @@ class RunSpec:
         if self.source not in SOURCES:
             raise UsageError("source must be archive or memory")
         if self.sink != "alone" and self.source != "memory":
-            raise UsageError("the archive stores chunks prefilled alone; other sink policies run in memory")
+            raise UsageError("a sink policy other than the archive's (bench's --sink) runs in memory")
 
     @property
     def label(self) -> str:

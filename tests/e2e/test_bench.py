@@ -23,6 +23,7 @@ def test_bench_end_to_end_on_two_calibration_records(tmp_path):
                    check=True)
     report = json.loads(proc.stdout)
     assert report["settings"]["max_new_tokens"] == 8
+    assert report["settings"]["answer_kl_tokens"] == 8  # the positions it is taken over (it said 16)
     assert {"model", "machine", "command", "date", "records", "results"} <= set(report)
     assert report["records"] == 2
     assert report["model"] and report["machine"] and report["command"].startswith("kvblend bench")

@@ -120,7 +120,8 @@ def test_calibration_set_is_package_data():
 
 
 @pytest.mark.parametrize("case", ["missing", "schema", "limit0", "ratio", "pareto_ratio", "mode", "passage",
-                                  "template", "system", "sink", "offset_limit0", "plot_suffix", "ratios_unused"])
+                                  "template", "system", "sink", "offset_limit0", "plot_suffix", "ratios_unused",
+                                  "codec_zstd"])
 def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     args = {
         "missing": [tmp_path / "nope.json"],
@@ -136,6 +137,7 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
         "offset_limit0": [CALIBRATION, "--offset", "1", "--limit", "0"],  # said "no records past --offset 1"
         "plot_suffix": [CALIBRATION, "--plot", tmp_path / "chart.txt"],  # a traceback after the whole run
         "ratios_unused": [CALIBRATION, "--modes", "full,reuse", "--ratios", "abc"],  # was not read, exit 0
+        "codec_zstd": [CALIBRATION, "--codecs", "lossless,zstd"],  # measured zstd-shuffle's blobs, called zstd
     }[case]
     (tmp_path / "wrong.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "contexts": []}]))
     (tmp_path / "passage.json").write_text(json.dumps([{"question": "q?", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
@@ -144,7 +146,7 @@ def test_bad_input_is_one_line_and_nonzero(case, tmp_path):
     assert {"missing": "no such", "schema": "ctxs", "limit0": "--limit", "ratio": "1.5", "pareto_ratio": "--pareto-ratios", "mode": "turbo",
             "passage": "ctxs[0]", "template": "chatml", "system": "--system", "sink": "--sink",
             "offset_limit0": "--limit must be at least 1, not 0", "plot_suffix": "matplotlib writes no .txt",
-            "ratios_unused": "--ratios takes comma-separated numbers"}[case] in line
+            "ratios_unused": "--ratios takes comma-separated numbers", "codec_zstd": "plain zstd"}[case] in line
 
 
 def test_bench_tables_show_their_cells_as_text_and_records_by_their_number_in_the_dataset():
@@ -252,3 +254,52 @@ def test_the_demo_says_slower_where_a_mode_lost_to_full():
     assert _relative_speed(1.0) == "1.0x faster"
     assert _relative_speed(0.1) == "10.0x slower"
     assert _relative_speed(0.25) == "4.0x slower"
+
+
+def test_the_drift_table_names_each_runs_codec_when_several_ran():
+    """Two `reuse` rows with different numbers and nothing to tell the lossless run from the int4 one."""
+    from rich.console import Console
+
+    from kvblend.cli import bench_cmds
+
+    def row(codec, kl):
+        return {"mode": "reuse", "ratio": None, "codec": codec, "bytes_per_token": 1.0, "kl_by_position": [kl],
+                "diverged_share": 0.0, "first_divergence_median": None}
+
+    console = Console(width=200, record=True)
+    bench_cmds._print_drift(console, [row("zstd-shuffle", 0.19), row("int4", 0.24)])
+    text = console.export_text()
+    assert "reuse [zstd-shuffle]" in text and "reuse [int4]" in text
+
+
+def test_the_plot_draws_one_line_per_mode_and_codec_when_several_codecs_ran():
+    """bench --codecs lossless,int4 drew both codecs' blend points as one 'recompute ratio' line, unlabelled."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvblend.evaluation.plot import _draw_panel
+
+    def row(mode, codec, ratio, kl, ttft):
+        return {"mode": mode, "ratio": ratio, "codec": codec, "bytes_per_token": None if mode == "full" else 1.0,
+                "f1": 0.3, "answer_kl_vs_full": kl, "ttft_median_s": ttft}
+
+    rows = [row("full", "zstd-shuffle", None, 0.0, 2.0)] + [
+        row("blend", c, r, kl, t) for c in ("zstd-shuffle", "int4") for r, kl, t in ((0.12, 0.03, 0.5), (0.3, 0.01, 0.9))
+    ]
+    ax = Figure().subplots()
+    _draw_panel(ax, rows, "answer_kl_vs_full", "KL", "t", 2.0)
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["full", "blend (recompute ratio r) [zstd-shuffle]", "blend (recompute ratio r) [int4]"]
+    assert [len(line.get_xdata()) for line in ax.get_lines()] == [1, 2, 2]
+
+
+def test_variant_rows_name_the_sink_the_archived_passages_were_prefilled_after():
+    """--variants said `"sink": "alone"` for every run that read the archive's passages, archived after the
+    prefix sink (bench's default --sink): a row's sink is the archive's where its KV came from the archive."""
+    from kvblend.evaluation.bench import _variant_rows
+
+    archived, in_memory = RunSpec("reuse"), RunSpec("reuse", sink="template", source="memory")
+    runs = [_run(0, spec, "a", ["a"], 0.1, 1.0, 0.0, 0.0) for spec in (FULL, archived, in_memory)]
+    rows = _variant_rows([("sink", "archive", archived), ("sink", "memory", in_memory)], runs, {0: "a"}, "prefix")
+    assert [(r["name"], r["sink"], r["kv_source"]) for r in rows] == [
+        ("archive", "prefix", "archive"), ("memory", "template", "memory")]
