@@ -650,9 +650,11 @@ def _read_json(text: str, name: str, docs, skipped) -> bool:
     return False
 
 
-def read_user_text(path: Path, what: str) -> str:
+def read_user_text(path: Path, what: str, convert: bool = False) -> str:
     """A file the user named on the command line, as text (:func:`kvblend.conversion.decode_text`); any failure
-    is one UsageError line naming it.
+    is one UsageError line naming it. With `convert`, a document ingest would convert (a PDF, a web page, a DOCX,
+    ...) is converted as ingest converts it: a query's --context-file read a web page's tags and a PDF's
+    operators into the KV, and refused a compressed PDF as "binary".
 
     Only regular files are read: a FIFO (or a device, a socket) would block
     forever or never end. The file is opened non-blocking and checked on the
@@ -676,6 +678,18 @@ def read_user_text(path: Path, what: str) -> str:
         raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})") from None
     finally:
         os.close(fd)
+    if convert:
+        try:
+            fmt = conversion.classify(path.suffix.lower(), data)
+        except conversion.ConversionError as exc:
+            raise UsageError(f"cannot read {what} {path} ({exc})") from None
+        if fmt in conversion.CONVERTED_FORMATS:
+            try:
+                return conversion.convert(fmt, data).text
+            except conversion.ConversionError as exc:
+                raise UsageError(f"cannot read {what} {path} ({exc})") from None
+            except Exception as exc:  # a converter's own failure: one line, as ingest's skip line says it
+                raise UsageError(f"cannot read {what} {path} as {fmt.upper()} ({type(exc).__name__})") from None
     try:
         text, _ = conversion.decode_text(data)  # what ingest reads as text, this reads too
     except conversion.ConversionError as exc:

@@ -46,6 +46,7 @@ from kvblend.cli.common import (
     printable,
     progress_enabled,
 )
+from kvblend.conversion import has_visible_text
 from kvblend.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_CHUNK_TOKENS,
@@ -306,8 +307,8 @@ def _ignored_options(ctx: typer.Context, opts) -> list[str]:
 def _read_context_files(files: list[Path]) -> list[str]:
     texts = []
     for f in files:
-        text = read_user_text(f, "context file")
-        if not text.strip():
+        text = read_user_text(f, "context file", convert=True)
+        if not has_visible_text(text):  # zero-width characters or colour codes alone: ingest's `empty` too
             raise UsageError(f"context file is empty: {f}")
         texts.append(text)
     return texts
@@ -374,7 +375,7 @@ def query(
     as_json: bool = JsonOpt,
 ) -> None:
     """Answer a question from archived segments: stream their KV, recompute HKVD tokens, generate."""
-    if not question.strip():
+    if not has_visible_text(question):  # what ingest calls empty: nothing that shows
         raise UsageError("empty question")
     opts = QueryOptions(
         mode=mode,

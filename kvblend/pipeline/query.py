@@ -26,6 +26,7 @@ from kvblend.archive.codec import is_lossless
 from kvblend.errors import ArchiveBusyError, ArchiveError, ArchiveUnavailableError, NotFoundError, UsageError
 from kvblend.feeds.archive import ArchiveFeed, RecoveringFeed, SegmentUnavailable
 from kvblend.fusion import BlendConfig, FusionResult, effective_cached, feed_schedule, fuse_steps, plan_prompt
+from kvblend.fusion.plan import effective_blend
 from kvblend.generation import Generation, generate
 from kvblend.model.prefill import precompute_kv, storage_dtype
 from kvblend.model.runner import ModelRunner
@@ -145,8 +146,15 @@ def prepare_steps(
         res, prompt, record_by_key, opts, blend_cfg, warn, rows_per_step, recovered
     )
     # whether the mode reused the passage's KV: `full` reuses none, `prefix` only an exact first segment,
-    # blend at ratio 1.0 none (it recomputes every cached token: exactly `full`)
-    used_mode = "full" if opts.mode == "blend" and not blend_cfg.selects else opts.mode
+    # blend at ratio 1.0 none (it recomputes every cached token: exactly `full`), nor blend where its probe
+    # would have cost more than the whole prompt (fusion.plan.effective_blend)
+    ran = effective_blend(plan_prompt(prompt, opts.mode), opts.mode, blend_cfg) if opts.mode == "blend" else None
+    used_mode = "full" if ran is not None and not ran.selects else opts.mode
+    if ran is not None and blend_cfg.selects and not ran.selects:
+        warn(
+            "blend computed the whole prompt, as full does: its cached passages are too few tokens beside the rest "
+            "for the probe's pass to pay"
+        )
     cached_flags = {s.key: used for s, used in zip(prompt, effective_cached(prompt, used_mode))}
     for info in infos:
         info.cached = cached_flags.get(info.key, info.cached)
@@ -285,9 +293,10 @@ def select_records(
         return records, infos
     keys, matrix = _documents_only(res, *archive.get_embeddings())
     if not keys:  # no embeddings at all (a cache may have evicted them), or only stored passages'
+        alone = " (or --top-k 0 to answer from the given passages alone)" if opts.context_texts else ""
         raise UsageError(
             f"the archive at {res.location} is empty (no ingested documents to retrieve from): "
-            "run `kvblend ingest PATH` first"
+            f"run `kvblend ingest PATH` first{alone}"
         )
     query_vec = get_embedder().embed([question])[0]
     for key, score in top_k(query_vec, keys, matrix, opts.top_k):
@@ -351,9 +360,8 @@ def context_segment_steps(
             rec, kv = yield from prefill_text_steps(res, text, rows_per_step)  # what ingest would store
             res.writes.stage(rec, kv, functools.partial(_store_miss, res, rec, kv, warn))
             stored = True
-        elif rec is None and store:
-            rec = (yield from store_texts_steps(res, [text], rows_per_step=rows_per_step))[0]
-            stored = rec is not None
+        elif rec is None and store and warn is not None:  # an archive this user may not write: nothing stored
+            warn("the archive is not writable: --store skipped, the passage computed in the prompt")
     except ArchiveBusyError:
         rec = None
     except ArchiveUnavailableError as exc:

@@ -61,6 +61,13 @@ def test_query_on_an_archive_the_user_cannot_write(built, default_runner):
             assert proc.returncode == 0, proc.stderr
             result = json.loads(proc.stdout)
             assert result["segments"] and all(s["cached"] for s in result["segments"])
+            # a new passage to --store: answered from the prompt, nothing stored (it failed the whole query)
+            (base / "ctx.txt").write_text("A brand new passage about the Wren tram, which leaves at 11:05.")
+            (base / "ctx.txt").chmod(0o644)
+            proc = _query(arc, "--context-file", base / "ctx.txt", "--store",
+                          runner=lambda *a: run_as(user, *a, timeout=600, home=home))
+            assert proc.returncode == 0 and "--store skipped" in proc.stderr, proc.stderr
+            assert not any(s.get("stored") for s in json.loads(proc.stdout)["segments"])
             assert snapshot(arc) == before  # no usage counts, no prefix stored: nothing written
 
 

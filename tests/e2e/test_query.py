@@ -53,6 +53,17 @@ def test_full_answers_exactly_as_model_generate(engine, default_runner):
     assert result.recompute_share == 1.0
 
 
+def test_blend_that_computes_the_whole_prompt_reports_no_passage_cached(engine):
+    """A question longer than the passage and the instruction prefix together: the probe would cost more than the
+    whole prompt, so blend computes it as full does. It still reported the passage `cached` (JSON, -v's stars)."""
+    question = "When does the depot close? " * 120
+    result = engine.query(question, pinned(engine, 1, sampling=SamplingConfig(max_new_tokens=1)))
+    assert result.recompute_share == 1.0 and result.segments and not any(s.cached for s in result.segments)
+    assert any("computed the whole prompt" in w for w in result.warnings), result.warnings
+    short = engine.query(QUESTION, pinned(engine, 1, sampling=SamplingConfig(max_new_tokens=1)))
+    assert short.recompute_share < 1.0 and any(s.cached for s in short.segments)  # the probe pays here
+
+
 def test_blend_at_ratio_one_answers_as_full(engine):
     opts = pinned(engine, 2)
     full = engine.query(QUESTION, replace(opts, mode="full"))

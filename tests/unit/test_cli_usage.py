@@ -102,6 +102,8 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
     arc = build_archive(tmp_path / "arc", n=2)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("text")
+    invisible = tmp_path / "invisible.txt"
+    invisible.write_text("\u200b\x1b[31m\x1b[0m\n")  # zero-width and colour codes alone
     cases = [
         (("ingest", tmp_path / "missing", "--archive", arc), "no such file"),
         (("ingest", tmp_path / "docs", "--archive", arc, "--batch-tokens", "0"), "--batch-tokens"),
@@ -109,6 +111,8 @@ def test_usage_errors_come_before_torch_imports(tmp_path):
         (("query", "q?", "--archive", arc, "--temperature", "-1"), "--temperature"),
         (("query", "q?", "--archive", tmp_path / "nowhere"), "no archive"),
         (("query", "  ", "--archive", arc), "empty question"),  # was told only after the model loaded
+        (("query", "\u200b\u200b", "--archive", arc), "empty question"),  # nothing that shows: ingest's `empty`
+        (("query", "q?", "--archive", arc, "--context-file", invisible), "context file is empty"),
         (("query", "q?", "--archive", arc, "--max-tokens", "0"), "--max-tokens must be at least 1"),
         (("query", "q?", "--archive", ""), "--archive is empty"),  # fell back to the default archive
         (("query", "q?", "--archive", arc, "--doc", "nope.md"), "no such document"),

@@ -374,3 +374,18 @@ def test_a_linked_folder_is_named_as_left_out_and_a_file_gone_since_the_walk_say
     victim.unlink()
     reading = read_file(files[0])
     assert reading.docs == [] and [s.reason for s in reading.skipped] == ["no such file (deleted during the ingest?)"]
+
+
+def test_a_context_file_of_a_format_ingest_converts_is_converted_not_read_raw():
+    """query --context-file read a web page's tags, scripts and styles (or a PDF's operators) into the KV, and
+    refused a compressed PDF as "binary"; ingest converts them. A scanned PDF says why it has no text."""
+    from kvblend.documents import read_user_text
+
+    docs = Path(__file__).resolve().parents[2] / "fixtures" / "documents"
+    page = read_user_text(docs / "article.html", "context file", convert=True)
+    assert page.strip() and "<" not in page and "function" not in page
+    assert "Orca" in read_user_text(docs / "manual.pdf", "context file", convert=True)
+    with pytest.raises(UsageError, match="no text layer"):
+        read_user_text(docs / "scanned.pdf", "context file", convert=True)
+    assert read_user_text(docs / "quickstart.md", "context file", convert=True) == \
+        read_user_text(docs / "quickstart.md", "context file")  # text stays as it is
